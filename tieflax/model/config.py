@@ -1,0 +1,169 @@
+"""The model's configuration: one frozen dataclass that covers GPT-2, Llama/Mistral, Gemma, Gemma 2 and Qwen2.
+
+Every field is an explicit switch. ``family`` is a label that validation checks and reports use; it never
+changes behaviour behind the user's back, so a config file states every knob its family needs. The
+tie switch is ``tie_embeddings`` and nothing else reads it except the LM head and parameter accounting.
+
+Configs are written as ``ml_collections.ConfigDict`` (see ``configs/models/``); ``ModelConfig.from_dict``
+turns ``config.model`` into this hashable dataclass, validating every field with an error that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+FAMILIES = ("gpt2", "llama", "mistral", "gemma", "gemma2", "qwen2")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu", "geglu")
+POSITIONS = ("learned", "rope")
+DTYPES = ("float32", "bfloat16", "float16")
+HEAD_INITS = ("normal", "copy_embed")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and switches of a decoder-only transformer LM.
+
+    Zero means "off" or "derive" for the optional numeric fields (documented per field), which keeps every
+    field a plain number that command-line overrides (``--config.model.X=...``) can set.
+    """
+
+    family: str = "llama"
+    vocab_size: int = 32000               # published V (tokens that exist)
+    vocab_pad_multiple: int = 128         # V_pad rounds V up to this (x vocab shards in training)
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 0                   # 0 -> n_heads (multi-head); < n_heads -> GQA/MQA
+    head_dim: int = 0                     # 0 -> d_model // n_heads (Gemma sets it explicitly)
+    d_ff: int = 2048
+    max_seq_len: int = 2048               # learned positions table size; RoPE ignores it
+
+    # Body.
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_unit_offset: bool = False        # Gemma: scale by (1 + w), w initialised at 0
+    sandwich_norms: bool = False          # Gemma 2: extra norms after attention and after the MLP
+    mlp: str = "swiglu"
+    mlp_bias: bool = False
+    qkv_bias: bool = False                # Qwen2, GPT-2
+    attn_out_bias: bool = False           # GPT-2
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float = 0.0      # 0 -> none; > 0 -> llama3-style frequency scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    attn_softcap: float = 0.0             # Gemma 2 attention-logit soft-cap; 0 -> off
+    query_pre_attn_scalar: float = 0.0    # Gemma 2 query scale 1/sqrt(this); 0 -> head_dim
+    sliding_window: int = 0               # 0 -> full causal attention
+    sliding_window_every: int = 1         # local attention on layers i % every == 0 (Gemma 2: 2)
+    init_std: float = 0.02                # body kernels
+
+    # The tie switch, and the study switches that apply identically whether tied or not.
+    tie_embeddings: bool = False
+    scale_input_embedding: bool = False   # x sqrt(d_model) after the lookup (Gemma)
+    logit_scale: float = 1.0              # multiplies the logits
+    logit_scale_rsqrt_d: bool = False     # also x 1/sqrt(d_model) (T5 / lm1b tied heads)
+    final_logit_softcap: float = 0.0      # Gemma 2 cap * tanh(logits / cap); 0 -> off
+    head_bias: bool = False               # a [V_pad] logit bias, its own parameter either way
+    embed_init_std: float = 0.02
+    head_init_std: float = 0.0            # untied head's std; 0 -> embed_init_std
+    head_init: str = "normal"             # untied head: 'normal' or 'copy_embed' (starts equal)
+    head_rng_stream: str = "params"       # PRNG stream the untied head draws from
+    logits_fp32: bool = True              # compute logits (and the loss) in float32
+
+    # Numerics and memory.
+    dtype: str = "float32"                # activations / compute
+    param_dtype: str = "float32"
+    remat: bool = False                   # rematerialise each block in the backward pass
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """Builds and validates from ``config.model`` (a ConfigDict or dict); unknown keys are errors."""
+        values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"config.model has unknown field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**values)
+
+    def __post_init__(self):
+        _validate(self)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # Derived quantities ---------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """V_pad: V rounded up to ``vocab_pad_multiple``. Rows >= V are never used or counted."""
+        m = self.vocab_pad_multiple
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    @property
+    def effective_logit_scale(self) -> float:
+        return self.logit_scale * (self.d_model ** -0.5 if self.logit_scale_rsqrt_d else 1.0)
+
+    @property
+    def effective_head_init_std(self) -> float:
+        return self.head_init_std or self.embed_init_std
+
+    def is_local_attention_layer(self, layer: int) -> bool:
+        return self.sliding_window > 0 and layer % self.sliding_window_every == 0
+
+
+def _check(ok: bool, field: str, message: str):
+    if not ok:
+        raise ConfigError(f"config.model.{field}: {message}")
+
+
+def _validate(c: ModelConfig):
+    _check(c.family in FAMILIES, "family", f"unknown family {c.family!r}; choose one of {FAMILIES}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len",
+                 "vocab_pad_multiple", "rope_original_max_len", "sliding_window_every"):
+        _check(getattr(c, name) > 0, name, f"must be a positive integer, got {getattr(c, name)}")
+    for name in ("n_kv_heads", "head_dim", "sliding_window"):
+        _check(getattr(c, name) >= 0, name, f"must be >= 0 (0 means derive/off), got {getattr(c, name)}")
+    if not c.head_dim:
+        _check(c.d_model % c.n_heads == 0, "n_heads",
+               f"n_heads={c.n_heads} does not divide d_model={c.d_model}; change one, or set head_dim")
+    _check(c.n_heads % c.kv_heads == 0, "n_kv_heads",
+           f"n_kv_heads={c.kv_heads} must divide n_heads={c.n_heads}")
+    _check(c.norm in NORMS, "norm", f"unknown norm {c.norm!r}; choose one of {NORMS}")
+    _check(c.mlp in MLPS, "mlp", f"unknown mlp {c.mlp!r}; choose one of {MLPS}")
+    _check(c.position in POSITIONS, "position", f"unknown position {c.position!r}; choose {POSITIONS}")
+    _check(c.position == "rope" or not c.rope_scaling_factor, "rope_scaling_factor",
+           "rope scaling needs position='rope'")
+    _check(c.dim_per_head % 2 == 0 or c.position != "rope", "head_dim",
+           f"RoPE needs an even head dimension, got {c.dim_per_head}")
+    _check(c.norm_eps > 0, "norm_eps", f"must be > 0, got {c.norm_eps}")
+    for name in ("attn_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_scaling_factor",
+                 "head_init_std"):
+        _check(getattr(c, name) >= 0, name, f"must be >= 0 (0 means off), got {getattr(c, name)}")
+    _check(c.logit_scale > 0, "logit_scale", f"must be > 0, got {c.logit_scale}")
+    _check(c.embed_init_std > 0, "embed_init_std", f"must be > 0, got {c.embed_init_std}")
+    _check(c.head_init in HEAD_INITS, "head_init", f"unknown {c.head_init!r}; choose {HEAD_INITS}")
+    _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose {DTYPES}")
+    _check(c.param_dtype in DTYPES, "param_dtype", f"unknown dtype {c.param_dtype!r}; choose {DTYPES}")
+    if c.tie_embeddings:
+        # These only describe an untied head's own matrix; silently ignoring them would hide a typo'd run.
+        _check(not c.head_init_std, "head_init_std",
+               "has no effect with tie_embeddings=True (the head is the embedding); set it to 0")
+        _check(c.head_init == "normal", "head_init",
+               "has no effect with tie_embeddings=True (the head is the embedding); use 'normal'")

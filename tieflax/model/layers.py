@@ -1,0 +1,193 @@
+"""Transformer body layers: norms, rotary positions, grouped-query attention and the MLPs.
+
+Kernels carry logical axis names (``nn.with_logical_partitioning``) and activations logical constraints,
+so one rules table (``tieflax.sharding.LOGICAL_AXIS_RULES``) decides the device layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tieflax.model.config import ModelConfig
+
+Array = jax.Array
+
+# Activation layouts (logical names). Activations use their own names so that, e.g., the hidden size of
+# an activation is not sharded over 'fsdp' while its batch already is.
+BTD = ("batch", "activation_length", "activation_embed")
+BTHD = ("batch", "activation_length", "activation_heads", "head_dim")
+BTF = ("batch", "activation_length", "activation_mlp")
+
+
+def dtype_of(name: str):
+    return jnp.dtype(name)
+
+
+def dense_init(std: float, names: tuple[str | None, ...]):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+class Norm(nn.Module):
+    """LayerNorm (GPT-2) or RMSNorm (Llama), the latter optionally scaled by (1 + w) (Gemma).
+
+    Statistics are computed in float32 whatever the compute dtype; ``x``: [..., d] -> [..., d].
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c = self.config
+        d = x.shape[-1]
+        pdt = dtype_of(c.param_dtype)
+        x32 = x.astype(jnp.float32)
+        if c.norm == "layernorm":
+            mean = jnp.mean(x32, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+            y = (x32 - mean) * jax.lax.rsqrt(var + c.norm_eps)
+            scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), pdt)
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), pdt)
+            y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        else:
+            y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + c.norm_eps)
+            init = nn.initializers.zeros if c.norm_unit_offset else nn.initializers.ones
+            scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (d,), pdt)
+            scale = scale.astype(jnp.float32)
+            y = y * (1.0 + scale if c.norm_unit_offset else scale)
+        return y.astype(x.dtype)
+
+
+def rope_frequencies(c: ModelConfig) -> Array:
+    """Inverse frequencies [head_dim // 2] fp32, with llama3-style scaling when configured."""
+    dim = c.dim_per_head
+    inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if not c.rope_scaling_factor:
+        return inv_freq
+    # Llama 3.1/3.2: long wavelengths are divided by `factor`, short ones kept, the band between
+    # interpolated smoothly (as in the reference implementation and Hugging Face transformers).
+    factor, low, high = c.rope_scaling_factor, c.rope_low_freq_factor, c.rope_high_freq_factor
+    old_len = c.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotary embedding in the rotate-half layout. x: [B, T, H, Dh]; positions: [B, T] int."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attention_mask(segment_ids: Array, window: int) -> Array:
+    """[B, 1, T, T] bool: causal by index, within one segment, and within `window` tokens if > 0."""
+    t = segment_ids.shape[-1]
+    q = jnp.arange(t)[:, None]
+    k = jnp.arange(t)[None, :]
+    mask = k <= q
+    if window:
+        mask = mask & (q - k < window)
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (mask[None] & same_segment)[:, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention. x: [B, T, d] -> [B, T, d].
+
+    ``n_kv_heads < n_heads`` shares each key/value head across ``n_heads / n_kv_heads`` query heads.
+    """
+
+    config: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
+        c = self.config
+        dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
+        h, kvh, dh = c.n_heads, c.kv_heads, c.dim_per_head
+
+        def proj(name, heads, axis_name):
+            return nn.DenseGeneral(
+                (heads, dh), use_bias=c.qkv_bias, dtype=dt, param_dtype=pdt, name=name,
+                kernel_init=dense_init(c.init_std, ("embed", axis_name, "head_dim")),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axis_name, "head_dim")))(x)
+
+        q, k, v = proj("query", h, "heads"), proj("key", kvh, "kv_heads"), proj("value", kvh, "kv_heads")
+        q = nn.with_logical_constraint(q, BTHD)
+        if c.position == "rope":
+            inv_freq = rope_frequencies(c)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+        scale = (c.query_pre_attn_scalar or dh) ** -0.5
+        b, t = x.shape[:2]
+        q = q.reshape(b, t, kvh, h // kvh, dh)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q * jnp.asarray(scale, q.dtype), k,
+                            preferred_element_type=jnp.float32)
+        if c.attn_softcap:
+            scores = c.attn_softcap * jnp.tanh(scores / c.attn_softcap)
+        window = c.sliding_window if c.is_local_attention_layer(self.layer) else 0
+        mask = attention_mask(segment_ids, window)[:, :, None]  # [B, 1, 1, T, S]
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, dh)
+        out = nn.with_logical_constraint(out, BTHD)
+        return nn.DenseGeneral(
+            c.d_model, axis=(-2, -1), use_bias=c.attn_out_bias, dtype=dt, param_dtype=pdt, name="out",
+            kernel_init=dense_init(c.init_std, ("heads", "head_dim", "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(out)
+
+
+class Mlp(nn.Module):
+    """GELU MLP (GPT-2) or gated SwiGLU (Llama) / GeGLU (Gemma). x: [B, T, d] -> [B, T, d]."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c = self.config
+        dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
+
+        def dense(name, features, names):
+            return nn.Dense(features, use_bias=c.mlp_bias, dtype=dt, param_dtype=pdt, name=name,
+                            kernel_init=dense_init(c.init_std, names),
+                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]))
+
+        up = dense("up", c.d_ff, ("embed", "mlp"))(x)
+        if c.mlp == "gelu":
+            hidden = jax.nn.gelu(up, approximate=True)
+        else:
+            gate = dense("gate", c.d_ff, ("embed", "mlp"))(x)
+            act = jax.nn.silu if c.mlp == "swiglu" else (lambda g: jax.nn.gelu(g, approximate=True))
+            hidden = act(gate) * up
+        hidden = nn.with_logical_constraint(hidden, BTF)
+        return dense("down", c.d_model, ("mlp", "embed"))(hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block; Gemma 2 adds a norm after attention and after the MLP."""
+
+    config: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
+        c = self.config
+        y = Attention(c, self.layer, name="attn")(Norm(c, name="attn_norm")(x), positions, segment_ids)
+        if c.sandwich_norms:
+            y = Norm(c, name="attn_post_norm")(y)
+        x = nn.with_logical_constraint(x + y, BTD)
+        y = Mlp(c, name="mlp")(Norm(c, name="mlp_norm")(x))
+        if c.sandwich_norms:
+            y = Norm(c, name="mlp_post_norm")(y)
+        return nn.with_logical_constraint(x + y, BTD)

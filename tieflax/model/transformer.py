@@ -1,0 +1,125 @@
+"""TransformerLM: a decoder-only LM whose head shares or splits the input embedding.
+
+Three ways to run it (``model.apply(variables, tokens, method=...)``):
+
+* ``__call__`` -> logits [B, T, V_pad]: dense, for evaluation and generation at small vocabularies.
+* ``features`` -> (hidden [B, T, d], head weight [V_pad, d], head bias [V_pad] or None): everything the
+  fused loss needs, with no logits.
+* ``loss`` -> (loss per token [B, T] fp32, aux): the fused, blockwise cross-entropy from ``features``;
+  tied and untied models share this one code path.
+
+Padded vocabulary rows (>= ``vocab_size``) exist in the parameters but never receive probability mass
+(dense logits mask them to -inf; the fused loss skips them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from tieflax.model.config import ModelConfig
+from tieflax.model.embedding import EMBED_AXES, Embed, LMHead
+from tieflax.model.layers import BTD, Block, Norm, dtype_of
+
+Array = jax.Array
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only transformer LM.
+
+    Attributes:
+      config: shapes and switches (``ModelConfig``).
+      mesh: when given, the input lookup and the fused loss run vocab-parallel over its 'tensor' axis.
+    """
+
+    config: ModelConfig
+    mesh: Optional[Mesh] = None
+
+    def setup(self):
+        c = self.config
+        self.embed = Embed(c, mesh=self.mesh)
+        if c.position == "learned":
+            self.position_embedding = self.param(
+                "position_embedding",
+                nn.with_logical_partitioning(nn.initializers.normal(c.embed_init_std), ("length", "embed")),
+                (c.max_seq_len, c.d_model), dtype_of(c.param_dtype))
+        block = nn.remat(Block) if c.remat else Block
+        self.blocks = [block(c, layer=i, name=f"block_{i}") for i in range(c.n_layers)]
+        self.final_norm = Norm(c)
+        self.lm_head = LMHead(c, embed=self.embed)
+        if c.head_bias:
+            self.head_bias = self.param(
+                "head_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                (c.padded_vocab,), dtype_of(c.param_dtype))
+
+    # --------------------------------------------------------------------------------------------------
+    def hidden_states(self, tokens: Array, positions: Optional[Array] = None,
+                      segment_ids: Optional[Array] = None) -> Array:
+        """tokens: [B, T] int32 -> final-normed hidden states [B, T, d] in the compute dtype.
+
+        positions [B, T] (default 0..T-1) feed RoPE / learned positions; segment_ids [B, T] (default all
+        equal) keep attention inside one packed document.
+        """
+        c = self.config
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        if segment_ids is None:
+            segment_ids = jnp.zeros(tokens.shape, jnp.int32)
+        x = self.embed(tokens)
+        if c.position == "learned":
+            x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
+        x = nn.with_logical_constraint(x, BTD)
+        for block in self.blocks:
+            x = block(x, positions, segment_ids)
+        return self.final_norm(x)
+
+    def head_bias_or_none(self) -> Optional[Array]:
+        return self.head_bias if self.config.head_bias else None
+
+    def features(self, tokens: Array, positions: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None) -> tuple[Array, Array, Optional[Array]]:
+        """-> (hidden [B, T, d], head weight [V_pad, d] param dtype, head bias [V_pad] or None)."""
+        hidden = self.hidden_states(tokens, positions, segment_ids)
+        return hidden, self.lm_head.weight(), self.head_bias_or_none()
+
+    def __call__(self, tokens: Array, positions: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None) -> Array:
+        """tokens [B, T] -> logits [B, T, V_pad]; padded rows are -inf."""
+        c = self.config
+        logits = self.lm_head(self.hidden_states(tokens, positions, segment_ids), self.head_bias_or_none())
+        valid = jnp.arange(c.padded_vocab) < c.vocab_size
+        return jnp.where(valid, logits, -jnp.inf)
+
+    def loss(self, tokens: Array, targets: Array, positions: Optional[Array] = None,
+             segment_ids: Optional[Array] = None, **loss_options: Any) -> tuple[Array, dict]:
+        """Fused cross-entropy without logits. targets [B, T] int (negative = ignored).
+
+        ``loss_options`` pass through to ``tieflax.ops.cross_entropy`` (z_loss, label_smoothing, weights,
+        block sizes...). Returns (loss per token [B, T] fp32, aux dict).
+        """
+        from tieflax.ops.cross_entropy import cross_entropy
+
+        hidden, weight, bias = self.features(tokens, positions, segment_ids)
+        return cross_entropy(hidden, weight, targets, bias=bias, mesh=self.mesh,
+                             **head_loss_kwargs(self.config), **loss_options)
+
+
+def head_loss_kwargs(c: ModelConfig) -> dict:
+    """The model's head switches, as the fused loss's keyword arguments."""
+    kwargs = dict(valid_vocab=c.vocab_size, logit_scale=c.effective_logit_scale,
+                  softcap=c.final_logit_softcap or None)
+    return kwargs
+
+
+def embedding_matrices(params: dict) -> dict[str, Array]:
+    """{'input': W_in, 'output': W_out}; for a tied model both are the same array."""
+    w_in = params["embed"]["embedding"]
+    w_out = params["lm_head"]["embedding"] if "lm_head" in params else w_in
+    return {"input": w_in, "output": w_out}
+
+
+__all__ = ["TransformerLM", "head_loss_kwargs", "embedding_matrices", "EMBED_AXES"]
