@@ -1,0 +1,33 @@
+"""Gemma-2B, Google 2024: multi-query attention (8 heads, 1 KV head, head_dim 256), GeGLU,
+RMSNorm (1+w), input x sqrt(d); tied.
+
+Published shapes; 2,506,172,416 parameters as published, which `tieflax params` reproduces exactly:
+
+    tieflax params --config configs/models/gemma_2b.py
+
+Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+"""
+
+from tieflax.config import default_config, default_model_config
+
+
+def get_config():
+    config = default_config()
+    config.model = default_model_config(
+        family='gemma',
+        vocab_size=256000,
+        d_model=2048,
+        n_layers=18,
+        n_heads=8,
+        n_kv_heads=1,
+        head_dim=256,
+        d_ff=16384,
+        max_seq_len=8192,
+        norm_eps=1e-06,
+        norm_unit_offset=True,
+        mlp='geglu',
+        scale_input_embedding=True,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+    )
+    return config

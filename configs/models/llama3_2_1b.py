@@ -1,0 +1,31 @@
+"""Llama-3.2-1B, Meta 2024: GQA 32/8, RoPE theta 500k with llama3 scaling (factor 32); tied.
+
+Published shapes; 1,235,814,400 parameters as published, which `tieflax params` reproduces exactly:
+
+    tieflax params --config configs/models/llama3_2_1b.py
+
+Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+"""
+
+from tieflax.config import default_config, default_model_config
+
+
+def get_config():
+    config = default_config()
+    config.model = default_model_config(
+        family='llama',
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=8192,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling_factor=32.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
+        tie_embeddings=True,
+    )
+    return config

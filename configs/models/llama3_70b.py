@@ -1,0 +1,27 @@
+"""Llama-3-70B, Meta 2024: GQA 64/8, RoPE theta 500k; untied.
+
+Published shapes; 70,553,706,496 parameters as published, which `tieflax params` reproduces exactly:
+
+    tieflax params --config configs/models/llama3_70b.py
+
+Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+"""
+
+from tieflax.config import default_config, default_model_config
+
+
+def get_config():
+    config = default_config()
+    config.model = default_model_config(
+        family='llama',
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+    )
+    return config

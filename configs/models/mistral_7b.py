@@ -1,0 +1,28 @@
+"""Mistral-7B-v0.1, Mistral AI 2023: GQA 32/8, sliding-window attention 4096; untied, V=32,000.
+
+Published shapes; 7,241,732,096 parameters as published, which `tieflax params` reproduces exactly:
+
+    tieflax params --config configs/models/mistral_7b.py
+
+Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+"""
+
+from tieflax.config import default_config, default_model_config
+
+
+def get_config():
+    config = default_config()
+    config.model = default_model_config(
+        family='mistral',
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        max_seq_len=32768,
+        rope_theta=10000.0,
+        sliding_window=4096,
+        tie_embeddings=False,
+    )
+    return config

@@ -1,0 +1,29 @@
+"""Qwen2.5-0.5B, Alibaba 2024: GQA 14/2, q/k/v biases, RoPE theta 1M; tied.
+
+Published shapes; 494,032,768 parameters as published, which `tieflax params` reproduces exactly:
+
+    tieflax params --config configs/models/qwen2_5_0_5b.py
+
+Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+"""
+
+from tieflax.config import default_config, default_model_config
+
+
+def get_config():
+    config = default_config()
+    config.model = default_model_config(
+        family='qwen2',
+        vocab_size=151936,
+        d_model=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        d_ff=4864,
+        max_seq_len=32768,
+        norm_eps=1e-06,
+        qkv_bias=True,
+        rope_theta=1000000.0,
+        tie_embeddings=True,
+    )
+    return config

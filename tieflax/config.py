@@ -1,0 +1,111 @@
+"""Experiment configuration: loading ``get_config()`` files and applying ``--config.a.b=value`` overrides.
+
+A config file is Python with a ``get_config(arg=None)`` that returns an ``ml_collections.ConfigDict``
+built on ``default_config()``, where every default lives. ``arg`` (``--config path.py:ARG``) lets a
+file offer variants, e.g. ``runlocal`` for a laptop-sized version of a pod config.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import os
+from typing import Any, Iterable
+
+import ml_collections
+
+from tieflax.model.config import ConfigError, ModelConfig
+
+
+def default_model_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """``ModelConfig``'s defaults as a ConfigDict, with ``overrides`` applied (validated on build)."""
+    values = dataclasses.asdict(ModelConfig())
+    unknown = sorted(set(overrides) - set(values))
+    if unknown:
+        raise ConfigError(f"unknown model field(s) {unknown}; known fields: {sorted(values)}")
+    values.update(overrides)
+    return ml_collections.ConfigDict(values)
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The root config. Sections: model, mesh, seed; data and train sections are added by their modules."""
+    config = ml_collections.ConfigDict()
+    config.model = default_model_config()
+    # Mesh axis sizes; -1 on one axis means "all remaining devices".
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    config.seed = 0
+    _add_optional_sections(config)
+    return config
+
+
+def _add_optional_sections(config: ml_collections.ConfigDict) -> None:
+    """Adds the data and train sections from the modules that own their defaults."""
+    from tieflax.data.config import default_data_config  # noqa: PLC0415 (import cycle-free, late)
+    from tieflax.train_config import default_train_config  # noqa: PLC0415
+
+    config.data = default_data_config()
+    config.train = default_train_config()
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The validated, hashable ``ModelConfig`` of a root config."""
+    return ModelConfig.from_dict(config.model)
+
+
+def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
+    """Loads ``path[:arg]`` and applies ``a.b=value`` overrides (a leading ``--config.`` is allowed).
+
+    Values are parsed as Python literals when possible (``3``, ``1e-3``, ``False``, ``(2, 4)``) and kept
+    as strings otherwise; the ConfigDict's type checks reject a value of the wrong type by field name.
+    """
+    path, _, arg = path.partition(":")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist; pass a path such as "
+                                "configs/experiments/tiny.py")
+    spec = importlib.util.spec_from_file_location(f"tieflax_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} has no get_config() function")
+    config = module.get_config(arg) if arg else module.get_config()
+    for item in overrides:
+        apply_override(config, item)
+    model_config(config)  # validate early, naming the field
+    return config
+
+
+def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
+    """Applies one ``[--config.]a.b.c=value`` override in place."""
+    key, sep, raw = item.removeprefix("--").removeprefix("config.").partition("=")
+    if not sep:
+        raise ConfigError(f"override {item!r} must look like --config.section.field=value")
+    *parents, leaf = key.split(".")
+    node = config
+    for name in parents:
+        if name not in node:
+            raise ConfigError(f"override {item!r}: no section {name!r} in the config")
+        node = node[name]
+    if leaf not in node:
+        raise ConfigError(f"override {item!r}: no field {leaf!r} in config.{'.'.join(parents)}; "
+                          f"fields: {sorted(node.keys())}")
+    value = _parse(raw)
+    current = node[leaf]
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    try:
+        node[leaf] = value
+    except TypeError as e:
+        raise ConfigError(f"override {item!r}: {e}") from None
+
+
+def _parse(raw: str) -> Any:
+    lowered = raw.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
