@@ -1,0 +1,157 @@
+"""Pre-tokenised data (``data.source = 'tokens'``): the pod-scale path, with no text and no tokenising.
+
+Accepted files, each a flat stream in which ``eos_id`` separates documents:
+
+- ``.npy``: memory-mapped in place (its own dtype);
+- ``.bin``: raw little-endian ids of ``data.tokens.dtype``, memory-mapped in place;
+- ``.array_record``: one document per record, raw ids of ``data.tokens.dtype``; converted once into
+  the cache as ``[EOS d0 EOS d1 ... EOS]``.
+
+With ``data.tokens.val_path`` both files are used in place and only ``token_counts.npy`` and
+``meta.json`` go to the cache. Without it, whole documents (spans opened by EOS) are held out of the
+train file and both splits are written to the cache once: give a val file to avoid that copy on large
+data. Files are fingerprinted by path, size and modification time (hashing terabytes is not an
+option), so replacing a file gets a new cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+
+from tieflax.data import tokenizer as tokenizer_lib
+from tieflax.data.config import DataError
+from tieflax.data.prepare import (FORMAT_VERSION, PreparedDataset, count_tokens, loader_settings,
+                                  open_cache, resolve_tokenizer, split_indices)
+
+
+def _fingerprint(paths: list[Path], c: ml_collections.ConfigDict, vocab: int, eos: int) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        st = p.stat()
+        h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(json.dumps({"format": FORMAT_VERSION, "dtype": c.tokens.dtype, "vocab": vocab,
+                         "eos": eos, "val_fraction": c.val_fraction, "split_seed": c.split_seed,
+                         "max_val": c.max_val_documents}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _check_file(path: str, field: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"{field} = {path!r} does not exist: fix the path.")
+    if p.stat().st_size == 0:
+        raise DataError(f"{field} = {path!r} is empty: re-create it, or point {field} elsewhere.")
+    return p
+
+
+def read_array_record(path: Path, dtype: np.dtype, eos_id: int) -> np.ndarray:
+    """``[EOS d0 EOS d1 ... EOS]`` from an ArrayRecord file of one document per record."""
+    from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=import-outside-toplevel
+    reader = ArrayRecordReader(str(path))
+    try:
+        eos = np.array([eos_id], dtype)
+        parts = []
+        for record in reader.read_all():
+            parts += [eos, np.frombuffer(record, dtype)]
+        return np.concatenate(parts + [eos])
+    finally:
+        reader.close()
+
+
+def open_stream(path: Path, dtype: str, field: str) -> np.ndarray:
+    """A read-only ``[N]`` view of a ``.npy`` or ``.bin`` token file (ArrayRecord: see above)."""
+    if path.suffix == ".npy":
+        arr = np.load(path, mmap_mode="r")
+    elif path.suffix == ".bin":
+        arr = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    else:
+        raise DataError(f"{field} = {str(path)!r}: use a .npy, .bin or .array_record token file.")
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"{field} = {str(path)!r} holds a {arr.dtype} array of shape {arr.shape}; "
+                        "expected a flat integer stream.")
+    return arr
+
+
+def split_stream(stream: np.ndarray, eos_id: int, c: ml_collections.ConfigDict, *,
+                 where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Whole documents (spans starting at each EOS) of ``stream`` held out into a val stream."""
+    starts = np.flatnonzero(np.asarray(stream) == eos_id)
+    if len(starts) == 0 or starts[0] != 0:
+        starts = np.concatenate([[0], starts])
+    ends = np.append(starts[1:], len(stream))
+    keep = ends - starts > 1  # a lone trailing EOS closes the last document; it is not one
+    starts, ends = starts[keep], ends[keep]
+    train_idx, val_idx = split_indices(len(starts), c.val_fraction, c.split_seed,
+                                       c.max_val_documents, where=where)
+    eos = np.array([eos_id], stream.dtype)
+
+    def gather(idx):
+        return np.concatenate([stream[starts[i]:ends[i]] for i in idx] + [eos])
+    return gather(train_idx), gather(val_idx)
+
+
+def prepare_token_files(c: ml_collections.ConfigDict, workdir: Path, cache_root: Path, *,
+                        vocab_size: int) -> PreparedDataset:
+    """The :class:`PreparedDataset` of pre-tokenised files (see the module docstring)."""
+    if c.tokenizer.path:
+        tok = resolve_tokenizer(c, workdir, [])
+        vocab = tokenizer_lib.tokenizer_vocab_size(tok)
+        eos_id = tokenizer_lib.eos_id_of(tok, c.tokenizer.eos_token)
+    else:
+        tok, vocab, eos_id = None, c.tokens.vocab_size, c.tokens.eos_id
+    tokenizer_lib.check_vocab_size(vocab, vocab_size, where="data.tokens / data.tokenizer.path")
+    paths = [_check_file(c.tokens.train_path, "data.tokens.train_path")]
+    if c.tokens.val_path:
+        paths.append(_check_file(c.tokens.val_path, "data.tokens.val_path"))
+    key = _fingerprint(paths, c, vocab, eos_id)
+    data_dir = cache_root / f"tokens-{key[:16]}"
+    convert = not c.tokens.val_path or any(p.suffix == ".array_record" for p in paths)
+
+    if not (data_dir / "meta.json").exists():
+        tmp = data_dir.with_name(f".{data_dir.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        streams = [_load(p, c, eos_id, f) for p, f in zip(paths, ("data.tokens.train_path",
+                                                                  "data.tokens.val_path"))]
+        if not c.tokens.val_path:
+            streams = list(split_stream(streams[0], eos_id, c, where="data.tokens.train_path"))
+        train, val = streams
+        info = {"format": FORMAT_VERSION, "key": key, "source": "tokens", "vocab_size": vocab,
+                "eos_id": eos_id, "dtype": str(train.dtype), "train_tokens": int(len(train)),
+                "val_tokens": int(len(val)), "files": [str(p) for p in paths], "copied": convert}
+        np.save(tmp / "token_counts.npy", count_tokens(train, vocab, where=str(paths[0])))
+        count_tokens(val, vocab, where=str(paths[-1]))  # only to check its ids are in range
+        if convert:
+            np.save(tmp / "train.npy", np.asarray(train))
+            np.save(tmp / "val.npy", np.asarray(val))
+        (tmp / "meta.json").write_text(json.dumps(info, indent=1))
+        try:
+            os.replace(tmp, data_dir)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    if convert:
+        train, val, counts, info = open_cache(data_dir, key=key, vocab_size=vocab)
+    else:
+        info = json.loads((data_dir / "meta.json").read_text())
+        train = open_stream(paths[0], c.tokens.dtype, "data.tokens.train_path")
+        val = open_stream(paths[1], c.tokens.dtype, "data.tokens.val_path")
+        counts = np.load(data_dir / "token_counts.npy")
+        if int(counts.sum()) != len(train):
+            raise DataError(f"data cache {data_dir} is stale or corrupt (token_counts.npy does not "
+                            "match the train file): delete that folder and it is rebuilt.")
+    return PreparedDataset(train, val, counts, vocab, eos_id, tok, data_dir, info,
+                           **loader_settings(c))
+
+
+def _load(path: Path, c: ml_collections.ConfigDict, eos_id: int, field: str) -> np.ndarray:
+    if path.suffix == ".array_record":
+        return read_array_record(path, np.dtype(c.tokens.dtype), eos_id)
+    return open_stream(path, c.tokens.dtype, field)
