@@ -45,7 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    overrides = [a for a in unknown if a.startswith("--config.")]
+    rest = [a for a in unknown if not a.startswith("--config.")]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = list(getattr(args, "overrides", None) or []) + overrides
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

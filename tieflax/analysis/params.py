@@ -86,7 +86,7 @@ def param_report(config: ModelConfig, name: str = "") -> ParamReport:
 
 def format_table(reports: list[ParamReport]) -> str:
     """A Markdown table: total as configured, one V x d matrix, embedding share tied and untied."""
-    header = ("| model | d_model | vocab | published | total params | one V x d matrix "
+    header = ("| model | d_model | vocab | configured | total params | one V x d matrix "
               "| embedding share, tied | embedding share, untied |")
     rule = "|---|---:|---:|:---:|---:|---:|---:|---:|"
     rows = [header, rule]

@@ -17,7 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models-dir", default=None,
                         help="folder of model configs for the table (default: configs/models of this checkout)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
-    parser.add_argument("overrides", nargs="*", help="--config.model.FIELD=VALUE overrides (after --)")
 
 
 def default_models_dir() -> str:

@@ -1,0 +1,65 @@
+"""Config loading, overrides and validation errors that name the field."""
+
+import os
+
+import pytest
+
+from tieflax.config import apply_override, default_config, load_config, model_config
+from tieflax.model import ConfigError, ModelConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs/experiments/tiny.py")
+
+
+def test_overrides_are_typed():
+    config = load_config(TINY, ["--config.model.tie_embeddings=False", "model.d_model=64",
+                                "--config.train.learning_rate=1"])
+    assert config.model.tie_embeddings is False and config.model.d_model == 64
+    assert config.train.learning_rate == 1.0 and isinstance(config.train.learning_rate, float)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.no_such_field=1", "no field 'no_such_field'"),
+    ("nosection.x=1", "no section 'nosection'"),
+    ("model.d_model", "must look like"),
+    ("model.d_model=wide", "model.d_model"),
+])
+def test_bad_overrides(override, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_override(default_config(), override)
+
+
+@pytest.mark.parametrize("fields,field", [
+    (dict(n_heads=3, d_model=64), "n_heads"),
+    (dict(n_heads=8, n_kv_heads=3), "n_kv_heads"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(vocab_size=-5), "vocab_size"),
+    (dict(family="rnn"), "family"),
+    (dict(norm="batchnorm"), "norm"),
+    (dict(mlp="relu"), "mlp"),
+    (dict(position="alibi"), "position"),
+    (dict(dtype="float8"), "dtype"),
+    (dict(logit_scale=0.0), "logit_scale"),
+    (dict(final_logit_softcap=-1.0), "final_logit_softcap"),
+])
+def test_validation_names_the_field(fields, field):
+    with pytest.raises(ConfigError, match=rf"config\.model\.{field}"):
+        ModelConfig(**fields)
+
+
+def test_unknown_model_key_is_an_error():
+    config = default_config()
+    config.model.unlock()
+    config.model.n_layer = 3  # a typo of n_layers
+    with pytest.raises(ConfigError, match="n_layer"):
+        model_config(config)
+
+
+def test_missing_file_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config("configs/nope.py")
+
+
+def test_validation_happens_at_load_time():
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        load_config(TINY, ["model.n_kv_heads=3"])

@@ -1,0 +1,249 @@
+"""TransformerLM: the tie contract, shapes and dtypes, causal masking and each study switch."""
+
+import dataclasses
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tieflax.model import ModelConfig, TransformerLM, embedding_matrices
+from tieflax.model.surgery import tie, untie
+
+V, D = 300, 32
+FAMILIES = {
+    "llama": dict(family="llama", n_kv_heads=2),
+    "gpt2": dict(family="gpt2", norm="layernorm", mlp="gelu", position="learned", qkv_bias=True,
+                 attn_out_bias=True, mlp_bias=True),
+    "gemma": dict(family="gemma", mlp="geglu", norm_unit_offset=True, scale_input_embedding=True,
+                  n_kv_heads=1, head_dim=16),
+    "gemma2": dict(family="gemma2", mlp="geglu", norm_unit_offset=True, sandwich_norms=True,
+                   attn_softcap=50.0, final_logit_softcap=30.0, query_pre_attn_scalar=16.0, sliding_window=3,
+                   sliding_window_every=2, scale_input_embedding=True, n_kv_heads=2, head_dim=16),
+    "qwen2": dict(family="qwen2", qkv_bias=True, n_kv_heads=2, rope_theta=1e6),
+    "llama3_scaled_rope": dict(family="llama", rope_scaling_factor=8.0, rope_original_max_len=16),
+}
+
+
+def small(tie_embeddings=True, **kw) -> ModelConfig:
+    base = dict(vocab_size=V, d_model=D, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,
+                tie_embeddings=tie_embeddings)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def init(config: ModelConfig, seed=0, rngs=None):
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    return nn.unbox(TransformerLM(config).init(rngs or jax.random.key(seed), tokens))["params"]
+
+
+TOKENS = jax.random.randint(jax.random.key(1), (2, 8), 0, V)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tied_has_one_matrix_untied_two(family):
+    tied, untied = small(True, **FAMILIES[family]), small(False, **FAMILIES[family])
+    p_tied, p_untied = init(tied), init(untied)
+    v_pad = tied.padded_vocab
+    assert v_pad == 384  # 300 rounded up to a multiple of 128
+    shapes = lambda p: [x.shape for x in jax.tree.leaves(p) if x.shape == (v_pad, D)]
+    assert shapes(p_tied) == [(v_pad, D)]
+    assert shapes(p_untied) == [(v_pad, D)] * 2
+    assert "lm_head" not in p_tied and p_untied["lm_head"]["embedding"].shape == (v_pad, D)
+    # The tie switch changes nothing else: the shared parameters are identical at init.
+    without_head = {k: v for k, v in p_untied.items() if k != "lm_head"}
+    chex.assert_trees_all_equal(p_tied, without_head)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_shapes_and_padding(family):
+    config = small(False, **FAMILIES[family])
+    params = init(config)
+    logits = TransformerLM(config).apply({"params": params}, TOKENS)
+    chex.assert_shape(logits, (2, 8, config.padded_vocab))
+    chex.assert_type(logits, jnp.float32)
+    assert bool(jnp.all(jnp.isneginf(logits[..., V:]))) and bool(jnp.all(jnp.isfinite(logits[..., :V])))
+
+
+def test_bf16_compute_with_fp32_params():
+    config = small(True, dtype="bfloat16", param_dtype="float32", logits_fp32=False)
+    params = init(config)
+    chex.assert_trees_all_equal_dtypes(params, jax.tree.map(lambda x: x.astype(jnp.float32), params))
+    hidden, weight, bias = TransformerLM(config).apply({"params": params}, TOKENS, method="features")
+    chex.assert_type(hidden, jnp.bfloat16)
+    chex.assert_type(weight, jnp.float32)
+    assert bias is None
+    logits = TransformerLM(config).apply({"params": params}, TOKENS)
+    chex.assert_type(logits, jnp.bfloat16)
+    logits32 = TransformerLM(config.replace(logits_fp32=True)).apply({"params": params}, TOKENS)
+    chex.assert_type(logits32, jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits[..., :V], np.float32), np.asarray(logits32[..., :V]),
+                               atol=0.05)
+
+
+def _dense_loss(config, params, tokens, targets):
+    logits = TransformerLM(config).apply({"params": params}, tokens)[..., :V]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma2"])
+def test_tied_gradient_is_sum_of_lookup_and_head_gradients(family):
+    """d/dW of the tied loss equals dL/dW_in + dL/dW_out evaluated with W_in = W_out = W."""
+    config = small(True, **FAMILIES[family])
+    params = init(config)
+    targets = jnp.roll(TOKENS, -1, axis=1)
+    g_tied = jax.grad(_dense_loss, argnums=1)(config, params, TOKENS, targets)
+    split = untie(params)  # the same values, passed as two separate arguments
+    g_split = jax.grad(_dense_loss, argnums=1)(config.replace(tie_embeddings=False), split, TOKENS, targets)
+    total = g_split["embed"]["embedding"] + g_split["lm_head"]["embedding"]
+    np.testing.assert_allclose(g_tied["embed"]["embedding"], total, rtol=1e-5, atol=1e-7)
+    # Both paths contribute: the head's gradient is dense, the lookup's only touches seen tokens.
+    head_rows = np.abs(np.asarray(g_split["lm_head"]["embedding"][:V])).sum(-1) > 0
+    lookup_rows = np.abs(np.asarray(g_split["embed"]["embedding"])).sum(-1) > 0
+    assert head_rows.all()
+    assert set(np.flatnonzero(lookup_rows)) == set(np.unique(np.asarray(TOKENS)))
+    # Padded rows never receive gradient.
+    assert float(jnp.abs(g_tied["embed"]["embedding"][V:]).max()) == 0.0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_causal_masking(family):
+    """Changing token t never changes the outputs at positions < t."""
+    config = small(True, **FAMILIES[family])
+    params = init(config)
+    model = TransformerLM(config)
+    base = model.apply({"params": params}, TOKENS)
+    changed_tokens = TOKENS.at[:, 5].set((TOKENS[:, 5] + 7) % V)
+    changed = model.apply({"params": params}, changed_tokens)
+    np.testing.assert_array_equal(base[:, :5], changed[:, :5])
+    assert not np.allclose(base[:, 5:, :V], changed[:, 5:, :V])
+
+
+def test_segments_isolate_documents():
+    config = small(True)
+    params = init(config)
+    model = TransformerLM(config)
+    segments = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1]] * 2)
+    positions = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
+    base = model.apply({"params": params}, TOKENS, positions, segments)
+    changed = model.apply({"params": params}, TOKENS.at[:, 1].add(1) % V, positions, segments)
+    np.testing.assert_array_equal(base[:, 4:], changed[:, 4:])  # the second document never sees the first
+    alone = model.apply({"params": params}, TOKENS[:, 4:])  # and equals running it on its own
+    np.testing.assert_allclose(base[:, 4:, :V], alone[..., :V], rtol=1e-5, atol=1e-5)
+
+
+# --- Study switches: each changes what it should, nothing else, identically tied or untied ------------
+
+def _logits_both_sides(config: ModelConfig, params_tied: dict):
+    """Logits of the tied model and of the untied model with W_out = W_in (same values)."""
+    tied_logits = TransformerLM(config.replace(tie_embeddings=True)).apply({"params": params_tied}, TOKENS)
+    untied_logits = TransformerLM(config.replace(tie_embeddings=False)).apply(
+        {"params": untie(params_tied)}, TOKENS)
+    return tied_logits[..., :V], untied_logits[..., :V]
+
+
+@pytest.fixture(scope="module")
+def base():
+    config = small(True)
+    params = init(config)
+    logits = TransformerLM(config).apply({"params": params}, TOKENS)[..., :V]
+    return config, params, logits
+
+
+@pytest.mark.parametrize("switch,expected", [
+    (dict(logit_scale=0.5), lambda z: 0.5 * z),
+    (dict(logit_scale_rsqrt_d=True), lambda z: z / np.sqrt(D)),
+    (dict(final_logit_softcap=2.0), lambda z: 2.0 * np.tanh(z / 2.0)),
+])
+def test_head_switches_transform_logits_identically_tied_or_untied(base, switch, expected):
+    config, params, logits = base
+    switched = config.replace(**switch)
+    # Parameters unchanged by the switch.
+    chex.assert_trees_all_equal(init(switched), params)
+    tied_logits, untied_logits = _logits_both_sides(switched, params)
+    np.testing.assert_allclose(tied_logits, expected(np.asarray(logits)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(tied_logits, untied_logits)
+
+
+def test_head_bias_is_its_own_parameter_either_way(base):
+    config, params, logits = base
+    for tied in (True, False):
+        with_bias = init(config.replace(head_bias=True, tie_embeddings=tied))
+        without = init(config.replace(tie_embeddings=tied))
+        assert set(with_bias) - set(without) == {"head_bias"}
+        chex.assert_shape(with_bias["head_bias"], (config.padded_vocab,))
+    bias = jax.random.normal(jax.random.key(3), (config.padded_vocab,))
+    biased = dict(params, head_bias=bias)
+    tied_logits, untied_logits = _logits_both_sides(config.replace(head_bias=True), biased)
+    np.testing.assert_allclose(tied_logits, logits + bias[:V], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(tied_logits, untied_logits)
+
+
+def test_input_scale_multiplies_the_lookup_by_sqrt_d(base):
+    config, params, _ = base
+    lookup = lambda c: TransformerLM(c).apply({"params": params}, TOKENS, method=lambda m, t: m.embed(t))
+    np.testing.assert_allclose(lookup(config.replace(scale_input_embedding=True)),
+                               lookup(config) * np.sqrt(D), rtol=1e-6)
+    untied = config.replace(tie_embeddings=False, scale_input_embedding=True)
+    np.testing.assert_array_equal(
+        TransformerLM(untied).apply({"params": untie(params)}, TOKENS, method=lambda m, t: m.embed(t)),
+        lookup(config.replace(scale_input_embedding=True)))
+
+
+def test_untied_head_init_switches_touch_only_the_head():
+    config = small(False)
+    params = init(config)
+    body = lambda p: {k: v for k, v in p.items() if k != "lm_head"}
+    # head_init_std: only the head's scale changes.
+    wide = init(config.replace(head_init_std=0.2))
+    chex.assert_trees_all_equal(body(wide), body(params))
+    ratio = float(jnp.std(wide["lm_head"]["embedding"]) / jnp.std(params["lm_head"]["embedding"]))
+    assert abs(ratio - 10.0) < 0.5
+    # Separate PRNG stream: reseeding the head's stream changes the head and nothing else.
+    stream = config.replace(head_rng_stream="head")
+    a = init(stream, rngs={"params": jax.random.key(0), "head": jax.random.key(1)})
+    b = init(stream, rngs={"params": jax.random.key(0), "head": jax.random.key(2)})
+    chex.assert_trees_all_equal(body(a), body(b), body(params))
+    assert not np.allclose(a["lm_head"]["embedding"], b["lm_head"]["embedding"])
+    # The default head draws from a different key than the embedding (the matrices are independent).
+    corr = np.corrcoef(np.ravel(params["embed"]["embedding"]), np.ravel(params["lm_head"]["embedding"]))[0, 1]
+    assert abs(corr) < 0.05
+    # copy_embed starts the head equal to the embedding.
+    copied = init(config.replace(head_init="copy_embed"))
+    chex.assert_trees_all_equal(copied["lm_head"]["embedding"], copied["embed"]["embedding"])
+    chex.assert_trees_all_equal(body(copied), body(params))
+
+
+def test_untied_only_switches_are_rejected_when_tied():
+    with pytest.raises(ValueError, match="head_init_std"):
+        small(True, head_init_std=0.1)
+    with pytest.raises(ValueError, match="head_init"):
+        small(True, head_init="copy_embed")
+
+
+def test_surgery_roundtrip():
+    params = init(small(True))
+    untied = untie(params)
+    np.testing.assert_array_equal(untied["lm_head"]["embedding"], params["embed"]["embedding"])
+    retied, report = tie(untied, "mean")
+    chex.assert_trees_all_equal(retied, params)
+    assert report["relative_distance_in_out"] == 0.0
+    matrices = embedding_matrices(untied)
+    assert matrices["input"] is untied["embed"]["embedding"]
+    assert matrices["output"] is untied["lm_head"]["embedding"]
+    with pytest.raises(ValueError, match="already untied"):
+        untie(untied)
+    with pytest.raises(ValueError, match="not one of"):
+        tie(untied, "sideways")
+
+
+def test_rope_scaling_changes_only_low_frequencies():
+    from tieflax.model.layers import rope_frequencies
+    plain = small(True, rope_theta=500000.0)
+    scaled = dataclasses.replace(plain, rope_scaling_factor=8.0, rope_original_max_len=8192)
+    f0, f1 = np.asarray(rope_frequencies(plain)), np.asarray(rope_frequencies(scaled))
+    assert f1[0] == f0[0]  # the highest frequency is kept
+    np.testing.assert_allclose(f1[-1], f0[-1] / 8.0, rtol=1e-6)  # the lowest is divided by the factor
