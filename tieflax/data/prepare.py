@@ -56,14 +56,14 @@ class PreparedDataset:
       document_masking, predict_first_token, read_threads, prefetch_buffer_size: loader settings
         from the data config, applied by ``make_loader``.
     """
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
-    token_counts: np.ndarray
+    train_tokens: np.ndarray = dataclasses.field(repr=False)
+    val_tokens: np.ndarray = dataclasses.field(repr=False)
+    token_counts: np.ndarray = dataclasses.field(repr=False)
     vocab_size: int
     eos_id: int
-    tokenizer: Tokenizer | None
+    tokenizer: Tokenizer | None = dataclasses.field(repr=False)
     data_dir: Path
-    info: dict
+    info: dict = dataclasses.field(repr=False)
     document_masking: bool = True
     predict_first_token: bool = True
     read_threads: int = 2

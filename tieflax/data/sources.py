@@ -80,8 +80,11 @@ def python_stdlib_documents(c: ml_collections.ConfigDict) -> list[Document]:
     skip = {"site-packages", "dist-packages", "__pycache__"}
     if not c.python_stdlib.include_tests:
         skip |= {"test", "tests", "idle_test"}
-    files = sorted(p for p in root.rglob("*.py")
-                   if not skip.intersection(p.relative_to(root).parts))
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]  # prune: never walk into site-packages
+        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    files.sort(key=str)
     if c.python_stdlib.max_files:
         files = files[:c.python_stdlib.max_files]
     docs = []

@@ -1,0 +1,86 @@
+"""Pre-tokenised sources: .npy and .bin used in place, ArrayRecord converted, documents held out whole."""
+
+import numpy as np
+import pytest
+
+from tieflax.data import DataError, default_data_config, make_loader, prepare_dataset
+
+V, EOS = 100, 1
+
+
+def docs(n=20, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, V, rng.integers(3, 30)).astype(np.uint16) for _ in range(n)]
+
+
+def stream_of(documents):
+    parts = []
+    for d in documents:
+        parts += [[EOS], d]
+    return np.concatenate(parts + [[EOS]]).astype(np.uint16)
+
+
+def tokens_config(train, val=""):
+    c = default_data_config()
+    c.source = "tokens"
+    c.tokens.train_path = str(train)
+    c.tokens.val_path = str(val)
+    c.tokens.vocab_size = V
+    c.tokens.eos_id = EOS
+    c.val_fraction = 0.2
+    return c
+
+
+def as_doc_set(stream):
+    cuts = np.flatnonzero(np.asarray(stream) == EOS)
+    return sorted(tuple(stream[a + 1:b]) for a, b in zip(cuts[:-1], cuts[1:]))
+
+
+def test_npy_with_val_file_is_used_in_place(tmp_path):
+    train, val = stream_of(docs()), stream_of(docs(4, seed=1))
+    np.save(tmp_path / "train.npy", train)
+    np.save(tmp_path / "val.npy", val)
+    p = prepare_dataset(tokens_config(tmp_path / "train.npy", tmp_path / "val.npy"), tmp_path / "w",
+                        vocab_size=V)
+    assert isinstance(p.train_tokens, np.memmap) and str(p.train_tokens.filename) == str(tmp_path / "train.npy")
+    np.testing.assert_array_equal(p.val_tokens, val)
+    np.testing.assert_array_equal(p.token_counts, np.bincount(train, minlength=V))
+    assert p.tokenizer is None and p.eos_id == EOS
+    assert next(make_loader(p, "train", seq_len=16, global_batch_size=2, seed=0))["inputs"].shape == (2, 16)
+
+
+@pytest.mark.parametrize("fmt", ["bin", "array_record"])
+def test_without_val_file_whole_documents_are_held_out(tmp_path, fmt):
+    documents = docs()
+    if fmt == "bin":
+        stream_of(documents).astype("<u2").tofile(tmp_path / "all.bin")
+    else:
+        from array_record.python.array_record_module import ArrayRecordWriter
+        writer = ArrayRecordWriter(str(tmp_path / "all.array_record"), "group_size:1")
+        for d in documents:
+            writer.write(d.tobytes())
+        writer.close()
+    p = prepare_dataset(tokens_config(tmp_path / f"all.{fmt}"), tmp_path / "w", vocab_size=V)
+    train, val = as_doc_set(p.train_tokens), as_doc_set(p.val_tokens)
+    assert len(val) == 4 and len(train) == 16  # ceil(0.2 * 20) documents held out
+    assert sorted(train + val) == sorted(tuple(d) for d in documents)  # each document exactly once
+
+
+def test_bad_token_files_name_the_fix(tmp_path):
+    np.save(tmp_path / "t.npy", stream_of(docs()))
+    with pytest.raises(DataError, match="vocab_size = 64 does not match the tokenizer's 100"):
+        prepare_dataset(tokens_config(tmp_path / "t.npy"), tmp_path / "w", vocab_size=64)
+    with pytest.raises(DataError, match="train_path = '.*missing.npy' does not exist"):
+        prepare_dataset(tokens_config(tmp_path / "missing.npy"), tmp_path / "w", vocab_size=V)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(DataError, match="empty.bin' is empty"):
+        prepare_dataset(tokens_config(tmp_path / "empty.bin"), tmp_path / "w", vocab_size=V)
+    big = stream_of(docs())
+    big[5] = 250
+    np.save(tmp_path / "big.npy", big)
+    with pytest.raises(DataError, match="token id 250 >= vocab_size 100"):
+        prepare_dataset(tokens_config(tmp_path / "big.npy"), tmp_path / "w", vocab_size=V)
+    c = tokens_config(tmp_path / "t.npy")
+    c.tokens.eos_id = -1
+    with pytest.raises(DataError, match="data.tokens.eos_id"):
+        prepare_dataset(c, tmp_path / "w", vocab_size=V)
