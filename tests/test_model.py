@@ -247,3 +247,15 @@ def test_rope_scaling_changes_only_low_frequencies():
     f0, f1 = np.asarray(rope_frequencies(plain)), np.asarray(rope_frequencies(scaled))
     assert f1[0] == f0[0]  # the highest frequency is kept
     np.testing.assert_allclose(f1[-1], f0[-1] / 8.0, rtol=1e-6)  # the lowest is divided by the factor
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_parameter_carries_logical_axes(tied):
+    config = small(tied, **FAMILIES["gpt2"], head_bias=True)
+    boxed = TransformerLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    assert leaves and all(isinstance(x, nn.Partitioned) for x in leaves)
+    assert all(len(x.names) == x.value.ndim for x in leaves)
+    vocab_leaves = [x for x in leaves if "vocab" in x.names]
+    # The head reads the matrix in the embedding's own layout: no re-layout when tied.
+    assert [x.names for x in vocab_leaves if x.value.ndim == 2] == [("vocab", "embed")] * (1 if tied else 2)
