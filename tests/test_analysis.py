@@ -1,0 +1,226 @@
+"""Embedding diagnostics on constructed inputs with known answers (float64 NumPy oracles)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from tieflax import analysis
+from tieflax.model import ModelConfig, TransformerLM, head_loss_kwargs
+
+RNG = np.random.default_rng(0)
+
+
+def _pad(w, rows=8):
+    """Append padding rows full of huge values: any diagnostic that reads them is visibly wrong."""
+    return np.concatenate([w, np.full((rows, w.shape[1]), 1e6)], 0)
+
+
+# Frequency ---------------------------------------------------------------------------------------------
+def test_frequency_buckets_split_by_rank_rarest_first():
+    counts = np.array([50, 0, 7, 7, 1000, 3, 9, 2])
+    buckets = analysis.frequency_buckets(counts, 4)
+    # sorted by (count, id): 1(0), 7(2), 5(3), 2(7), 3(7), 6(9), 0(50), 4(1000)
+    np.testing.assert_array_equal(buckets, [3, 0, 1, 2, 3, 1, 2, 0])
+    with pytest.raises(ValueError, match="n_buckets"):
+        analysis.frequency_buckets(counts, 9)
+    with pytest.raises(ValueError, match="negative"):
+        analysis.frequency_buckets(-counts, 2)
+
+
+def test_frequency_norm_planted_correlation_and_padding_ignored():
+    v, d = 400, 16
+    counts = RNG.permutation(np.arange(1, v + 1) ** 2)
+    directions = RNG.normal(size=(v, d))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    norms = 1.0 + np.log(counts)  # norm grows with frequency: rank correlation exactly 1
+    out = analysis.frequency_norm(_pad(directions * norms[:, None]), counts, n_buckets=4)
+    assert out["spearman"] == pytest.approx(1.0)
+    assert np.all(np.diff(out["bucket_norm"]) > 0)
+    buckets = analysis.frequency_buckets(counts, 4)
+    np.testing.assert_allclose(out["bucket_norm"], [norms[buckets == b].mean() for b in range(4)])
+    np.testing.assert_allclose(out["bucket_log10_freq"],
+                               [np.log10(counts[buckets == b] / counts.sum()).mean() for b in range(4)])
+    reversed_ = analysis.frequency_norm(directions * (100 - norms)[:, None], counts)
+    assert reversed_["spearman"] == pytest.approx(-1.0)
+    noisy = directions * RNG.uniform(1, 2, size=(v, 1))
+    assert abs(analysis.frequency_norm(noisy, counts)["spearman"]) < 0.15
+
+
+# Geometry ----------------------------------------------------------------------------------------------
+def test_isotropic_gaussian_rows():
+    v, d = 3000, 16
+    w = _pad(RNG.normal(size=(v, d)) * 0.3)
+    assert abs(analysis.mean_pairwise_cosine(w, v, max_rows=None)) < 0.01
+    assert analysis.isotropy_score(w, v) > 0.9
+    assert analysis.effective_rank(w, v) > 0.95 * d
+    # A shared offset (the anisotropy the seeds describe) lowers all three.
+    shifted = w[:v] + 3.0 * np.eye(d)[0]
+    assert analysis.mean_pairwise_cosine(shifted, v, max_rows=None) > 0.8  # ~ 9 / (9 + 16 * 0.09)
+    assert analysis.isotropy_score(shifted, v) == pytest.approx(np.exp(-6), rel=0.1)  # Z(-e1) / Z(e1)
+    assert analysis.effective_rank(shifted, v) < 0.7 * d  # one singular value ~10x the others: ~9.9
+
+
+def test_mean_pairwise_cosine_exact_on_signed_copies():
+    n_pos, n_neg = 30, 10
+    w = np.concatenate([np.tile([2.0, 0, 0], (n_pos, 1)), np.tile([-0.5, 0, 0], (n_neg, 1))])
+    n = n_pos + n_neg
+    expected = (n_pos * (n_pos - 1) + n_neg * (n_neg - 1) - 2 * n_pos * n_neg) / (n * (n - 1))
+    assert analysis.mean_pairwise_cosine(_pad(w), n) == pytest.approx(expected, abs=1e-12)
+    cos = analysis.pairwise_cosines(w, n, max_rows=None)
+    assert cos.shape == (n * (n - 1) // 2,) and cos.mean() == pytest.approx(expected, abs=1e-12)
+    # Sampling: a subset of rows, deterministic for a seed.
+    a = analysis.mean_pairwise_cosine(RNG.normal(size=(500, 4)), 500, max_rows=50, seed=3)
+    assert np.isfinite(a)
+
+
+def test_effective_rank_counts_equal_singular_values():
+    q, _ = np.linalg.qr(RNG.normal(size=(200, 200)))
+    for r in (1, 5, 12):
+        w = q[:, :r] @ np.diag([3.0] * r) @ np.linalg.qr(RNG.normal(size=(16, 16)))[0][:r]
+        assert analysis.effective_rank(_pad(w), 200) == pytest.approx(r, rel=1e-9)
+
+
+def test_isotropy_score_matches_definition():
+    v, d = 100, 5
+    w = RNG.normal(size=(v, d)) + np.array([1.0, 0, 0, 0, 0])
+    _, vecs = np.linalg.eigh(w.T @ w)
+    z = [np.exp(w @ (s * c)).sum() for c in vecs.T for s in (1, -1)]
+    assert analysis.isotropy_score(_pad(w), v) == pytest.approx(min(z) / max(z), rel=1e-10)
+
+
+def test_in_out_similarity_known_answers():
+    v, d = 300, 8
+    a = RNG.normal(size=(v, d))
+    q, _ = np.linalg.qr(RNG.normal(size=(d, d)))
+    same = analysis.in_out_similarity(_pad(a), _pad(a), v)
+    assert same["row_cosine_mean"] == pytest.approx(1.0) and same["cka"] == pytest.approx(1.0)
+    rotated = analysis.in_out_similarity(a, 2.5 * a @ q, v)  # CKA sees through rotation and scale
+    assert rotated["cka"] == pytest.approx(1.0)
+    assert rotated["row_cosine_mean"] < 0.9
+    assert analysis.in_out_similarity(a, -a, v)["row_cosine_mean"] == pytest.approx(-1.0)
+    independent = analysis.in_out_similarity(a, RNG.normal(size=(v, d)), v)
+    assert independent["cka"] < 0.15 and abs(independent["row_cosine_mean"]) < 0.1
+    # CKA against a float64 oracle written in the sample (n x n) form of Kornblith et al.
+    b = RNG.normal(size=(v, d)) + a
+    k, l_ = a @ a.T, b @ b.T
+    h = np.eye(v) - 1.0 / v
+    hsic = lambda x, y: np.trace(x @ h @ y @ h)  # noqa: E731
+    assert analysis.linear_cka(a, b, v) == pytest.approx(hsic(k, l_) / np.sqrt(hsic(k, k) * hsic(l_, l_)))
+
+
+# Gradients ---------------------------------------------------------------------------------------------
+def test_gradient_interference_constructed_split():
+    v, d = 8, 3
+    counts = np.array([1, 2, 3, 4, 5, 6, 7, 8])  # buckets (2): rows 0-3 rare, 4-7 common
+    head = np.ones((v, d))
+    lookup = np.zeros((v, d))
+    lookup[4] = 2.0          # same direction, norm ratio 2
+    lookup[5] = -1.0         # opposite direction, ratio 1
+    lookup[6] = [1, -1, 0]   # orthogonal, ratio sqrt(2)/sqrt(3)
+    lookup[1] = -3.0         # a rare row: opposite, ratio 3
+    out = analysis.gradient_interference(_pad(lookup), _pad(head), counts, n_buckets=2)
+    assert out["rows_lookup"] == 4 / 8 and out["rows_head"] == 1.0 and out["rows_both"] == 4 / 8
+    assert out["cosine_mean"] == pytest.approx((1 - 1 + 0 - 1) / 4)
+    assert out["conflict_fraction"] == pytest.approx(2 / 4)
+    assert out["norm_ratio_median"] == pytest.approx(np.median([2, 1, np.sqrt(2 / 3), 3]))
+    assert out["bucket_cosine"] == pytest.approx([-1.0, 0.0])
+    assert out["bucket_rows_lookup"] == [0.25, 0.75]
+    assert out["bucket_norm_ratio"] == pytest.approx([3.0, 1.0])
+    sq_l, sq_h = (lookup ** 2).sum(), (head ** 2).sum()
+    assert out["head_share"] == pytest.approx(sq_h / (sq_l + sq_h))
+    assert out["matrix_cosine"] == pytest.approx((lookup * head).sum() / np.sqrt(sq_l * sq_h))
+    with pytest.raises(ValueError, match="same shape"):
+        analysis.gradient_interference(lookup[:, :2], head, counts)
+
+
+V = 200
+TINY = ModelConfig(family="llama", vocab_size=V, vocab_pad_multiple=128, d_model=32, n_layers=1, n_heads=2,
+                   d_ff=64, max_seq_len=16, tie_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_tied():
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 60)  # ids >= 60 never appear as inputs
+    params = jax.jit(TransformerLM(TINY).init)(jax.random.key(0), tokens)["params"]
+    return jax.tree.map(lambda x: getattr(x, "value", x), params,
+                        is_leaf=lambda x: hasattr(x, "value")), tokens
+
+
+def test_split_gradient_sums_to_the_tied_gradient(tiny_tied):
+    params, tokens = tiny_tied
+    batch = dict(inputs=tokens, targets=jnp.roll(tokens, -1, axis=1).at[:, -1].set(-1))
+    lookup, head = analysis.split_embedding_gradients(TINY, params, batch)
+    model = TransformerLM(TINY)
+
+    def tied_loss(p):
+        loss, _ = model.apply({"params": p}, batch["inputs"], batch["targets"], method=TransformerLM.loss)
+        return loss.sum() / jnp.sum(batch["targets"] >= 0)
+
+    tied = jax.jit(jax.grad(tied_loss))(params)["embed"]["embedding"]
+    np.testing.assert_allclose(np.asarray(lookup) + np.asarray(head), tied, rtol=1e-5, atol=1e-8)
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=V)
+    out = analysis.gradient_interference(lookup, head, counts, n_buckets=4)
+    # The lookup updates exactly the rows of input tokens that feed a scored position (the last
+    # position's target is ignored, and nothing attends to it); the head updates every valid row.
+    assert out["rows_lookup"] == pytest.approx(len(np.unique(np.asarray(tokens)[:, :-1])) / V)
+    assert out["rows_head"] == 1.0
+    assert out["bucket_rows_lookup"][0] == 0.0  # the rarest bucket: never-seen tokens
+
+
+# Softmax -----------------------------------------------------------------------------------------------
+def test_softmax_statistics_match_float64_and_the_loss_aux(tiny_tied):
+    params, tokens = tiny_tied
+    config = TINY.replace(final_logit_softcap=5.0, logit_scale=1.7)
+    model = TransformerLM(config)
+    hidden, weight, _ = jax.jit(lambda p, t: model.apply({"params": p}, t, method=TransformerLM.features))(
+        params, tokens)
+    kw = head_loss_kwargs(config)
+    lse, mean_prob = analysis.softmax_statistics(hidden, weight, vocab_size=V, logit_scale=kw["logit_scale"],
+                                                 softcap=kw["softcap"], token_block=12)  # 32 = 12+12+8
+    h = np.asarray(hidden, np.float64).reshape(-1, 32)
+    z = h @ np.asarray(weight, np.float64)[:V].T * 1.7
+    z = 5.0 * np.tanh(z / 5.0)
+    ref_lse = np.log(np.exp(z).sum(1))
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    np.testing.assert_allclose(mean_prob, np.exp(z - ref_lse[:, None]).mean(0), rtol=1e-4, atol=1e-9)
+    assert mean_prob.shape == (V,) and mean_prob.sum() == pytest.approx(1.0, abs=1e-5)
+    _, aux = jax.jit(lambda p, t: model.apply({"params": p}, t, jnp.roll(t, -1, 1), method=TransformerLM.loss))(
+        params, tokens)
+    np.testing.assert_allclose(lse, np.asarray(aux["lse"]).ravel(), rtol=1e-5)
+
+
+def test_softmax_diagnostics_by_bucket():
+    counts = np.array([1, 1, 2, 2, 10, 10, 30, 40])
+    data = counts / counts.sum()
+    out = analysis.softmax_diagnostics(np.array([1.0, 2.0, 3.0]), data, counts, n_buckets=2)
+    assert out["mean_lse"] == pytest.approx(2.0)
+    np.testing.assert_allclose(out["bucket_mass_ratio"], [1.0, 1.0])  # calibrated on unigram frequency
+    uniform = analysis.softmax_diagnostics(np.zeros(3), np.full(8, 1 / 8), counts, targets=np.array([0, 7, -1]),
+                                           n_buckets=2)
+    np.testing.assert_allclose(uniform["bucket_mass"], [0.5, 0.5])
+    np.testing.assert_allclose(uniform["bucket_mass_ratio"], [0.5 / (6 / 96), 0.5 / (90 / 96)])
+    assert uniform["bucket_lse"] == [0.0, 0.0]
+
+
+# The training hook -------------------------------------------------------------------------------------
+def test_training_diagnostics_flat_keys_tied_and_untied():
+    v, d = 300, 8
+    counts = RNG.integers(0, 100, size=v)
+    w = _pad(RNG.normal(size=(v, d)))
+    tied = analysis.training_diagnostics({"embed": {"embedding": w}}, counts, lookup_grad=w, head_grad=-w)
+    assert all(isinstance(x, float) for x in tied.values())
+    assert tied["diag/input/spearman"] == tied["diag/output/spearman"]
+    assert tied["diag/gradient/cosine_mean"] == pytest.approx(-1.0)
+    assert "diag/in_out/cka" not in tied and "diag/input/bucket_norm/3" in tied
+    assert tied["diag/input/spearman"] == pytest.approx(
+        stats.spearmanr(np.linalg.norm(w[:v], axis=1), counts).statistic)
+    untied = analysis.training_diagnostics({"embed": {"embedding": w}, "lm_head": {"embedding": 2 * w}}, counts)
+    assert untied["diag/in_out/cka"] == pytest.approx(1.0)
+    assert untied["diag/output/mean_norm"] == pytest.approx(2 * untied["diag/input/mean_norm"])
+    assert not any(k.startswith("diag/gradient") for k in untied)
+    with pytest.raises(ValueError, match="both"):
+        analysis.training_diagnostics({"embed": {"embedding": w}}, counts, lookup_grad=w)
+    with pytest.raises(ValueError, match="embed/embedding"):
+        analysis.training_diagnostics({"params": {}}, counts)
