@@ -1,0 +1,140 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + ``model.safetensors`` (or sharded, with
+``model.safetensors.index.json``) for the llama, mistral, qwen2, gemma, gemma2 and gpt2 model types.
+
+    config, params = load_hf_checkpoint("path/to/SmolLM-135M")      # tied: no lm_head.weight
+    params = tieflax.model.surgery.untie(params)                   # the head becomes its own copy
+    save_hf_checkpoint("out/", config.replace(tie_embeddings=False), params)
+
+Only safetensors are read: pickled ``.bin`` / ``.pt`` weights can run arbitrary code when loaded, so
+they are refused with the command that converts them. Neither torch nor transformers is needed here;
+``safetensors`` reads and writes numpy arrays (bfloat16 through ml_dtypes).
+
+Imported parameters are unboxed (plain arrays) in ``param_dtype`` (float32 by default, for training);
+the vocabulary is padded to V_pad with zero rows, which export drops again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from tieflax.interop.hf_config import config_from_hf, config_to_hf
+from tieflax.interop.hf_weights import params_from_state, state_from_params
+from tieflax.model.config import ModelConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.ckpt")
+# Files beside the weights that a user wants to travel with them (tokenizer, generation settings).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "generation_config.json")
+
+
+class UnsafeCheckpoint(ValueError):
+    """The folder holds pickled weights only; loading pickles can execute code."""
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint folder, as a dict."""
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint folder "
+                                "(config.json + model.safetensors)")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint folder (single file or sharded), as numpy arrays by name."""
+    from safetensors.numpy import load_file
+
+    single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        state: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors = load_file(os.path.join(path, shard))
+            state.update({name: tensors[name] for name in tensors if weight_map.get(name) == shard})
+        missing = sorted(set(weight_map) - set(state))
+        if missing:
+            raise ValueError(f"{INDEX_FILE} in {path!r} lists tensors its shards do not hold: {missing[:8]}")
+        return state
+    if os.path.isfile(single):
+        return load_file(single)
+    pickles = [name for name in _PICKLE_FILES if os.path.exists(os.path.join(path, name))]
+    if pickles:
+        raise UnsafeCheckpoint(
+            f"{path!r} holds pickled weights ({', '.join(pickles)}), which tieflax refuses to load because "
+            "unpickling can run arbitrary code. Convert them once, in an environment you trust, with "
+            "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(out, "
+            "safe_serialization=True), then import `out`.")
+    raise FileNotFoundError(f"{path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+
+
+def load_hf_checkpoint(path: str, *, param_dtype: str = "float32",
+                       **config_overrides: Any) -> tuple[ModelConfig, dict]:
+    """Folder -> (``ModelConfig``, unboxed params). ``config_overrides`` set tieflax-only fields (e.g.
+    ``vocab_pad_multiple``, ``dtype``); checkpoint-defined fields come from ``config.json``."""
+    config = config_from_hf(read_hf_config(path), param_dtype=param_dtype, **config_overrides)
+    return config, params_from_state(read_safetensors(path), config)
+
+
+def save_hf_checkpoint(path: str, config: ModelConfig, params: Mapping, *, dtype: Optional[str] = None,
+                       max_shard_bytes: int = 5 * 2**30, extra_config: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Writes ``config.json`` and safetensors that ``AutoModelForCausalLM.from_pretrained(path)`` reads.
+
+    ``dtype`` ('float32', 'bfloat16', 'float16') defaults to the params' own. Above ``max_shard_bytes``
+    the weights are sharded with an index, as transformers does. ``extra_config`` adds keys to
+    ``config.json`` (token ids, for instance). Returns the files written.
+    """
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16, None: None}.get(dtype, dtype)
+    state = state_from_params(params, config, dtype=np_dtype)
+    dtype_name = dtype or str(next(iter(state.values())).dtype)
+    hf_config = {**config_to_hf(config, dtype=dtype_name), **dict(extra_config or {})}
+    os.makedirs(path, exist_ok=True)
+    written = [os.path.join(path, CONFIG_FILE)]
+    with open(written[0], "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    shards = _shard(state, max_shard_bytes)
+    metadata = {"format": "pt"}  # transformers checks this key when it loads safetensors
+    if len(shards) == 1:
+        written.append(os.path.join(path, WEIGHTS_FILE))
+        save_file(shards[0], written[-1], metadata=metadata)
+        return written
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata=metadata)
+        weight_map.update({key: name for key in shard})
+        written.append(os.path.join(path, name))
+    total = sum(x.nbytes for x in state.values())
+    written.append(os.path.join(path, INDEX_FILE))
+    with open(written[-1], "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return written
+
+
+def _shard(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+    """Greedy, in name order: a new shard starts when the next tensor would overflow this one."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(state):
+        x = state[name]
+        if shards[-1] and size + x.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    return shards
+
+
+__all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "read_hf_config", "read_safetensors", "UnsafeCheckpoint",
+           "SIDE_FILES"]
