@@ -50,7 +50,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 _TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 # tieflax fields that only concern initialisation, numerics or memory: a checkpoint does not carry them.
-_NOT_IN_CHECKPOINTS = ("vocab_pad_multiple", "init_std", "embed_init_std", "head_init_std", "head_init",
+NOT_IN_CHECKPOINTS = ("vocab_pad_multiple", "init_std", "embed_init_std", "head_init_std", "head_init",
                        "head_rng_stream", "logits_fp32", "dtype", "param_dtype", "remat")
 
 
@@ -228,7 +228,7 @@ def _int_if_whole(x: float):
 
 def _canonical(c: ModelConfig) -> dict:
     values = dataclasses.asdict(c)
-    for name in _NOT_IN_CHECKPOINTS:
+    for name in NOT_IN_CHECKPOINTS:
         values.pop(name)
     if not c.sliding_window:
         values["sliding_window_every"] = 1
