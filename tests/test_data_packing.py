@@ -78,3 +78,17 @@ def test_options_first_token_mask_and_no_document_masking():
     np.testing.assert_array_equal(row["segment_ids"], [1, 1, 1, 1, 1, 0, 0, 0])
     np.testing.assert_array_equal(row["positions"], [0, 1, 2, 3, 4, 0, 0, 0])
     np.testing.assert_array_equal(row["targets"], [5, 6, 0, 7, 0, -1, -1, -1])
+
+
+def test_batched_rows_equal_single_rows_and_minus_one_is_padding():
+    stream = make_stream([3, 1, 9, 5, 12, 2])
+    rows = PackedRows(stream, 5, EOS, predict_first_token=False)
+    ids = np.array([len(rows) - 1, 0, -1, 2])
+    batch = rows.rows(ids)
+    for r, i in enumerate(ids):
+        for k, v in batch.items():
+            assert v.shape == (4, 5) and v.dtype == np.int32
+            if i >= 0:
+                np.testing.assert_array_equal(v[r], rows[i][k], err_msg=k)
+    np.testing.assert_array_equal(batch["targets"][2], [IGNORE] * 5)
+    np.testing.assert_array_equal(batch["segment_ids"][2], [0] * 5)

@@ -17,7 +17,8 @@ Row fields, all ``[T] int32``:
 - ``positions``: offset within the segment, restarting at 0 at each segment start, 0 for padding.
 
 With ``document_masking=False`` a row is one segment (``segment_ids`` 1, ``positions`` 0..T-1), the
-GPT-2 style of attending across documents.
+GPT-2 style of attending across documents. A finite loader completes its last batch with all-padding
+rows (row index -1).
 """
 
 from __future__ import annotations
@@ -32,48 +33,53 @@ def num_rows(num_tokens: int, seq_len: int) -> int:
     return max(0, -(-(num_tokens - 1) // seq_len))
 
 
+def pack_windows(windows: np.ndarray, num_valid: np.ndarray, eos_id: int, *,
+                 document_masking: bool = True, predict_first_token: bool = True
+                 ) -> dict[str, np.ndarray]:
+    """Rows from ``windows``: ``[b, T+1]`` ids of which row ``r`` uses the first ``num_valid[r] + 1``.
+
+    ``num_valid [b]`` counts a row's real positions (``T`` for a full row, fewer for the padded last
+    row, 0 for an all-padding row). Returns ``inputs``, ``targets``, ``segment_ids``, ``positions``,
+    each ``[b, T] int32``. Vectorised over the batch: no per-row Python work.
+    """
+    windows = np.asarray(windows, dtype=np.int32)
+    b, t = windows.shape[0], windows.shape[1] - 1
+    idx = np.arange(t, dtype=np.int32)
+    valid = idx[None, :] < np.asarray(num_valid)[:, None]
+    inputs = np.where(valid, windows[:, :-1], eos_id).astype(np.int32)
+    targets = np.where(valid, windows[:, 1:], IGNORE).astype(np.int32)
+    is_eos = (inputs == eos_id) & valid
+    if document_masking:
+        starts = is_eos.copy()
+        starts[:, 0] = True
+        segment_ids = np.cumsum(starts, axis=1, dtype=np.int32)
+        positions = idx[None, :] - np.maximum.accumulate(np.where(starts, idx[None, :], 0), axis=1)
+    else:
+        segment_ids = np.ones((b, t), np.int32)
+        positions = np.broadcast_to(idx, (b, t)).copy()
+    segment_ids = np.where(valid, segment_ids, 0).astype(np.int32)
+    positions = np.where(valid, positions, 0).astype(np.int32)
+    if not predict_first_token:
+        targets[is_eos] = IGNORE
+    return {"inputs": inputs, "targets": targets, "segment_ids": segment_ids, "positions": positions}
+
+
 def pack_window(window: np.ndarray, seq_len: int, eos_id: int, *, document_masking: bool = True,
                 predict_first_token: bool = True) -> dict[str, np.ndarray]:
     """One row from ``window``: ``[n]`` ids with ``2 <= n <= seq_len + 1`` (shorter = last row, padded).
 
     Returns ``inputs``, ``targets``, ``segment_ids``, ``positions``, each ``[seq_len] int32``.
     """
-    t = seq_len
-    n = len(window) - 1  # real positions in this row
-    window = np.asarray(window, dtype=np.int32)
-    inputs = np.full(t, eos_id, np.int32)
-    targets = np.full(t, IGNORE, np.int32)
-    inputs[:n] = window[:-1]
-    targets[:n] = window[1:]
-    valid = np.arange(t) < n
-    is_eos = (inputs == eos_id) & valid
-    idx = np.arange(t, dtype=np.int32)
-    if document_masking:
-        starts = is_eos.copy()
-        starts[0] = True
-        segment_ids = np.cumsum(starts, dtype=np.int32)
-        positions = idx - np.maximum.accumulate(np.where(starts, idx, 0))
-    else:
-        segment_ids = np.ones(t, np.int32)
-        positions = idx.copy()
-    segment_ids[~valid] = 0
-    positions[~valid] = 0
-    if not predict_first_token:
-        targets[is_eos] = IGNORE
-    return {"inputs": inputs, "targets": targets, "segment_ids": segment_ids,
-            "positions": positions.astype(np.int32)}
-
-
-def padding_row(seq_len: int, eos_id: int) -> dict[str, np.ndarray]:
-    """An all-padding row (every target ignored), used to fill the last batch of a finite loader."""
-    return {"inputs": np.full(seq_len, eos_id, np.int32),
-            "targets": np.full(seq_len, IGNORE, np.int32),
-            "segment_ids": np.zeros(seq_len, np.int32),
-            "positions": np.zeros(seq_len, np.int32)}
+    n = len(window) - 1
+    padded = np.full((1, seq_len + 1), eos_id, np.int32)
+    padded[0, :n + 1] = window
+    row = pack_windows(padded, np.array([n]), eos_id, document_masking=document_masking,
+                       predict_first_token=predict_first_token)
+    return {k: v[0] for k, v in row.items()}
 
 
 class PackedRows:
-    """Random access to the packed rows of a token stream: a grain ``RandomAccessDataSource``.
+    """The packed rows of a token stream, read by row index, one at a time or a batch at a time.
 
     ``tokens`` is a 1-D integer array, usually a read-only ``np.memmap``: a row reads only its own
     ``seq_len + 1`` ids, so a host touches only the rows it loads.
@@ -94,10 +100,19 @@ class PackedRows:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if not 0 <= i < self._len:
             raise IndexError(f"row {i} out of range [0, {self._len})")
-        start = i * self.seq_len
-        window = self.tokens[start:start + self.seq_len + 1]
-        return pack_window(window, self.seq_len, self.eos_id, document_masking=self.document_masking,
-                           predict_first_token=self.predict_first_token)
+        return {k: v[0] for k, v in self.rows(np.array([i])).items()}
+
+    def rows(self, row_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """``[b]`` row indices (-1 = an all-padding row) -> a dict of ``[b, seq_len] int32``."""
+        row_ids = np.asarray(row_ids, dtype=np.int64)
+        t, n = self.seq_len, len(self.tokens)
+        starts = row_ids * t
+        # Real positions per row: a target must exist, so position j needs token start + j + 1.
+        num_valid = np.where(row_ids >= 0, np.clip(n - 1 - starts, 0, t), 0)
+        gather = np.minimum(starts[:, None] + np.arange(t + 1), n - 1)
+        windows = np.asarray(self.tokens[np.where(row_ids[:, None] >= 0, gather, 0)])
+        return pack_windows(windows, num_valid, self.eos_id, document_masking=self.document_masking,
+                            predict_first_token=self.predict_first_token)
 
     def __repr__(self) -> str:  # grain logs the source's repr; never print the token array
         return f"PackedRows(num_tokens={len(self.tokens)}, seq_len={self.seq_len}, rows={self._len})"
