@@ -8,11 +8,11 @@ the input lookup and the output head read the (possibly tied) matrix in one layo
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -30,6 +30,13 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("norm", None),
     ("layers", None),
+    # Activations (tieflax/model/layers.py BTD, BTHD, BTF): batch over (data, fsdp) as above, heads and
+    # the MLP width over 'tensor' (Megatron-style), the hidden size and the length replicated, so that an
+    # activation is never sharded twice over 'fsdp'.
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_mlp", "tensor"),
 )
 
 
@@ -48,3 +55,55 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
             f"mesh data*fsdp*tensor = {data}*{fsdp}*{tensor} = {int(np.prod(shape))} does not match "
             f"the {len(devices)} devices available; set mesh sizes whose product is {len(devices)}.")
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+    """Resolves ``config.mesh`` (``data``, ``fsdp``, ``tensor``; one of them may be -1 = "the rest").
+
+    Raises a ValueError naming ``config.mesh.<axis>`` when the sizes cannot tile ``num_devices``.
+    """
+    sizes = [int(mesh_config[a]) for a in MESH_AXES]
+    free = [a for a, n in zip(MESH_AXES, sizes) if n == -1]
+    for a, n in zip(MESH_AXES, sizes):
+        if n == 0 or n < -1:
+            raise ValueError(f"config.mesh.{a} = {n}: use a positive size, or -1 for all remaining devices.")
+    if len(free) > 1:
+        raise ValueError(f"config.mesh: only one axis may be -1, got {free}; give the others sizes.")
+    fixed = int(np.prod([n for n in sizes if n != -1]))
+    if free:
+        if num_devices % fixed:
+            raise ValueError(f"config.mesh: the fixed axes multiply to {fixed}, which does not divide the "
+                             f"{num_devices} devices; change config.mesh.{'/'.join(MESH_AXES)}.")
+        sizes[MESH_AXES.index(free[0])] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(f"config.mesh data*fsdp*tensor = {fixed} but {num_devices} devices are available; "
+                         "set one axis to -1 or make the product match.")
+    return tuple(sizes)
+
+
+def mesh_from_config(mesh_config: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The training mesh of ``config.mesh`` over ``devices`` (default: all devices of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    return make_mesh(*mesh_shape(mesh_config, len(devices)), devices=devices)
+
+
+def logical_shardings(tree: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a tree of (abstract) values boxed with logical axis names.
+
+    Boxed leaves (``nn.Partitioned`` / ``nn.LogicallyPartitioned``) map through ``LOGICAL_AXIS_RULES``;
+    plain leaves (step counters, optimizer counts) are replicated. The result has the structure of the
+    *unboxed* tree, so it can serve as ``in_shardings`` / ``out_shardings`` of an unboxed train state.
+    """
+    import flax.linen as nn  # noqa: PLC0415 (keeps `import tieflax.sharding` light)
+
+    specs = nn.get_partition_spec(tree)
+    return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[B, ...] arrays: batch over ``BATCH_AXES``, replicated over 'tensor'."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,194 @@
+"""Checkpoints and the workdir layout.
+
+A workdir holds::
+
+    config.json        the full experiment config (``tieflax eval`` and resumes read it back)
+    tokenizer.json     written by the data pipeline
+    checkpoints/<step>/state   {'step', 'params', 'opt_state'}: orbax (tensorstore / OCDBT), per-array sharded
+    checkpoints/<step>/data    the grain iterator state, one JSON per process
+    initial_params/    optional: parameters a fresh run starts from (see ``save_initial_params``)
+    metrics.jsonl, tensorboard/   see ``tieflax.metrics``
+
+Checkpoints go through ``orbax.checkpoint.CheckpointManager``: asynchronous, atomic (a step directory
+exists only once complete), ``keep`` most recent kept. Arrays restore onto whatever shardings the
+restoring run asks for, so a run saved on an ``8x1`` mesh resumes on ``2x4``.
+
+Contract for converters and notebooks:
+
+* ``save_initial_params(workdir, config, params)``: writes ``config.json`` and ``initial_params/``; a
+  later ``tieflax train --workdir workdir`` (or ``train_and_evaluate(config, workdir)``) with no
+  checkpoint yet starts from these parameters with a fresh optimizer at step 0.
+* ``load_latest_params(workdir) -> (config, params, step)``: the latest checkpoint's parameters as host
+  NumPy arrays (unboxed), or the initial parameters at step 0 when no checkpoint exists yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+INITIAL_PARAMS_DIR = "initial_params"
+ITEMS = ("state", "data")
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+def save_config(workdir: str, config: ml_collections.ConfigDict) -> str:
+    """Writes ``<workdir>/config.json`` (process 0 only) and returns its path."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+        os.replace(tmp, path)  # atomic: a reader never sees half a config
+    return path
+
+
+def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config saved in ``workdir``, completed with today's defaults for fields added since."""
+    from tieflax.config import default_config  # noqa: PLC0415
+
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a tieflax workdir (train into it "
+                                "first, or save_initial_params there).")
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    config = default_config()
+    _merge(config, saved, "config")
+    return config
+
+
+def _merge(node: ml_collections.ConfigDict, values: dict, where: str) -> None:
+    for key, value in values.items():
+        if key in node and isinstance(node[key], ml_collections.ConfigDict) and isinstance(value, dict):
+            _merge(node[key], value, f"{where}.{key}")
+        else:
+            if isinstance(value, list):
+                value = tuple(value) if isinstance(node.get(key), tuple) else value
+            with node.ignore_type():
+                node[key] = value
+
+
+# ------------------------------------------------------------------------------------------------ manager
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+
+
+def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+    """The run's manager over ``<workdir>/checkpoints`` with items ``state`` and ``data``."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=async_save)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS, options=options)
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: Any, loader) -> None:
+    """Saves the train state and the data iterator in the same step (asynchronously)."""
+    import grain  # noqa: PLC0415
+
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               data=grain.checkpoint.CheckpointSave(loader)), force=True)
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, loader) -> Any:
+    """Restores ``step`` onto the shardings of ``abstract_state`` (``jax.ShapeDtypeStruct`` leaves with
+    ``.sharding``) and the data iterator in place; returns the state."""
+    import grain  # noqa: PLC0415
+
+    out = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(loader)))
+    return out.state
+
+
+# ------------------------------------------------------------------------------------------------ params
+
+def _numpy_restore_args(metadata: Any) -> Any:
+    return jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+
+
+def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params: Any) -> str:
+    """Writes ``config.json`` and ``initial_params/`` so that training in ``workdir`` starts from ``params``.
+
+    ``params``: the model's ``params`` collection, boxed or unboxed, host NumPy or jax arrays. Its tree
+    must be the one ``TransformerLM(model_config(config))`` creates (tied: no ``lm_head``). Returns the
+    parameter directory. Call it on every process of a multi-process job (orbax coordinates the write).
+    """
+    import flax.linen as nn  # noqa: PLC0415
+
+    save_config(workdir, config)
+    path = os.path.abspath(os.path.join(workdir, INITIAL_PARAMS_DIR))
+    params = jax.tree.map(np.asarray, nn.unbox(params))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, params, force=True)
+        ckptr.wait_until_finished()
+    return path
+
+
+def has_initial_params(workdir: str) -> bool:
+    return os.path.isdir(os.path.join(workdir, INITIAL_PARAMS_DIR))
+
+
+def load_initial_params(workdir: str, abstract_params: Any | None = None) -> Any:
+    """``initial_params/`` onto ``abstract_params``' shardings, or as host NumPy when it is None."""
+    path = os.path.abspath(os.path.join(workdir, INITIAL_PARAMS_DIR))
+    with ocp.StandardCheckpointer() as ckptr:
+        if abstract_params is not None:
+            return ckptr.restore(path, abstract_params)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        meta = ckptr.metadata(path).item_metadata.tree
+        return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=_numpy_restore_args(meta)))
+
+
+def latest_step(workdir: str) -> int | None:
+    if not os.path.isdir(checkpoint_dir(workdir)):
+        return None
+    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
+        return manager.latest_step()
+
+
+def load_latest_params(workdir: str) -> tuple[ml_collections.ConfigDict, Any, int]:
+    """``(config, params, step)`` of the latest checkpoint in ``workdir``; params are host NumPy arrays.
+
+    With no checkpoint yet, returns the ``initial_params/`` at step 0. Raises FileNotFoundError when the
+    workdir has neither.
+    """
+    config = load_workdir_config(workdir)
+    step = latest_step(workdir)
+    if step is None:
+        if has_initial_params(workdir):
+            return config, load_initial_params(workdir), 0
+        raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
+    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
+        meta = manager.item_metadata(step)["state"]
+        meta = getattr(meta, "tree", meta)
+        params_meta = meta["params"]
+        restore_args = {"params": _numpy_restore_args(params_meta)}
+        # Partial restore: only the parameters are read, never the (2x larger) optimizer state.
+        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": params_meta}, restore_args=restore_args, partial_restore=True)))
+    return config, out.state["params"], step
+
+
+def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]:
+    """``(params, step)``: the latest checkpoint's parameters onto ``abstract_params``' shardings (any
+    mesh), or ``initial_params/`` at step 0. Only the parameters are read."""
+    step = latest_step(workdir)
+    if step is None:
+        if has_initial_params(workdir):
+            return load_initial_params(workdir, abstract_params), 0
+        raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
+        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
+    return out.state["params"], step

@@ -1,0 +1,59 @@
+"""Multi-process start-up: one program, many processes (TPU pod workers, SLURM tasks, local CPU processes).
+
+``initialize()`` must run before anything touches a JAX device. It calls ``jax.distributed.initialize``
+when the launch is multi-process and does nothing for a plain single-process run:
+
+* TPU pod (``launch/tpu_pod.sh``) and SLURM (``launch/slurm_gpu.sbatch``): JAX detects the cluster
+  itself; the launchers set ``TIEFLAX_DISTRIBUTED=1``.
+* Explicit (``launch/local_multiprocess.sh``, tests): ``TIEFLAX_COORDINATOR=host:port``,
+  ``TIEFLAX_NUM_PROCESSES``, ``TIEFLAX_PROCESS_ID``, or the same as arguments. On CPU the collectives
+  go over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+_ENV_COORDINATOR = "TIEFLAX_COORDINATOR"
+_ENV_NUM_PROCESSES = "TIEFLAX_NUM_PROCESSES"
+_ENV_PROCESS_ID = "TIEFLAX_PROCESS_ID"
+_ENV_AUTO = "TIEFLAX_DISTRIBUTED"
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, cpu: bool | None = None) -> bool:
+    """Joins the multi-process job described by the arguments or the environment; returns True if it did.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordinator (default ``$TIEFLAX_COORDINATOR``).
+      num_processes, process_id: default ``$TIEFLAX_NUM_PROCESSES`` / ``$TIEFLAX_PROCESS_ID``.
+      cpu: use gloo CPU collectives; default: when ``JAX_PLATFORMS`` is ``cpu``.
+    """
+    coordinator_address = coordinator_address or os.environ.get(_ENV_COORDINATOR)
+    if num_processes is None and os.environ.get(_ENV_NUM_PROCESSES):
+        num_processes = int(os.environ[_ENV_NUM_PROCESSES])
+    if process_id is None and os.environ.get(_ENV_PROCESS_ID):
+        process_id = int(os.environ[_ENV_PROCESS_ID])
+    explicit = coordinator_address is not None
+    if not explicit and os.environ.get(_ENV_AUTO, "") not in ("1", "true", "True"):
+        return False
+    if explicit and (num_processes is None or process_id is None):
+        raise ValueError(f"a coordinator address was given ({coordinator_address}) but not "
+                         f"num_processes/process_id; set ${_ENV_NUM_PROCESSES} and ${_ENV_PROCESS_ID}.")
+    if cpu is None:
+        cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
+    if cpu:
+        # CPU devices of different processes talk over gloo; without it cross-process collectives fail.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
+        jax.distributed.initialize(coordinator_address=coordinator_address,
+                                   num_processes=num_processes, process_id=process_id)
+    else:
+        jax.distributed.initialize()  # TPU pod / SLURM: JAX reads the cluster from the environment
+    return True
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0

@@ -1,0 +1,521 @@
+"""Training: ``train_and_evaluate(config, workdir)``, one readable loop in sections.
+
+    tieflax train --config configs/experiments/tiny.py --workdir /tmp/tiny     # rerun to resume
+    tieflax eval --workdir /tmp/tiny
+
+or from Python / a notebook::
+
+    from tieflax.config import load_config
+    from tieflax.train import train_and_evaluate
+    result = train_and_evaluate(load_config("configs/experiments/tiny.py"), "/tmp/tiny")
+
+The same code runs one CPU process or a pod: parameters, optimizer state and batches are laid out on a
+``(data, fsdp, tensor)`` mesh by the logical-axis rules of ``tieflax.sharding``; the loss is the fused,
+vocabulary-parallel cross-entropy from the hidden states and the (tied or untied) head matrix.
+
+Tied models are differentiated *untied*: the step applies the untied model to ``{..., embed: W,
+lm_head: W}`` (the same values twice) and sums the two gradients. That is exactly the tied gradient
+(autodiff would add the same two terms) and costs no extra matmul, and it yields the lookup and head
+contributions separately for the ``grad_norm/embed_lookup`` and ``grad_norm/embed_head`` metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tieflax import checkpoint as ckpt
+from tieflax import sharding as shd
+from tieflax.config import model_config
+from tieflax.metrics import MetricWriter, progress_bar
+from tieflax.model import ConfigError, ModelConfig, TransformerLM
+from tieflax.optim import make_optimizer
+
+log = logging.getLogger(__name__)
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
+
+
+class TrainingError(RuntimeError):
+    """Training stopped on purpose (non-finite loss, invalid labels); the message says why and what to do."""
+
+
+# ================================================================================================ checks
+
+def check_fits_mesh(config: ml_collections.ConfigDict, mc: ModelConfig, mesh_sizes: dict[str, int],
+                    process_count: int) -> None:
+    """Fails before anything compiles when the config cannot be laid out on the mesh, naming the field."""
+    t = config.train
+    data, fsdp, tensor = (mesh_sizes[a] for a in shd.MESH_AXES)
+
+    def need(ok: bool, field: str, message: str):
+        if not ok:
+            raise ConfigError(f"{field}: {message}")
+
+    need(t.grad_accum_steps >= 1, "config.train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
+    need(t.global_batch_size % t.grad_accum_steps == 0, "config.train.global_batch_size",
+         f"{t.global_batch_size} is not divisible by grad_accum_steps={t.grad_accum_steps}")
+    micro = t.global_batch_size // t.grad_accum_steps
+    need(micro % (data * fsdp) == 0, "config.train.global_batch_size",
+         f"a micro-batch of {micro} sequences (global_batch_size / grad_accum_steps) cannot be split over "
+         f"the data*fsdp = {data}*{fsdp} = {data * fsdp} batch shards; use a multiple of {data * fsdp}")
+    need(t.global_batch_size % process_count == 0, "config.train.global_batch_size",
+         f"{t.global_batch_size} is not divisible by the {process_count} processes")
+    need(mc.padded_vocab % tensor == 0, "config.model.vocab_pad_multiple",
+         f"the padded vocabulary {mc.padded_vocab} does not split over tensor={tensor} shards; use a "
+         f"vocab_pad_multiple that is a multiple of 128 * {tensor}")
+    for field, size in (("n_heads", mc.n_heads), ("n_kv_heads", mc.kv_heads), ("d_ff", mc.d_ff)):
+        need(size % tensor == 0, f"config.model.{field}",
+             f"{size} is not divisible by the tensor axis ({tensor}); lower config.mesh.tensor")
+    need(mc.d_model % fsdp == 0, "config.mesh.fsdp",
+         f"d_model={mc.d_model} is not divisible by fsdp={fsdp}")
+    need(mc.position != "learned" or t.seq_len <= mc.max_seq_len, "config.train.seq_len",
+         f"{t.seq_len} exceeds the learned position table (config.model.max_seq_len={mc.max_seq_len})")
+    need(t.num_steps >= 1, "config.train.num_steps", f"must be >= 1, got {t.num_steps}")
+    for field in ("log_every", "checkpoint_every", "eval_every", "keep_checkpoints"):
+        need(t[field] >= 1, f"config.train.{field}", f"must be >= 1, got {t[field]}")
+
+
+# ================================================================================================ model
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything the loop needs that does not change during training."""
+    model_config: ModelConfig
+    mesh: Mesh
+    model: TransformerLM          # the configured model (tied or not), on the mesh
+    grad_model: TransformerLM     # untied twin used for differentiation (== model when untied)
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: Any          # unboxed tree of NamedSharding, like the train state
+    abstract_state: Any           # unboxed tree of ShapeDtypeStruct carrying those shardings
+    init_state: Callable          # rng -> sharded train state
+    init_opt_state: Callable      # params -> sharded optimizer state (fresh start from given params)
+
+
+def _strip_boxes(tree: Any) -> Any:
+    """Removes logical-axis boxes. Unlike ``nn.unbox`` it adds no sharding constraint (the shardings are
+    set explicitly through ``out_shardings``), so it also works on abstract values."""
+    from flax.core import meta  # noqa: PLC0415
+
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Setup:
+    mc = model_config(config)
+    tied = mc.tie_embeddings
+    model = TransformerLM(mc, mesh=mesh)
+    grad_model = TransformerLM(mc.replace(tie_embeddings=False), mesh=mesh) if tied else model
+    init_model = TransformerLM(mc)  # no mesh: init is a tiny forward pass, parameters are identical
+    tx, schedule = make_optimizer(config.train)
+
+    def init_boxed(rng):
+        rngs = {"params": rng}
+        if mc.head_rng_stream != "params":
+            rngs[mc.head_rng_stream] = jax.random.fold_in(rng, 1)
+        # No logical rules during init: DenseGeneral constrains its flat kernel before reshaping it, which
+        # a rank-3 rule rejects. Init shardings come from out_shardings instead.
+        with nn.logical_axis_rules(()):
+            params = init_model.init(rngs, jnp.zeros((1, config.train.seq_len), jnp.int32))["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    abstract_boxed = jax.eval_shape(init_boxed, jax.random.key(0))
+    shardings = shd.logical_shardings(abstract_boxed, mesh)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            _strip_boxes(abstract_boxed), shardings)
+    init_state = jax.jit(lambda rng: _strip_boxes(init_boxed(rng)), out_shardings=shardings)
+    init_opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])
+    return Setup(mc, mesh, model, grad_model, tx, schedule, shardings, abstract, init_state, init_opt_state)
+
+
+# ================================================================================================ update
+
+def _untied_view(params: dict) -> dict:
+    """Tied params -> the untied tree with the same matrix twice (no copy: both leaves are one array)."""
+    return {**params, "lm_head": {"embedding": params["embed"]["embedding"]}}
+
+
+def _loss_options(c: ml_collections.ConfigDict, *, train: bool) -> dict:
+    return dict(z_loss=c.z_loss if train else 0.0, label_smoothing=c.label_smoothing if train else 0.0,
+                token_block=c.loss_token_block, vocab_block=c.loss_vocab_block)
+
+
+def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
+    """(state, batch) -> (state, metrics); jitted with shardings, the state donated.
+
+    batch: ``{inputs, targets, segment_ids, positions}`` [B, T] int32, B = global batch, sharded over
+    (data, fsdp). The loss is the mean over targets >= 0 of the whole batch (micro-batches included),
+    plus z-loss. A step whose loss or gradient is not finite, or whose labels are out of vocabulary,
+    leaves the state unchanged and raises a flag the loop checks at log and checkpoint steps.
+    """
+    c = config.train
+    tied = s.model_config.tie_embeddings
+    accum = c.grad_accum_steps
+    options = _loss_options(c, train=True)
+    mesh = s.mesh
+
+    def micro_loss(gparams, mb, n_tokens):
+        loss, aux = s.grad_model.apply({"params": gparams}, mb["inputs"], mb["targets"], mb["positions"],
+                                       mb["segment_ids"], method=TransformerLM.loss, **options)
+        valid = (mb["targets"] >= 0) & (mb["targets"] < s.model_config.vocab_size)
+        stats = dict(z_loss=aux["z_loss"].sum(), correct=(aux["correct"] & valid).sum(),
+                     invalid_labels=aux["invalid_label_count"])
+        return loss.sum() / n_tokens, stats
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state, batch):
+        params = state["params"]
+        gparams = _untied_view(params) if tied else params
+        n_tokens = jnp.maximum((batch["targets"] >= 0).sum(), 1).astype(jnp.float32)
+        if accum == 1:
+            (loss, stats), grads = grad_fn(gparams, batch, n_tokens)
+        else:
+            # Micro-batch k takes rows k, k + accum, ...: every device holds an equal share of each one,
+            # so the split needs no data movement.
+            def split(x):
+                x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, shd.BATCH_AXES)))
+
+            def body(carry, mb):
+                (l, st), g = grad_fn(gparams, mb, n_tokens)
+                acc_l, acc_st, acc_g = carry
+                return (acc_l + l, jax.tree.map(jnp.add, acc_st, st), jax.tree.map(jnp.add, acc_g, g)), None
+
+            zeros = (jnp.zeros((), jnp.float32),
+                     dict(z_loss=jnp.zeros((), jnp.float32), correct=jnp.zeros((), jnp.int32),
+                          invalid_labels=jnp.zeros((), jnp.int32)),
+                     jax.tree.map(jnp.zeros_like, gparams))
+            (loss, stats, grads), _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+
+        metrics = {}
+        if tied:
+            g_lookup, g_head = grads["embed"]["embedding"], grads["lm_head"]["embedding"]
+            grads = {k: v for k, v in grads.items() if k != "lm_head"}
+            grads["embed"] = {**grads["embed"], "embedding": g_lookup + g_head}
+            metrics["grad_norm/embed_lookup"] = optax.global_norm(g_lookup)
+            metrics["grad_norm/embed_head"] = optax.global_norm(g_head)
+            metrics["grad_norm/embed"] = optax.global_norm(grads["embed"]["embedding"])
+        else:
+            metrics["grad_norm/embed_in"] = optax.global_norm(grads["embed"]["embedding"])
+            metrics["grad_norm/head_out"] = optax.global_norm(grads["lm_head"]["embedding"])
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = s.tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (stats["invalid_labels"] == 0)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+                     "opt_state": keep(opt_state, state["opt_state"])}
+        z = stats["z_loss"] / n_tokens
+        metrics.update({
+            "loss": loss, "ce_loss": loss - z, "z_loss": z, "accuracy": stats["correct"] / n_tokens,
+            "grad_norm": grad_norm, "param_norm": optax.global_norm(params),
+            "learning_rate": s.schedule(state["step"]), "tokens": n_tokens,
+            "invalid_labels": stats["invalid_labels"], "nonfinite": (~ok & (stats["invalid_labels"] == 0)),
+        })
+        return new_state, metrics
+
+    batch_shardings = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(s.state_shardings, batch_shardings),
+                   out_shardings=(s.state_shardings, shd.replicated(mesh)), donate_argnums=(0,))
+
+
+# ================================================================================================ evals
+
+def make_eval_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
+    """(params, batch) -> {loss_sum, tokens, correct}: plain cross-entropy (no z-loss, no smoothing)."""
+    options = _loss_options(config.train, train=False)
+
+    def step(params, batch):
+        loss, aux = s.model.apply({"params": params}, batch["inputs"], batch["targets"], batch["positions"],
+                                  batch["segment_ids"], method=TransformerLM.loss, **options)
+        valid = (batch["targets"] >= 0) & (batch["targets"] < s.model_config.vocab_size)
+        return {"loss_sum": loss.sum(), "tokens": valid.sum(), "correct": (aux["correct"] & valid).sum(),
+                "invalid_labels": aux["invalid_label_count"]}
+
+    batch_shardings = {k: shd.batch_sharding(s.mesh) for k in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(s.state_shardings["params"], batch_shardings),
+                   out_shardings=shd.replicated(s.mesh))
+
+
+def run_eval(eval_step: Callable, params: Any, prepared, config: ml_collections.ConfigDict,
+             mesh: Mesh) -> dict[str, float]:
+    """Mean validation cross-entropy over ``config.train.eval_batches`` batches (0 = the whole split)."""
+    from tieflax.data import make_loader, to_global_batch  # noqa: PLC0415
+
+    t = config.train
+    loader = make_loader(prepared, "val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                         seed=config.seed, shuffle=False, num_epochs=1)
+    totals = {"loss_sum": 0.0, "tokens": 0, "correct": 0, "invalid_labels": 0}
+    outs = []
+    for i, batch in enumerate(loader):
+        if t.eval_batches and i >= t.eval_batches:
+            break
+        outs.append(eval_step(params, to_global_batch(batch, mesh)))
+    for out in jax.device_get(outs):
+        for k in totals:
+            totals[k] += out[k]
+    if totals["invalid_labels"]:
+        raise TrainingError(f"validation data has {totals['invalid_labels']} labels >= config.model."
+                            f"vocab_size={config.model.vocab_size}; the tokenizer and the model disagree.")
+    n = max(int(totals["tokens"]), 1)
+    loss = float(totals["loss_sum"]) / n
+    return {"loss": loss, "perplexity": _perplexity(loss), "accuracy": totals["correct"] / n, "tokens": n}
+
+
+def _perplexity(loss: float) -> float:
+    return float(math.exp(min(loss, 700.0)))
+
+
+# ================================================================================================ helpers
+
+class _StopSignal:
+    """Records SIGTERM so the loop can finish the step, checkpoint and exit cleanly; restores on close."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def close(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _stop_everywhere(local: bool) -> bool:
+    """True if any process saw SIGTERM (all processes must stop at the same step)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+
+
+def _summarise(buffer: list[dict]) -> dict[str, float]:
+    """Means of a log interval's per-step metrics (counts summed); fetched from device in one transfer."""
+    rows = jax.device_get(buffer)
+    out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+    out["invalid_labels"] = float(sum(r["invalid_labels"] for r in rows))
+    out["nonfinite"] = float(sum(r["nonfinite"] for r in rows))
+    out["perplexity"] = _perplexity(out["ce_loss"])
+    return out
+
+
+def _diagnostics_fn():
+    """``tieflax.analysis.training_diagnostics`` when that module provides it, else None."""
+    try:
+        from tieflax import analysis  # noqa: PLC0415
+
+        return getattr(analysis, "training_diagnostics", None)
+    except ImportError:
+        return None
+
+
+def _check_resume_matches(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Resuming with a different model would fail deep inside orbax; say so plainly instead."""
+    path = os.path.join(workdir, ckpt.CONFIG_FILE)
+    if not os.path.isfile(path):
+        return
+    saved = model_config(ckpt.load_workdir_config(workdir))
+    mine = model_config(config)
+    if saved != mine:
+        diff = {f.name: (getattr(saved, f.name), getattr(mine, f.name)) for f in dataclasses.fields(mine)
+                if getattr(saved, f.name) != getattr(mine, f.name)}
+        raise ConfigError(f"{workdir} holds a run of a different model (saved, now): {diff}; use a fresh "
+                          "--workdir or the saved config.")
+
+
+def setup_mesh(config: ml_collections.ConfigDict) -> Mesh:
+    mesh = shd.mesh_from_config(config.mesh)
+    check_fits_mesh(config, model_config(config), dict(mesh.shape), jax.process_count())
+    return mesh
+
+
+# ================================================================================================ the run
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates.
+
+    Returns ``{'step', 'final_train_loss', 'final_train_perplexity', 'final_val_loss',
+    'final_val_perplexity', 'params': {...counts...}, 'tokens_per_second', 'metrics_path', 'workdir',
+    'preempted'}``. Raises ``ConfigError`` before compiling when the config does not fit the mesh, and
+    ``TrainingError`` on a non-finite loss or invalid labels (the last good checkpoint is kept).
+    """
+    from tieflax.analysis.params import param_report  # noqa: PLC0415
+    from tieflax.data import make_loader, prepare_dataset, to_global_batch  # noqa: PLC0415
+
+    t = config.train
+    is_main = jax.process_index() == 0
+    workdir = os.path.abspath(workdir)
+
+    # ---------------------------------------------------------------------------------------- mesh
+    mc = model_config(config)
+    report = param_report(mc).as_dict()
+    mesh = setup_mesh(config)
+    _check_resume_matches(workdir, config)
+
+    # ---------------------------------------------------------------------------------------- input
+    prepared = prepare_dataset(config.data, workdir, vocab_size=mc.vocab_size)
+    tokenizer_path = os.path.join(workdir, "tokenizer.json")
+    if is_main and prepared.tokenizer is not None and not os.path.exists(tokenizer_path):
+        prepared.tokenizer.save(tokenizer_path)
+    ckpt.save_config(workdir, config)
+    train_loader = make_loader(prepared, "train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                               seed=config.seed)
+
+    # ------------------------------------------------------------------------- model, sharding, update
+    # The rules context maps logical names of parameters; there is deliberately no `jax.set_mesh`
+    # context: under one, flax's apply-time shape check re-runs DenseGeneral's kernel initializer, which
+    # constrains the flat 2-D kernel with a 3-D logical spec and fails. Without it the activations'
+    # logical constraints are no-ops and XLA propagates the parameter and batch shardings.
+    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+        s = build(config, mesh)
+        train_step = make_train_step(config, s)
+        eval_step = make_eval_step(config, s)
+
+        # ------------------------------------------------------------------------------ checkpoint
+        manager = ckpt.make_manager(workdir, keep=t.keep_checkpoints)
+        start = manager.latest_step()
+        if start is not None:
+            state = ckpt.restore(manager, start, s.abstract_state, train_loader)
+            log.info("resumed from step %d", start)
+        elif ckpt.has_initial_params(workdir):
+            params = ckpt.load_initial_params(workdir, s.abstract_state["params"])
+            state = {"step": jax.device_put(jnp.zeros((), jnp.int32), s.state_shardings["step"]),
+                     "params": params, "opt_state": s.init_opt_state(params)}
+            start = 0
+        else:
+            state = s.init_state(jax.random.key(config.seed))
+            start = 0
+
+        writer = MetricWriter(workdir, enabled=is_main)
+        stop = _StopSignal()
+        diagnostics = _diagnostics_fn() if t.analyze_every else None
+        if is_main and start == 0:
+            writer.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
+
+        # ------------------------------------------------------------------------------------ loop
+        buffer: list[dict] = []
+        last = {"loss": float("nan"), "ce_loss": float("nan")}
+        val = None
+        preempted = False
+        timing = {"t0": None, "tokens": 0.0, "seconds": 0.0}
+        bar = progress_bar(t.num_steps, start, enabled=is_main)
+        step = start
+
+        def health_check(summary: dict, at_step: int):
+            if summary["invalid_labels"]:
+                raise TrainingError(
+                    f"step {at_step}: {int(summary['invalid_labels'])} target labels are >= config.model."
+                    f"vocab_size={mc.vocab_size}; the data's tokenizer and the model disagree. Last good "
+                    f"checkpoint: {manager.latest_step()}.")
+            if summary["nonfinite"]:
+                raise TrainingError(
+                    f"step {at_step}: the loss or gradient became NaN/Inf (last logged loss "
+                    f"{summary['loss']}). Training stopped; the last good checkpoint is step "
+                    f"{manager.latest_step()}. Lower config.train.learning_rate, raise warmup_steps or "
+                    "set config.train.z_loss.")
+
+        def flush(at_step: int) -> dict:
+            nonlocal buffer
+            now = time.perf_counter()
+            summary = _summarise(buffer)
+            if timing["t0"] is not None:  # the first interval includes compilation: not a throughput
+                timing["seconds"] += now - timing["t0"]
+                timing["tokens"] += len(buffer) * t.global_batch_size * t.seq_len
+                summary["tokens_per_second"] = len(buffer) * t.global_batch_size * t.seq_len / (now - timing["t0"])
+            timing["t0"] = now
+            buffer = []
+            health_check(summary, at_step)
+            writer.write(at_step, {k: v for k, v in summary.items() if k != "tokens"})
+            bar.set_postfix(loss=f"{summary['loss']:.3f}")
+            return summary
+
+        try:
+            while step < t.num_steps:
+                batch = to_global_batch(next(train_loader), mesh)
+                state, metrics = train_step(state, batch)
+                buffer.append(metrics)
+                step += 1
+                bar.update(1)
+                at_log = step % t.log_every == 0 or step == t.num_steps
+                at_ckpt = step % t.checkpoint_every == 0 or step == t.num_steps
+                if jax.process_count() == 1 or at_log:
+                    preempted = _stop_everywhere(stop.requested)
+                if at_log or at_ckpt or preempted:
+                    last = flush(step)  # also the health check: never checkpoint a bad state
+                if at_ckpt or preempted:
+                    ckpt.save(manager, step, state, train_loader)
+                if diagnostics is not None and step % t.analyze_every == 0:
+                    writer.write(step, diagnostics(state["params"], prepared.token_counts), split="diag")
+                if step % t.eval_every == 0 or step == t.num_steps:
+                    val = run_eval(eval_step, state["params"], prepared, config, mesh)
+                    writer.write(step, val, split="val")
+                if preempted:
+                    log.warning("SIGTERM: saved checkpoint %d and stopping", step)
+                    if is_main:
+                        print(f"tieflax: SIGTERM received; checkpoint saved at step {step}; exiting.",
+                              flush=True)
+                    break
+        finally:
+            manager.wait_until_finished()
+            manager.close()
+            bar.close()
+            writer.close()
+            stop.close()
+
+        if val is None and not preempted:
+            val = run_eval(eval_step, state["params"], prepared, config, mesh)
+
+    tokens_per_second = timing["tokens"] / timing["seconds"] if timing["seconds"] else float("nan")
+    return {
+        "step": step,
+        "final_train_loss": last["ce_loss"],
+        "final_train_perplexity": _perplexity(last["ce_loss"]),
+        "final_val_loss": val["loss"] if val else float("nan"),
+        "final_val_perplexity": val["perplexity"] if val else float("nan"),
+        "params": report,
+        "tokens_per_second": tokens_per_second,
+        "metrics_path": writer.path,
+        "workdir": workdir,
+        "preempted": preempted,
+    }
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Validation loss and perplexity of ``workdir``'s latest checkpoint, on ``config``'s mesh.
+
+    The mesh may differ from the one the run trained on: parameters restore onto this run's shardings.
+    Returns ``{'step', 'loss', 'perplexity', 'accuracy', 'tokens'}``.
+    """
+    from tieflax.data import prepare_dataset  # noqa: PLC0415
+
+    mc = model_config(config)
+    mesh = setup_mesh(config)
+    prepared = prepare_dataset(config.data, workdir, vocab_size=mc.vocab_size)
+    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):  # no mesh context: see train_and_evaluate
+        s = build(config, mesh)
+        params, step = ckpt.restore_latest_params(workdir, s.abstract_state["params"])
+        out = run_eval(make_eval_step(config, s), params, prepared, config, mesh)
+    return {"step": step, **out}
