@@ -9,6 +9,7 @@ sum is exactly the tied gradient (``tests/test_model.py`` checks this).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -28,20 +29,28 @@ def split_embedding_gradients(model_config, params: dict, batch: dict,
     For a tied model the two arrays sum to its gradient; for an untied one they are the gradients of
     ``embed`` and ``lm_head``.
     """
-    from tieflax.model import TransformerLM
     from tieflax.model.surgery import is_tied, untie
 
     split = untie(params) if is_tied(params) else params
-    model = TransformerLM(model_config.replace(tie_embeddings=False, head_init="normal"))
+    grads = _grad_fn(model_config.replace(tie_embeddings=False, head_init="normal"),
+                     tuple(sorted(loss_options.items())))(split, batch)
+    return nn_unbox(grads["embed"]["embedding"]), nn_unbox(grads["lm_head"]["embedding"])
 
-    def loss_fn(p):
+
+@functools.lru_cache(maxsize=16)
+def _grad_fn(untied_config, loss_options: tuple):
+    """One jitted gradient per (config, loss options): analysing many checkpoints compiles once."""
+    from tieflax.model import TransformerLM
+
+    model = TransformerLM(untied_config)
+
+    def loss_fn(p, batch):
         loss, _ = model.apply({"params": p}, batch["inputs"], batch["targets"], batch.get("positions"),
-                              batch.get("segment_ids"), method=TransformerLM.loss, **loss_options)
+                              batch.get("segment_ids"), method=TransformerLM.loss, **dict(loss_options))
         n = jnp.maximum(jnp.sum(batch["targets"] >= 0), 1)
         return loss.sum() / n
 
-    grads = jax.jit(jax.grad(loss_fn))(split)
-    return nn_unbox(grads["embed"]["embedding"]), nn_unbox(grads["lm_head"]["embedding"])
+    return jax.jit(jax.grad(loss_fn))
 
 
 def nn_unbox(x):

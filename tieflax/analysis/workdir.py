@@ -1,0 +1,206 @@
+"""Diagnostics of a trained run: any checkpoint of a workdir, with its data's token counts and batches.
+
+``analyze_workdir(workdir)`` is what ``tieflax analyze`` runs: it reads the latest (or a given)
+checkpoint's parameters, the unigram counts of the run's train split, one train batch (for the gradient
+split) and a few validation batches (for the softmax statistics), and returns every diagnostic.
+Everything runs on the host's default device without a mesh: analysis models are small enough, and for
+pod-sized ones ``max_rows`` bounds the pairwise and spectral work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from tieflax.analysis.diagnostics import embedding_diagnostics
+from tieflax.analysis.frequency import as_matrix
+from tieflax.analysis.geometry import pairwise_cosines, row_cosines
+from tieflax.analysis.gradients import split_embedding_gradients
+from tieflax.analysis.softmax import softmax_diagnostics, softmax_statistics
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def checkpoint_steps(workdir: str) -> list[int]:
+    """Steps with a complete checkpoint in ``workdir`` (ascending; empty when none)."""
+    from tieflax import checkpoint as ckpt
+
+    if not os.path.isdir(ckpt.checkpoint_dir(workdir)):
+        return []
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(ckpt.checkpoint_dir(workdir), item_names=ckpt.ITEMS) as manager:
+        return sorted(manager.all_steps())
+
+
+def load_params_at(workdir: str, step: int | None = None) -> tuple[Any, dict, int]:
+    """``(config, params, step)`` of checkpoint ``step`` (latest when None); params as host NumPy arrays.
+
+    Only the parameters are read (a partial restore of the ``state`` item), never the optimizer state.
+    """
+    import orbax.checkpoint as ocp
+
+    from tieflax import checkpoint as ckpt
+
+    steps = checkpoint_steps(workdir)
+    if not steps:
+        raise FileNotFoundError(f"{workdir!r} has no checkpoint; train first (tieflax train --workdir ...)")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; it has steps {steps}")
+    config = ckpt.load_workdir_config(workdir)
+    path = os.path.join(ckpt.checkpoint_dir(workdir), str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    meta = checkpointer.metadata(path)
+    tree = getattr(meta, "item_metadata", None) or meta
+    params_meta = getattr(tree, "tree", tree)["params"]
+    restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), params_meta)
+    out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item={"params": params_meta}, restore_args={"params": restore_args}, partial_restore=True))
+    return config, out["params"], step
+
+
+# --------------------------------------------------------------------------------------------- batches
+def analysis_data(config, workdir: str, n_val_batches: int = 2) -> dict:
+    """``{'token_counts' [V] int64, 'train_batch', 'val_batches'}`` for the run's data, as host NumPy.
+
+    The train batch is the first of the run's own shuffle (seed ``config.seed``): the same batch for every
+    checkpoint and every variant of a comparison, so their gradients are comparable.
+    """
+    from tieflax.data import make_loader, prepare_dataset
+
+    t = config.train
+    prepared = prepare_dataset(config.data, workdir, vocab_size=config.model.vocab_size)
+    train = make_loader(prepared, "train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                        seed=config.seed)
+    train_batch = dict(next(iter(train)))
+    val = make_loader(prepared, "val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                      seed=config.seed, shuffle=False, num_epochs=1)
+    val_batches = []
+    for batch in val:
+        if len(val_batches) >= n_val_batches:
+            break
+        val_batches.append(dict(batch))
+    return dict(token_counts=np.asarray(prepared.token_counts), train_batch=train_batch,
+                val_batches=val_batches, data_dir=str(prepared.data_dir))
+
+
+# ------------------------------------------------------------------------------------------- analysis
+def _features_fn(model_config):
+    from tieflax.model import TransformerLM
+
+    model = TransformerLM(model_config)
+    return jax.jit(lambda p, b: model.apply({"params": p}, b["inputs"], b.get("positions"),
+                                            b.get("segment_ids"), method=TransformerLM.features))
+
+
+def softmax_analysis(model_config, params: dict, batches: list[dict], token_counts,
+                     n_buckets: int = 4) -> dict:
+    """:func:`softmax_diagnostics` over ``batches`` (targets < 0 excluded from the per-token numbers)."""
+    from tieflax.model import head_loss_kwargs
+
+    if not batches:
+        raise ValueError("softmax_analysis needs at least one batch; the validation split is empty")
+    kw = head_loss_kwargs(model_config)
+    features = _features_fn(model_config)
+    lses, probs, targets = [], [], []
+    for b in batches:
+        hidden, weight, bias = features(params, b)
+        lse, mean_prob = softmax_statistics(hidden, weight, vocab_size=model_config.vocab_size,
+                                            logit_scale=kw["logit_scale"], softcap=kw["softcap"], bias=bias)
+        t = np.asarray(b["targets"]).reshape(-1)
+        lses.append(lse[t >= 0])
+        targets.append(t[t >= 0])
+        probs.append(mean_prob * len(lse))
+    total = sum(len(x) for x in lses)
+    # Mean probability over every position of the batches (a position's distribution exists whether or
+    # not its target is scored).
+    mean_prob = np.sum(probs, axis=0) / sum(np.asarray(b["targets"]).size for b in batches)
+    out = softmax_diagnostics(np.concatenate(lses), mean_prob, token_counts, np.concatenate(targets),
+                              n_buckets)
+    out["tokens"] = int(total)
+    return out
+
+
+def analyze_params(model_config, params: dict, token_counts, *, train_batch: dict | None = None,
+                   val_batches: list[dict] | None = None, loss_options: dict | None = None,
+                   n_buckets: int = 4, max_rows: int | None = 2048, seed: int = 0,
+                   with_arrays: bool = False) -> dict:
+    """Every diagnostic of one set of parameters, nested (see :func:`embedding_diagnostics`), plus
+    ``softmax`` (when ``val_batches``) and ``gradient`` (when ``train_batch``: the split gradient of that
+    batch's mean loss). ``with_arrays`` adds ``arrays``: per-row data for plots (norms, counts, sampled
+    pairwise cosines, row cosines of W_in and W_out), as lists.
+    """
+    counts = np.asarray(token_counts)
+    lookup = head = None
+    if train_batch is not None:
+        lookup, head = split_embedding_gradients(model_config, params, train_batch, **(loss_options or {}))
+    out = embedding_diagnostics(params, counts, lookup_grad=lookup, head_grad=head, n_buckets=n_buckets,
+                                max_rows=max_rows, seed=seed)
+    if val_batches:
+        out["softmax"] = softmax_analysis(model_config, params, val_batches, counts, n_buckets)
+    if with_arrays:
+        v = counts.size
+        w_in = params["embed"]["embedding"]
+        w_out = params["lm_head"]["embedding"] if "lm_head" in params else w_in
+        arrays = dict(counts=counts.tolist(),
+                      norm_input=np.linalg.norm(as_matrix(w_in, v), axis=1).tolist(),
+                      norm_output=np.linalg.norm(as_matrix(w_out, v), axis=1).tolist(),
+                      cos_input=pairwise_cosines(w_in, v, min(max_rows or 1000, 1000), seed).tolist(),
+                      cos_output=pairwise_cosines(w_out, v, min(max_rows or 1000, 1000), seed).tolist())
+        if "lm_head" in params:
+            arrays["row_cos_in_out"] = row_cosines(w_in, w_out, v).tolist()
+        if lookup is not None:
+            gl, gh = as_matrix(lookup, v), as_matrix(head, v)
+            arrays["grad_norm_lookup"] = np.linalg.norm(gl, axis=1).tolist()
+            arrays["grad_norm_head"] = np.linalg.norm(gh, axis=1).tolist()
+        out["arrays"] = arrays
+    return out
+
+
+def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int = 2, n_buckets: int = 4,
+                    max_rows: int | None = 2048, out_dir: str | None = None, plots: bool = True) -> dict:
+    """Diagnostics of ``workdir``'s checkpoint ``step`` (latest when None), written as JSON (and PNGs).
+
+    Writes ``<out_dir or workdir/analysis>/step_<step>.json`` (without the per-row arrays) and, with
+    ``plots``, ``step_<step>_norm_vs_frequency.png`` and ``step_<step>_cosines.png``. Returns the
+    dict, with arrays, and ``paths``.
+    """
+    from tieflax.config import model_config as to_model_config
+
+    config, params, step = load_params_at(workdir, step)
+    mc = to_model_config(config)
+    data = analysis_data(config, workdir, n_val_batches)
+    result = analyze_params(mc, params, data["token_counts"], train_batch=data["train_batch"],
+                            val_batches=data["val_batches"], loss_options=_analysis_loss_options(config),
+                            n_buckets=n_buckets, max_rows=max_rows, with_arrays=True)
+    result.update(step=int(step), workdir=os.path.abspath(workdir), data_dir=data["data_dir"])
+    out_dir = out_dir or os.path.join(workdir, "analysis")
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, f"step_{step}.json")}
+    with open(paths["json"], "w", encoding="utf-8") as f:
+        json.dump(without_arrays(result), f, indent=1, default=float)
+    if plots:
+        from tieflax.analysis import plots as plotting
+
+        name = "tied" if result["tied"] else "untied"
+        paths["norm_vs_frequency"] = plotting.norm_vs_frequency(
+            {name: result}, os.path.join(out_dir, f"step_{step}_norm_vs_frequency.png"))
+        paths["cosines"] = plotting.cosine_histograms(
+            {name: result}, os.path.join(out_dir, f"step_{step}_cosines.png"))
+    result["paths"] = paths
+    return result
+
+
+def _analysis_loss_options(config) -> dict:
+    """The training loss's block sizes (and z-loss / smoothing), so the gradient is the trained one's."""
+    t = config.train
+    return dict(z_loss=t.z_loss, label_smoothing=t.label_smoothing, token_block=t.loss_token_block,
+                vocab_block=t.loss_vocab_block)
+
+
+def without_arrays(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "arrays"}
