@@ -164,7 +164,7 @@ def test_documented_recoveries_replace_bytes_and_split_on(tmp_path):
     c.files.errors = "replace"
     docs = load_documents(c)
     assert "hello \ufffd world" in [d.text for d in docs] and len(docs) == 4
-    c.files.paths = [str(root / "doc00.txt")]
+    c.files.paths = str(root / "doc00.txt")  # one string works as well as a list
     c.files.split_on = "\n"
     assert len(load_documents(c)) == (root / "doc00.txt").read_text().count("\n") + 1
 

@@ -31,7 +31,8 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.python_stdlib.max_files = 0  # 0 = every file; files are taken in sorted path order
 
     c.files = ml_collections.ConfigDict()
-    c.files.paths = []  # paths or globs ('**' recurses)
+    # Paths or globs ('**' recurses): a list, or one string (handy on the command line).
+    c.files.paths = ml_collections.FieldReference([], field_type=object)
     c.files.encoding = "utf-8"
     # 'strict' makes undecodable bytes an error naming the file and offset; 'replace' keeps going with
     # U+FFFD in their place (the count of replaced characters is logged, never silently dropped).
@@ -91,7 +92,7 @@ def validate_data_config(c: ml_collections.ConfigDict) -> None:
         raise DataError(f"data.source = {c.source!r} is not one of {SOURCES}.")
     if not 0.0 < c.val_fraction < 1.0:
         raise DataError(f"data.val_fraction = {c.val_fraction} must lie strictly between 0 and 1.")
-    if c.source == "files" and not list(c.files.paths):
+    if c.source == "files" and not c.files.paths:
         raise DataError("data.source = 'files' but data.files.paths is empty: list your text files "
                         "or globs, e.g. data.files.paths = ['corpus/*.txt'].")
     if c.source == "hf" and not c.hf.path:

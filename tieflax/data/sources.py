@@ -138,7 +138,8 @@ def read_text_file(path: Path, encoding: str = "utf-8", errors: str = "strict") 
 def file_documents(c: ml_collections.ConfigDict) -> list[Document]:
     """Local text files: one document per file, or per ``data.files.split_on`` piece of each file."""
     docs = []
-    for path in expand_paths(list(c.files.paths)):
+    paths = c.files.paths
+    for path in expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths)):
         text = read_text_file(path, c.files.encoding, c.files.errors)
         if not c.files.split_on:
             docs.append(Document(str(path), text))
