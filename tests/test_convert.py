@@ -1,0 +1,135 @@
+"""``tieflax convert`` end to end: import a tied HF model, untie it, train it, export it, tie it back.
+
+One chain of workdirs is built once per module (import -> untie -> train a few steps) and each test checks
+one link of it. Training uses the real trainer on a small pre-tokenised corpus of counting sequences,
+which a tiny model learns within a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+import jax.numpy as jnp  # noqa: E402
+
+from tieflax import checkpoint as ckpt  # noqa: E402
+from tieflax.cli import main  # noqa: E402
+from tieflax.commands.convert import load_latest_params  # noqa: E402
+from tieflax.config import model_config  # noqa: E402
+from tieflax.model import TransformerLM  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+V, STEPS = 100, 8
+TRAIN = ["--config.data.source=tokens", "--config.data.tokens.vocab_size=100", "--config.data.tokens.eos_id=0",
+         "--config.train.seq_len=16", "--config.train.global_batch_size=8", f"--config.train.num_steps={STEPS}",
+         "--config.train.warmup_steps=1", "--config.train.learning_rate=0.01", "--config.train.log_every=1",
+         "--config.train.eval_every=1000", "--config.train.eval_batches=1", "--config.train.weight_decay=0.0",
+         "--config.train.checkpoint_every=1000", "--config.train.loss_token_block=64",
+         "--config.train.loss_vocab_block=128"]
+
+
+def _counting_corpus(path: str) -> str:
+    """EOS-separated documents that count upwards (mod 99) from a random start: easy to learn."""
+    rng = np.random.default_rng(0)
+    docs = [np.concatenate([[0], (rng.integers(0, 99) + np.arange(40)) % 99 + 1]) for _ in range(200)]
+    np.save(path, np.concatenate(docs + [[0]]).astype(np.uint16))
+    return path
+
+
+def _params(workdir):
+    return load_latest_params(workdir)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """Folders: hf (tied llama), imported, untied (trained STEPS steps), hf_out (exported)."""
+    from tieflax.train import train_and_evaluate
+
+    root = tmp_path_factory.mktemp("convert")
+    d = {k: str(root / k) for k in ("hf", "imported", "untied", "hf_out")}
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.save_pretrained(d["hf"])
+    corpus = _counting_corpus(str(root / "corpus.npy"))
+    assert main(["convert", "--from-hf", d["hf"], "--workdir", d["imported"]]) == 0
+    d["untie_initial"] = _params(d["imported"])[1]
+    assert main(["convert", "--untie", "--workdir", d["imported"], "--out", d["untied"],
+                 f"--config.data.tokens.train_path={corpus}", *TRAIN]) == 0
+    d["untied_initial"] = _params(d["untied"])[1]
+    d["result"] = train_and_evaluate(ckpt.load_workdir_config(d["untied"]), d["untied"])
+    assert main(["convert", "--to-hf", "--workdir", d["untied"], "--out", d["hf_out"]]) == 0
+    return d
+
+
+def test_import_keeps_the_tie(chain):
+    config, params, step = _params(chain["imported"])
+    assert step == 0 and config.model.tie_embeddings and "lm_head" not in params
+    assert os.path.isfile(os.path.join(chain["imported"], "hf_files", "generation_config.json"))
+
+
+def test_untie_copies_the_embedding(chain):
+    params = chain["untied_initial"]
+    np.testing.assert_array_equal(params["lm_head"]["embedding"], params["embed"]["embedding"])
+    np.testing.assert_array_equal(params["embed"]["embedding"], chain["untie_initial"]["embed"]["embedding"])
+    with open(os.path.join(chain["untied"], "surgery.json")) as f:
+        assert json.load(f)["action"] == "untie"
+
+
+def test_untied_training_diverges_the_matrices_and_lowers_the_loss(chain):
+    config, params, step = _params(chain["untied"])
+    assert step == STEPS and not config.model.tie_embeddings
+    w_in, w_out = (np.asarray(params[k]["embedding"][:V], np.float64) for k in ("embed", "lm_head"))
+    assert np.linalg.norm(w_in - w_out) / np.linalg.norm(w_in) > 1e-3  # they now train separately
+    with open(chain["result"]["metrics_path"]) as f:
+        losses = [row["ce_loss"] for row in map(json.loads, f) if row["split"] == "train"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_trained_export_matches_tieflax_in_transformers(chain):
+    config, params, _ = _params(chain["untied"])
+    tokens = np.random.default_rng(1).integers(0, V, (2, 10))
+    mine = np.asarray(TransformerLM(model_config(config)).apply({"params": params}, jnp.asarray(tokens)))[..., :V]
+    model = transformers.AutoModelForCausalLM.from_pretrained(chain["hf_out"], attn_implementation="eager").eval()
+    assert not model.config.tie_word_embeddings
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(mine, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("source", ["input", "output", "mean"])
+def test_tie_reports_what_was_discarded(chain, tmp_path, capsys, source):
+    out = str(tmp_path / "tied")
+    assert main(["convert", "--tie", source, "--workdir", chain["untied"], "--out", out]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"] == source and report["relative_distance_in_out"] > 1e-3
+    assert report["discarded"] == {"input": "output matrix (lm_head)", "output": "input matrix (embed)",
+                                   "mean": "the difference between the two matrices"}[source]
+    config, params, step = _params(out)
+    assert step == 0 and config.model.tie_embeddings and "lm_head" not in params
+    _, untied, _ = _params(chain["untied"])
+    w_in, w_out = untied["embed"]["embedding"], untied["lm_head"]["embedding"]
+    want = {"input": w_in, "output": w_out, "mean": (w_in + w_out) / 2}[source]
+    np.testing.assert_allclose(params["embed"]["embedding"], want, rtol=0, atol=1e-7)
+
+
+def test_bad_requests_fail_clearly(chain, tmp_path):
+    with pytest.raises(ValueError, match="already tied"):
+        main(["convert", "--tie", "mean", "--workdir", chain["imported"], "--out", str(tmp_path / "a")])
+    with pytest.raises(ValueError, match="already untied"):
+        main(["convert", "--untie", "--workdir", chain["untied"], "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match="must be a new workdir"):
+        main(["convert", "--untie", "--workdir", chain["imported"], "--out", chain["imported"]])
+    with pytest.raises(SystemExit, match="tie_embeddings"):
+        main(["convert", "--from-hf", chain["hf"], "--workdir", str(tmp_path / "c"),
+              "--config.model.tie_embeddings=False"])
+    with pytest.raises(SystemExit, match="--out is required"):
+        main(["convert", "--to-hf", "--workdir", chain["untied"]])
