@@ -1,0 +1,114 @@
+"""notebooks/*.ipynb: committed without outputs, badge and install cell first, and run top to bottom.
+
+Each notebook runs in a fresh IPython kernel started from this interpreter (so it sees this environment's
+tieflax), with XLA_FLAGS removed from its environment so that the notebook's own first cell has to
+provide the 8 fake CPU devices. Any cell error fails the test with the cell's traceback.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+
+import nbformat
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK_DIR = os.path.join(ROOT, "notebooks")
+_spec = importlib.util.spec_from_file_location("build_notebooks", os.path.join(ROOT, "tools", "build_notebooks.py"))
+build_notebooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build_notebooks)
+
+NOTEBOOKS = sorted(build_notebooks.NOTEBOOKS)
+CELL_TIMEOUT_S = 600  # per cell; the whole-suite budget is enforced by measuring, not by this
+
+
+def _read(name):
+    return nbformat.read(os.path.join(NOTEBOOK_DIR, name), as_version=4)
+
+
+def _code_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def test_every_notebook_is_listed():
+    on_disk = sorted(f for f in os.listdir(NOTEBOOK_DIR) if f.endswith(".ipynb"))
+    assert on_disk == NOTEBOOKS, "notebooks/ and tools/build_notebooks.py NOTEBOOKS disagree"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_is_stripped(name):
+    nb = _read(name)
+    nbformat.validate(nb)
+    for i, cell in enumerate(_code_cells(nb)):
+        assert cell.outputs == [], f"{name}: code cell {i} has outputs; strip them (rebuild the notebook)"
+        assert cell.execution_count is None, f"{name}: code cell {i} has an execution count"
+    assert "widgets" not in nb.metadata, f"{name}: widget state in the metadata"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_starts_with_badge_and_install_cell(name):
+    nb = _read(name)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith(build_notebooks.badge(name)), (
+        f"{name}: the first cell must start with the Open-in-Colab badge for this file")
+    setup = _code_cells(nb)[0].source
+    assert '"google.colab" in sys.modules' in setup and build_notebooks.PIP_SPEC in setup
+    assert "pip install -e ." in setup, "the local branch must say how to install tieflax"
+    assert "xla_force_host_platform_device_count=8" in setup
+    assert not re.search(r"^\s*(import|from)\s+(jax|tieflax)\b", setup, re.M), (
+        f"{name}: the set-up cell must set XLA_FLAGS before anything imports jax")
+    settings = _code_cells(nb)[1].source
+    assert settings.startswith("# Settings.") and "real run" in settings, (
+        f"{name}: the second code cell holds the small defaults and says what to change for a real run")
+
+
+def test_notebooks_match_their_sources():
+    stale = [n for n in NOTEBOOKS if build_notebooks.render(n) != open(
+        os.path.join(NOTEBOOK_DIR, n), encoding="utf-8").read()]
+    assert not stale, f"{stale} differ from tools/notebook_cells/; run python tools/build_notebooks.py"
+
+
+@pytest.fixture(scope="module")
+def kernel_dirs(tmp_path_factory):
+    """A kernelspec that starts this very interpreter (a plain 'python3' spec may resolve another one)."""
+    root = tmp_path_factory.mktemp("kernels")
+    spec_dir = root / "tieflax-test"
+    spec_dir.mkdir()
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "tieflax test", "language": "python"}))
+    return [str(root)]
+
+
+def _execute(nb, cwd, kernel_dirs):
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    km = KernelManager(kernel_name="tieflax-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"    # CI has no accelerator; never probe for one
+    client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False,
+                            resources={"metadata": {"path": str(cwd)}})
+    client.execute(env=env)
+    return nb
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name, tmp_path, kernel_dirs):
+    nb = _read(name)
+    # A last cell reports what the kernel saw, so the test can check the interpreter and the devices.
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import resource, sys, jax\n"
+        "cpu = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "print('PROBE', sys.executable, jax.device_count(), jax.default_backend(), cpu.ru_utime + cpu.ru_stime)"))
+    t0 = time.perf_counter()
+    _execute(nb, tmp_path, kernel_dirs)
+    probe = "".join(o.get("text", "") for o in nb.cells[-1].outputs).split()
+    # Wall time depends on what else the machine runs; the kernel's CPU seconds do much less.
+    print(f"{name}: {time.perf_counter() - t0:.1f} s wall, {float(probe[-1]):.1f} s kernel CPU")
+    assert probe[:2] == ["PROBE", sys.executable], f"kernel ran {probe[1:2]}, not {sys.executable}"
+    assert probe[2:4] == ["8", "cpu"], f"the notebook's set-up cell should give 8 CPU devices, got {probe[2:4]}"
