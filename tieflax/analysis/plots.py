@@ -61,13 +61,14 @@ def norm_vs_frequency(results: dict[str, dict], path: str) -> str:
 def cosine_histograms(results: dict[str, dict], path: str) -> str:
     """Histograms of pairwise row cosines (sampled rows) of W_in and W_out, runs overlaid."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    bins = np.linspace(-1, 1, 81)
     for col, side in enumerate(("input", "output")):
         ax = axes[col]
         for i, (label, res) in enumerate(results.items()):
-            cos = np.asarray(res["arrays"][f"cos_{side}"])
-            ax.hist(cos, bins=bins, density=True, histtype="step", lw=1.5, color=_color(label, i),
-                    label=f"{label} (mean {res[side]['mean_cosine']:.3f})")
+            bins = np.asarray(res["arrays"]["cos_bins"])
+            counts = np.asarray(res["arrays"][f"cos_hist_{side}"], np.float64)
+            density = counts / max(counts.sum(), 1) / np.diff(bins)
+            ax.stairs(density, bins, lw=1.5, color=_color(label, i),
+                      label=f"{label} (mean {res[side]['mean_cosine']:.3f})")
         ax.set_title(f"pairwise cosine of {'W_in (lookup)' if side == 'input' else 'W_out (head)'} rows",
                      fontsize=9)
         ax.set_xlabel("cosine")

@@ -125,14 +125,22 @@ def softmax_analysis(model_config, params: dict, batches: list[dict], token_coun
     return out
 
 
+COS_BINS = np.linspace(-1.0, 1.0, 81)
+
+
+def _cos_hist(w, vocab_size: int, max_rows: int | None, seed: int) -> list[int]:
+    """Histogram (counts over ``COS_BINS``) of pairwise row cosines: small to store, enough to plot."""
+    return np.histogram(pairwise_cosines(w, vocab_size, max_rows, seed), bins=COS_BINS)[0].tolist()
+
+
 def analyze_params(model_config, params: dict, token_counts, *, train_batch: dict | None = None,
                    val_batches: list[dict] | None = None, loss_options: dict | None = None,
                    n_buckets: int = 4, max_rows: int | None = 2048, seed: int = 0,
                    with_arrays: bool = False) -> dict:
     """Every diagnostic of one set of parameters, nested (see :func:`embedding_diagnostics`), plus
     ``softmax`` (when ``val_batches``) and ``gradient`` (when ``train_batch``: the split gradient of that
-    batch's mean loss). ``with_arrays`` adds ``arrays``: per-row data for plots (norms, counts, sampled
-    pairwise cosines, row cosines of W_in and W_out), as lists.
+    batch's mean loss). ``with_arrays`` adds ``arrays``: per-row data for plots (norms, counts, histograms of
+    sampled pairwise cosines, row cosines of W_in and W_out), as lists.
     """
     counts = np.asarray(token_counts)
     lookup = head = None
@@ -149,8 +157,9 @@ def analyze_params(model_config, params: dict, token_counts, *, train_batch: dic
         arrays = dict(counts=counts.tolist(),
                       norm_input=np.linalg.norm(as_matrix(w_in, v), axis=1).tolist(),
                       norm_output=np.linalg.norm(as_matrix(w_out, v), axis=1).tolist(),
-                      cos_input=pairwise_cosines(w_in, v, min(max_rows or 1000, 1000), seed).tolist(),
-                      cos_output=pairwise_cosines(w_out, v, min(max_rows or 1000, 1000), seed).tolist())
+                      cos_bins=COS_BINS.tolist(),
+                      cos_hist_input=_cos_hist(w_in, v, max_rows, seed),
+                      cos_hist_output=_cos_hist(w_out, v, max_rows, seed))
         if "lm_head" in params:
             arrays["row_cos_in_out"] = row_cosines(w_in, w_out, v).tolist()
         if lookup is not None:

@@ -1,0 +1,54 @@
+"""``tieflax analyze --workdir DIR``: embedding diagnostics of a run's checkpoint, as JSON and PNGs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "embedding diagnostics of a checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workdir", required=True, help="a tieflax run folder (with checkpoints/)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--out", default=None, help="output folder (default: WORKDIR/analysis)")
+    parser.add_argument("--val-batches", type=int, default=2,
+                        help="validation batches for the softmax statistics (default: 2)")
+    parser.add_argument("--buckets", type=int, default=4, help="frequency buckets, rarest first (default: 4)")
+    parser.add_argument("--max-rows", type=int, default=2048,
+                        help="row sample for pairwise cosines and spectra; 0 = every row (default: 2048)")
+    parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tieflax.analysis.workdir import analyze_workdir, without_arrays
+
+    if args.overrides:
+        raise SystemExit("tieflax analyze reads the run's own config.json; --config.* overrides do not apply")
+    result = analyze_workdir(args.workdir, step=args.step, n_val_batches=args.val_batches,
+                             n_buckets=args.buckets, max_rows=args.max_rows or None, out_dir=args.out,
+                             plots=not args.no_plots)
+    print(json.dumps(summary_lines(without_arrays(result)), indent=1))
+    for kind, path in result["paths"].items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def summary_lines(result: dict) -> dict:
+    """The headline numbers of one analysis (the JSON file holds everything)."""
+    pick = {"spearman", "mean_cosine", "isotropy", "effective_rank", "mean_norm"}
+    out = {"step": result["step"], "tied": result["tied"]}
+    for side in ("input", "output"):
+        out[side] = {k: round(v, 4) for k, v in result[side].items() if k in pick}
+    for key in ("in_out",):
+        if key in result:
+            out[key] = {k: round(v, 4) for k, v in result[key].items()}
+    if "gradient" in result:
+        g = result["gradient"]
+        out["gradient"] = {k: round(g[k], 4) for k in ("rows_lookup", "rows_head", "cosine_mean",
+                                                       "conflict_fraction", "head_share")}
+    if "softmax" in result:
+        s = result["softmax"]
+        out["softmax"] = {"mean_lse": round(s["mean_lse"], 4),
+                          "bucket_mass_ratio": [round(x, 3) for x in s["bucket_mass_ratio"]]}
+    return out
