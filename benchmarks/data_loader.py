@@ -13,7 +13,8 @@ Measures, in one run on the same machine:
 4. ``step + loader``: the same steps fed by the live loader (its threads compete with XLA for the
    cores), so the overhead the loader adds to a real loop is visible.
 
-Prints a table and one JSON line. The loader must deliver at least 10x what the step consumes.
+Wall-clock rates depend on what else runs on the machine; the per-CPU-second rates (process time of
+all threads) compare the two costs more robustly on a shared machine. Prints a table and one JSON line. The loader must deliver at least 10x what the step consumes.
 """
 
 from __future__ import annotations
@@ -38,16 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def time_loader(prepared, seq_len, batch, batches, repeats):
-    rates = []
+    """Median tokens per wall-second and per CPU-second (all threads; robust on a shared machine)."""
+    rates, cpu_rates = [], []
     for r in range(repeats):
         it = make_loader(prepared, "train", seq_len=seq_len, global_batch_size=batch, seed=r)
         for _ in range(20):  # warm-up: thread pool start, first reads
             next(it)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(batches):
             next(it)
         rates.append(batches * batch * seq_len / (time.perf_counter() - t0))
-    return statistics.median(rates)
+        cpu_rates.append(batches * batch * seq_len / (time.process_time() - c0))
+    return statistics.median(rates), statistics.median(cpu_rates)
 
 
 def make_step(cfg):
@@ -72,14 +75,16 @@ def make_step(cfg):
 
 
 def time_steps(step, params, opt_state, batches_fn, n):
-    times = []
+    """Median wall seconds per step, CPU seconds per step (all threads), final loss."""
+    times, cpu = [], []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch = batches_fn()
         params, opt_state, loss = step(params, opt_state, batch)
         loss.block_until_ready()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), float(loss)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), statistics.median(cpu), float(loss)
 
 
 def main():
@@ -97,7 +102,7 @@ def main():
         prepared = prepare_dataset(cfg.data, workdir, vocab_size=cfg.model.vocab_size)
         build_s = time.perf_counter() - t0
 
-        loader_tps = time_loader(prepared, seq_len, batch, args.batches, args.repeats)
+        loader_tps, loader_cpu_tps = time_loader(prepared, seq_len, batch, args.batches, args.repeats)
 
         model, tx, step = make_step(cfg)
         first = next(make_loader(prepared, "train", seq_len=seq_len, global_batch_size=batch, seed=0))
@@ -105,21 +110,23 @@ def main():
         params = model.init(jax.random.key(0), fixed["inputs"])["params"]
         opt_state = tx.init(params)
         params, opt_state, _ = step(params, opt_state, fixed)  # compile
-        step_s, _ = time_steps(step, params, opt_state, lambda: fixed, args.steps)
+        step_s, step_cpu_s, _ = time_steps(step, params, opt_state, lambda: fixed, args.steps)
         live = make_loader(prepared, "train", seq_len=seq_len, global_batch_size=batch, seed=1)
         for _ in range(5):
             next(live)
-        fed_s, loss = time_steps(step, params, opt_state, lambda: jax.device_put(next(live)),
+        fed_s, _, loss = time_steps(step, params, opt_state, lambda: jax.device_put(next(live)),
                                  args.steps)
 
     tokens = batch * seq_len
-    step_tps, fed_tps = tokens / step_s, tokens / fed_s
+    step_tps, fed_tps, step_cpu_tps = tokens / step_s, tokens / fed_s, tokens / step_cpu_s
     rows = [
         ("fresh build of the default dataset", f"{build_s:.1f} s"),
         ("loader alone", f"{loader_tps:,.0f} tokens/s"),
         ("train step (fixed batch)", f"{step_s * 1e3:.1f} ms = {step_tps:,.0f} tokens/s"),
         ("train step fed by the loader", f"{fed_s * 1e3:.1f} ms = {fed_tps:,.0f} tokens/s"),
         ("loader / step consumption", f"{loader_tps / step_tps:.1f}x (must be >= 10x)"),
+        ("per CPU-second: loader / step", f"{loader_cpu_tps:,.0f} / {step_cpu_tps:,.0f} tokens = "
+                                          f"{loader_cpu_tps / step_cpu_tps:.1f}x"),
     ]
     print(f"tiny experiment: batch {batch} x seq {seq_len}, vocab {cfg.model.vocab_size}, "
           f"{jax.device_count()} {jax.default_backend()} device(s)")
@@ -128,7 +135,10 @@ def main():
     print(json.dumps({"benchmark": "data_loader", "build_s": round(build_s, 2),
                       "loader_tokens_per_s": round(loader_tps), "step_ms": round(step_s * 1e3, 2),
                       "step_tokens_per_s": round(step_tps), "fed_step_ms": round(fed_s * 1e3, 2),
-                      "ratio": round(loader_tps / step_tps, 1), "final_loss": round(loss, 3)}))
+                      "ratio": round(loader_tps / step_tps, 1),
+                      "loader_tokens_per_cpu_s": round(loader_cpu_tps),
+                      "step_tokens_per_cpu_s": round(step_cpu_tps),
+                      "cpu_ratio": round(loader_cpu_tps / step_cpu_tps, 1), "final_loss": round(loss, 3)}))
 
 
 if __name__ == "__main__":
