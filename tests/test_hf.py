@@ -206,6 +206,20 @@ def test_tie_default_when_key_absent(model_type, tied):
     assert hf_config.config_from_hf(hf).tie_embeddings is tied
 
 
+def test_family_defaults_match_transformers():
+    """A key absent from config.json means the transformers class default: ours must be the same."""
+    classes = dict(llama=transformers.LlamaConfig, mistral=transformers.MistralConfig, qwen2=transformers.Qwen2Config,
+                   gemma=transformers.GemmaConfig, gemma2=transformers.Gemma2Config, gpt2=transformers.GPT2Config)
+    for model_type, defaults in hf_config.FAMILY_DEFAULTS.items():
+        hf = classes[model_type]()
+        for key, value in defaults.items():
+            if model_type == "qwen2" and key == "sliding_window":
+                continue  # transformers clears it to None unless use_sliding_window (default False)
+            theirs = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") if key == "rope_theta" else None
+            theirs = getattr(hf, key) if theirs is None else theirs
+            assert theirs == value, (model_type, key)
+
+
 def test_transformers_4_rope_layout_is_read():
     c = hf_config.config_from_hf(_llama_dict(rope_theta=500000.0, rope_scaling=dict(
         rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

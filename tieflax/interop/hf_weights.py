@@ -16,6 +16,7 @@ A tied checkpoint has no ``lm_head.weight``; an untied one must have it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -47,8 +48,9 @@ class Entry:
     in_axes: int = 1  # leading tieflax axes that form the input dimension of a kernel
 
 
+@functools.lru_cache(maxsize=64)
 def parameter_shapes(c: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{path: shape} of every parameter of ``TransformerLM(c)``, computed abstractly."""
+    """{path: shape} of every parameter of ``TransformerLM(c)``, computed abstractly (cached per config)."""
     from tieflax.analysis.params import abstract_params
 
     tree = nn.unbox(abstract_params(c))
@@ -60,7 +62,7 @@ def weight_entries(c: ModelConfig) -> list[Entry]:
     """The name map for ``c``; raises if a tieflax parameter has no Hugging Face counterpart."""
     name_of = _gpt2_name if c.family == "gpt2" else _llama_name
     entries = []
-    for path, shape in parameter_shapes(c).items():
+    for path, shape in dict(parameter_shapes(c)).items():
         name = name_of(path, c)
         if name is None:
             raise CheckpointMismatch(f"tieflax parameter {'/'.join(path)} has no Hugging Face {c.family!r} "
