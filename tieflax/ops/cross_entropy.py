@@ -57,8 +57,8 @@ from jax.sharding import PartitionSpec as P
 # never makes (m_old - m_new) a NaN when a whole tile or shard is masked.
 _MASK = -1e30
 
-DEFAULT_TOKEN_BLOCK = 1024
-DEFAULT_VOCAB_BLOCK = 2048
+DEFAULT_TOKEN_BLOCK = 8192
+DEFAULT_VOCAB_BLOCK = 256
 DEFAULT_FUSED_TOKEN_BLOCK = 512
 MODES = ("recompute", "fused")
 
@@ -106,10 +106,11 @@ def _tile_stats(cfg: _Cfg, z, ok, cols, y):
     return m, s, zy, sz
 
 
-def _tile_grad(cfg: _Cfg, z, ok, cols, y, lse, coef):
-    """d(loss)/d(raw logits) of one tile, [bt, bv] acc; coef [bt] = cotangent * weight (0: inactive)."""
+def _tile_grad(cfg: _Cfg, z, ok, cols, y, lse, coef, p=None):
+    """d(loss)/d(raw logits) of one tile, [bt, bv] acc; coef [bt] = cotangent * weight (0: inactive);
+    p: the tile's softmax probabilities when already at hand."""
     eps, vv = cfg.label_smoothing, cfg.valid_vocab
-    p = jnp.exp(z - lse[:, None])
+    p = jnp.exp(z - lse[:, None]) if p is None else p
     c = 1.0 + 2.0 * cfg.z_loss * lse if cfg.z_loss else jnp.ones_like(lse)
     dz = c[:, None] * p - (1.0 - eps) * (cols[None, :] == y[:, None]).astype(z.dtype)
     if eps:
@@ -169,9 +170,10 @@ def _local_stats(cfg: _Cfg, h, w, b, y, v_off):
     return lax.fori_loop(0, nt, token_step, out)
 
 
-def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off):
+def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x):
     """Recompute backward over the local shard. Returns dH [N, d] acc (partial over vocab shards),
-    dW [V, d] w.dtype and db [V] acc (partial over batch shards)."""
+    dW [V, d] w.dtype and db [V] acc; ``reduce_blk`` sums a finished ([bv, d], [bv]) block over the
+    batch shards, so the loop-carried dW is already the final buffer (no second weight-sized copy)."""
     acc = _acc_dtype(h.dtype, w.dtype)
     cdt = jnp.result_type(h.dtype, w.dtype)
     n, v = h.shape[0], w.shape[0]
@@ -204,6 +206,7 @@ def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off):
 
         init = (dh, jnp.zeros((bv, w.shape[1]), acc), jnp.zeros((bv,), acc))
         dh, dw_blk, db_blk = lax.fori_loop(0, nt, token_step, init)
+        dw_blk, db_blk = reduce_blk((dw_blk, db_blk))
         # Rows shared with the previous block got zero here (masked), so adding is exact.
         dw = lax.dynamic_update_slice_in_dim(
             dw, lax.dynamic_slice_in_dim(dw, v0, bv) + dw_blk.astype(dw.dtype), v0, 0)
@@ -233,10 +236,16 @@ def _local_fused(cfg: _Cfg, h, w, b, y, aw, v_off, combine, psum_vocab):
         sl = functools.partial(lax.dynamic_slice_in_dim, start_index=t0, slice_size=bt)
         h_blk, y_blk = sl(h), sl(y)
         z = _tile(cfg, h_blk, w, b, ok, acc)
-        blk = combine(*_tile_stats(cfg, z, ok, cols, y_blk))
+        # One exp pass over the tile serves both the statistics and the probabilities.
+        m_loc = z.max(axis=1)
+        e = jnp.exp(z - m_loc[:, None])
+        zy = jnp.where((cols[None, :] == y_blk[:, None]) & ok[None, :], z, 0.0).sum(axis=1)
+        sz = jnp.where(ok[None, :], z, 0.0).sum(axis=1) if cfg.label_smoothing else jnp.zeros_like(zy)
+        blk = combine(m_loc, e.sum(axis=1), zy, sz)
         lse = blk[0] + jnp.log(blk[1])
+        p = e * jnp.exp(m_loc - lse)[:, None]
         fresh = _fresh(t0, i, bt)
-        dz = _tile_grad(cfg, z, ok, cols, y_blk, lse, jnp.where(fresh, sl(aw), 0.0))
+        dz = _tile_grad(cfg, z, ok, cols, y_blk, lse, jnp.where(fresh, sl(aw), 0.0), p)
         db = db + dz.sum(axis=0)
         dz = (dz * cfg.logit_scale).astype(cdt)
         dh_blk = psum_vocab(jnp.dot(dz, w, preferred_element_type=acc))
@@ -301,11 +310,11 @@ def _grads(cfg: _Cfg, h, w, b, y, lse, coef):
     sp = _specs(cfg)
 
     def body(h, w, b, y, lse, coef):
-        dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, _v_offset(cfg, w.shape[0]))
-        dh = lax.psum(dh, cfg.vocab_axis)
-        if cfg.batch_axes:  # the data-parallel weight-gradient reduction, [V_local, d]
-            dw, db = lax.psum((dw, db), cfg.batch_axes)
-        return dh, dw, db
+        # The data-parallel weight-gradient reduction, one [bv, d] block at a time.
+        reduce_blk = functools.partial(lax.psum, axis_name=cfg.batch_axes) if cfg.batch_axes else None
+        dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, _v_offset(cfg, w.shape[0]),
+                                  *([reduce_blk] if reduce_blk else []))
+        return lax.psum(dh, cfg.vocab_axis), dw, db
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"], sp["n"],
                               sp["n"]), (sp["h"], sp["w"], sp["b"]))(h, w, b, y, lse, coef)
@@ -445,7 +454,7 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
       label_smoothing: eps; the target is ``(1 - eps) onehot + eps / V`` over the global valid V.
       logit_scale, softcap, bias: ``z = softcap * tanh((logit_scale * h.w + bias) / softcap)``.
       token_block, vocab_block: tile sizes. In ``'fused'`` mode the vocab tile is the local vocab.
-        Defaults: 1024 x 2048 (recompute), 512 x V_local (fused); see benchmarks/README.md.
+        Defaults: 8192 x 256 (recompute), 512 x V_local (fused); see benchmarks/README.md.
       mode: ``'recompute'`` (memory-lean, 4 matmuls) or ``'fused'`` (3 matmuls); see the module doc.
       mesh: ``None`` for one device, else a mesh with ``vocab_axis`` and ``batch_axes`` (sizes may be 1).
         Tokens (the flattened leading dims) are split over ``batch_axes``, vocab rows over ``vocab_axis``.
