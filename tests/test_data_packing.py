@@ -92,3 +92,15 @@ def test_batched_rows_equal_single_rows_and_minus_one_is_padding():
                 np.testing.assert_array_equal(v[r], rows[i][k], err_msg=k)
     np.testing.assert_array_equal(batch["targets"][2], [IGNORE] * 5)
     np.testing.assert_array_equal(batch["segment_ids"][2], [0] * 5)
+
+
+def test_bos_opens_documents_and_is_never_a_target():
+    bos = 2
+    #                 BOS a b EOS BOS c EOS BOS d
+    window = np.array([2, 5, 6, 0, 2, 7, 0, 2, 8])
+    row = pack_window(window, 8, EOS, bos_id=bos)
+    np.testing.assert_array_equal(row["segment_ids"], [1, 1, 1, 1, 2, 2, 2, 3])
+    np.testing.assert_array_equal(row["positions"], [0, 1, 2, 3, 0, 1, 2, 0])
+    np.testing.assert_array_equal(row["targets"], [5, 6, 0, -1, 7, 0, -1, 8])
+    row = pack_window(window, 8, EOS, bos_id=bos, predict_first_token=False)
+    np.testing.assert_array_equal(row["targets"], [-1, 6, 0, -1, -1, 0, -1, -1])

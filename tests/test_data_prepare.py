@@ -117,6 +117,15 @@ def test_given_tokenizer_is_copied_to_workdir_and_adds_no_bos(built, tmp_path):
     p = prepare_dataset(c, tmp_path / "w1", vocab_size=V + 1)
     assert Tokenizer.from_file(str(tmp_path / "w1" / "tokenizer.json")).to_str() == tok.to_str()
     assert V not in np.asarray(p.train_tokens)  # BOS never inserted
+    # With the BOS configured, each document is [BOS d EOS] (a separate cache: the key changes).
+    c.tokenizer.bos_token = "<|begin_of_text|>"
+    q = prepare_dataset(c, tmp_path / "w1", vocab_size=V + 1)
+    assert q.bos_id == V and q.data_dir != p.data_dir
+    stream = np.asarray(q.train_tokens)
+    assert stream[0] == V and stream[-1] == q.eos_id
+    np.testing.assert_array_equal(np.flatnonzero(stream == V)[1:] - 1, np.flatnonzero(stream == q.eos_id)[:-1])
+    np.testing.assert_array_equal(stream[stream != V], np.asarray(p.train_tokens)[1:])
+    c.tokenizer.bos_token = ""
     other = train_bpe(texts[:6], vocab_size=V, eos_token="<|end_of_text|>")
     other.save(str(tmp_path / "w1" / "tokenizer.json"))
     with pytest.raises(DataError, match="differs from data.tokenizer.path"):

@@ -66,6 +66,26 @@ def test_without_val_file_whole_documents_are_held_out(tmp_path, fmt):
     assert sorted(train + val) == sorted(tuple(d) for d in documents)  # each document exactly once
 
 
+def test_array_record_with_bos_holds_out_whole_bos_documents(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+    documents, bos = docs(10), 0
+    writer = ArrayRecordWriter(str(tmp_path / "d.array_record"), "group_size:1")
+    for d in documents:
+        writer.write(d.tobytes())
+    writer.close()
+    c = tokens_config(tmp_path / "d.array_record")
+    c.tokens.bos_id = bos
+    p = prepare_dataset(c, tmp_path / "w", vocab_size=V)
+    assert p.bos_id == bos
+    got = []
+    for stream in (np.asarray(p.train_tokens), np.asarray(p.val_tokens)):
+        opens, ends = np.flatnonzero(stream == bos), np.flatnonzero(stream == EOS)
+        assert len(opens) == len(ends) and (opens < ends).all() and stream[-1] == EOS
+        got += [tuple(stream[a + 1:b]) for a, b in zip(opens, ends)]
+    assert sorted(got) == sorted(tuple(d) for d in documents)
+    assert len(np.flatnonzero(np.asarray(p.val_tokens) == bos)) == 2  # ceil(0.2 * 10) held out
+
+
 def test_bad_token_files_name_the_fix(tmp_path):
     np.save(tmp_path / "t.npy", stream_of(docs()))
     with pytest.raises(DataError, match="vocab_size = 64 does not match the tokenizer's 100"):

@@ -60,6 +60,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.tokens.dtype = "uint16"  # for .bin and ArrayRecord; .npy files carry their own dtype
     c.tokens.vocab_size = 0  # required when no tokenizer is given
     c.tokens.eos_id = -1  # required when no tokenizer is given
+    c.tokens.bos_id = -1  # -1 = documents are opened by EOS; else the files' BOS id
 
     c.tokenizer = ml_collections.ConfigDict()
     # '' = train a byte-level BPE on the train split and save it as <workdir>/tokenizer.json (reused on
@@ -68,6 +69,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.tokenizer.vocab_size = 8192  # for training; a given tokenizer keeps its own size
     c.tokenizer.min_frequency = 2
     c.tokenizer.eos_token = "<|endoftext|>"  # Llama-3 tokenizers call it '<|end_of_text|>'
+    # '' = none: EOS opens documents. Set it for pretrained tokenizers whose models expect a BOS
+    # (Llama-3 '<|begin_of_text|>', Gemma '<bos>'): documents become [BOS d EOS].
+    c.tokenizer.bos_token = ""
 
     c.val_fraction = 0.05  # of documents, held out whole
     c.split_seed = 0  # which documents are held out; independent of the shuffle seed
@@ -75,10 +79,11 @@ def default_data_config() -> ml_collections.ConfigDict:
 
     c.cache_dir = ""  # '' = <workdir>/data_cache; or a shared path such as ~/.cache/tieflax
 
-    # Packing. Documents are joined as [EOS d0 EOS d1 ... EOS]: an EOS opens each document, so with
-    # document masking every position predicts its target from its own document only.
+    # Packing. Documents are joined as [EOS d0 EOS d1 ... EOS] (or [BOS d0 EOS BOS d1 EOS ...]): a
+    # token opens each document, so with document masking every position predicts its target from
+    # its own document only.
     c.document_masking = True  # segment ids and positions restart at each document
-    c.predict_first_token = True  # False: the target at each EOS (a document's first token) is ignored
+    c.predict_first_token = True  # False: a document's first token is never a target
 
     # grain reading: threads that build rows and how many rows they may run ahead.
     c.read_threads = 2

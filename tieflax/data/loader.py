@@ -139,7 +139,8 @@ def make_loader(prepared: PreparedDataset, split: str, *, seq_len: int, global_b
             f"{seq_len + 1}. Lower seq_len, add text, or raise data.val_fraction (for 'val').")
     local_batch = global_batch_size // n_proc
 
-    rows = PackedRows(tokens, seq_len, prepared.eos_id, document_masking=prepared.document_masking,
+    rows = PackedRows(tokens, seq_len, prepared.eos_id, bos_id=prepared.bos_id,
+                      document_masking=prepared.document_masking,
                       predict_first_token=prepared.predict_first_token)
     # grain shards and checkpoints micro-batch indices; each micro-batch's row ids come from one NumPy
     # permutation per epoch, and its rows are read and packed together (vectorised). Shuffling per

@@ -2,18 +2,20 @@
 
 A split is one flat stream of ids, ``[EOS d0 EOS d1 ... EOS]``: an EOS opens every document (and one
 closes the last), so the last token of each document learns to predict EOS and the EOS learns to
-predict a document's first token. Row ``i`` reads the window ``stream[i*T : i*T + T + 1]``:
-``inputs = window[:-1]`` and ``targets = window[1:]``. Consecutive rows overlap by one token, so every
-stream token is an input exactly once and every token but the first is a target exactly once:
-nothing is dropped and no transition is lost at row edges. The last row is padded.
+predict a document's first token. With a BOS token configured (pretrained tokenizers such as Llama-3's
+or Gemma's expect one) the stream is ``[BOS d0 EOS BOS d1 EOS ...]`` and BOS opens documents instead.
+Row ``i`` reads the window ``stream[i*T : i*T + T + 1]``: ``inputs = window[:-1]`` and
+``targets = window[1:]``. Consecutive rows overlap by one token, so every stream token is an input
+exactly once and every token but the first is a target exactly once: nothing is dropped and no
+transition is lost at row edges. The last row is padded.
 
 Row fields, all ``[T] int32``:
 
 - ``inputs``: token ids; padding positions hold EOS.
-- ``targets``: next-token ids; ``-1`` = ignored by the loss (padding, and with
-  ``predict_first_token=False`` the EOS positions).
+- ``targets``: next-token ids; ``-1`` = ignored by the loss (padding; BOS targets; and with
+  ``predict_first_token=False`` the positions of the document-opening token).
 - ``segment_ids``: 1, 2, ... for each document piece in the row, 0 for padding. A new segment starts
-  at every EOS (and at the row start).
+  at every document-opening token (EOS, or BOS when configured) and at the row start.
 - ``positions``: offset within the segment, restarting at 0 at each segment start, 0 for padding.
 
 With ``document_masking=False`` a row is one segment (``segment_ids`` 1, ``positions`` 0..T-1), the
@@ -34,13 +36,14 @@ def num_rows(num_tokens: int, seq_len: int) -> int:
 
 
 def pack_windows(windows: np.ndarray, num_valid: np.ndarray, eos_id: int, *,
-                 document_masking: bool = True, predict_first_token: bool = True
-                 ) -> dict[str, np.ndarray]:
+                 bos_id: int | None = None, document_masking: bool = True,
+                 predict_first_token: bool = True) -> dict[str, np.ndarray]:
     """Rows from ``windows``: ``[b, T+1]`` ids of which row ``r`` uses the first ``num_valid[r] + 1``.
 
     ``num_valid [b]`` counts a row's real positions (``T`` for a full row, fewer for the padded last
     row, 0 for an all-padding row). Returns ``inputs``, ``targets``, ``segment_ids``, ``positions``,
-    each ``[b, T] int32``. Vectorised over the batch: no per-row Python work.
+    each ``[b, T] int32``. Vectorised over the batch: no per-row Python work. Documents open with
+    ``bos_id`` when given (and BOS targets are ignored: BOS always follows EOS), else with EOS.
     """
     windows = np.asarray(windows, dtype=np.int32)
     b, t = windows.shape[0], windows.shape[1] - 1
@@ -48,9 +51,9 @@ def pack_windows(windows: np.ndarray, num_valid: np.ndarray, eos_id: int, *,
     valid = idx[None, :] < np.asarray(num_valid)[:, None]
     inputs = np.where(valid, windows[:, :-1], eos_id).astype(np.int32)
     targets = np.where(valid, windows[:, 1:], IGNORE).astype(np.int32)
-    is_eos = (inputs == eos_id) & valid
+    opens = (inputs == (eos_id if bos_id is None else bos_id)) & valid
     if document_masking:
-        starts = is_eos.copy()
+        starts = opens.copy()
         starts[:, 0] = True
         segment_ids = np.cumsum(starts, axis=1, dtype=np.int32)
         positions = idx[None, :] - np.maximum.accumulate(np.where(starts, idx[None, :], 0), axis=1)
@@ -59,13 +62,16 @@ def pack_windows(windows: np.ndarray, num_valid: np.ndarray, eos_id: int, *,
         positions = np.broadcast_to(idx, (b, t)).copy()
     segment_ids = np.where(valid, segment_ids, 0).astype(np.int32)
     positions = np.where(valid, positions, 0).astype(np.int32)
+    if bos_id is not None:
+        targets[targets == bos_id] = IGNORE
     if not predict_first_token:
-        targets[is_eos] = IGNORE
+        targets[opens] = IGNORE
     return {"inputs": inputs, "targets": targets, "segment_ids": segment_ids, "positions": positions}
 
 
-def pack_window(window: np.ndarray, seq_len: int, eos_id: int, *, document_masking: bool = True,
-                predict_first_token: bool = True) -> dict[str, np.ndarray]:
+def pack_window(window: np.ndarray, seq_len: int, eos_id: int, *, bos_id: int | None = None,
+                document_masking: bool = True, predict_first_token: bool = True
+                ) -> dict[str, np.ndarray]:
     """One row from ``window``: ``[n]`` ids with ``2 <= n <= seq_len + 1`` (shorter = last row, padded).
 
     Returns ``inputs``, ``targets``, ``segment_ids``, ``positions``, each ``[seq_len] int32``.
@@ -73,7 +79,7 @@ def pack_window(window: np.ndarray, seq_len: int, eos_id: int, *, document_maski
     n = len(window) - 1
     padded = np.full((1, seq_len + 1), eos_id, np.int32)
     padded[0, :n + 1] = window
-    row = pack_windows(padded, np.array([n]), eos_id, document_masking=document_masking,
+    row = pack_windows(padded, np.array([n]), eos_id, bos_id=bos_id, document_masking=document_masking,
                        predict_first_token=predict_first_token)
     return {k: v[0] for k, v in row.items()}
 
@@ -85,11 +91,12 @@ class PackedRows:
     ``seq_len + 1`` ids, so a host touches only the rows it loads.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: int, *, document_masking: bool = True,
-                 predict_first_token: bool = True):
+    def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: int, *, bos_id: int | None = None,
+                 document_masking: bool = True, predict_first_token: bool = True):
         self.tokens = tokens
         self.seq_len = seq_len
         self.eos_id = eos_id
+        self.bos_id = bos_id
         self.document_masking = document_masking
         self.predict_first_token = predict_first_token
         self._len = num_rows(len(tokens), seq_len)
@@ -111,7 +118,8 @@ class PackedRows:
         num_valid = np.where(row_ids >= 0, np.clip(n - 1 - starts, 0, t), 0)
         gather = np.minimum(starts[:, None] + np.arange(t + 1), n - 1)
         windows = np.asarray(self.tokens[np.where(row_ids[:, None] >= 0, gather, 0)])
-        return pack_windows(windows, num_valid, self.eos_id, document_masking=self.document_masking,
+        return pack_windows(windows, num_valid, self.eos_id, bos_id=self.bos_id,
+                            document_masking=self.document_masking,
                             predict_first_token=self.predict_first_token)
 
     def __repr__(self) -> str:  # grain logs the source's repr; never print the token array

@@ -49,7 +49,8 @@ class PreparedDataset:
         joined as ``[EOS d0 EOS d1 ... EOS]``.
       token_counts: ``[vocab_size] int64`` unigram counts of the train stream (for frequency analyses).
       vocab_size: ids the tokenizer emits; equals the model's vocab size (checked).
-      eos_id: the document separator id.
+      eos_id: the id that ends documents (and opens them when there is no BOS).
+      bos_id: the id that opens documents, or None (then EOS does).
       tokenizer: the ``tokenizers.Tokenizer`` (None for pre-tokenised data given without one).
       data_dir: the folder holding the token files, ``token_counts.npy`` and ``meta.json``.
       info: the metadata (source, key, token and document counts per split).
@@ -68,6 +69,7 @@ class PreparedDataset:
     predict_first_token: bool = True
     read_threads: int = 2
     prefetch_buffer_size: int = 256
+    bos_id: int | None = None
 
     def tokens(self, split: str) -> np.ndarray:
         """The ``[N]`` stream of ``split`` ('train' or 'val')."""
@@ -103,13 +105,15 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, workdir: str | os.Pa
     tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), vocab_size,
                                    where=f"tokenizer {workdir / tokenizer_lib.TOKENIZER_FILE}")
     eos_id = tokenizer_lib.eos_id_of(tok, c.tokenizer.eos_token)
+    bos_id = tokenizer_lib.bos_id_of(tok, c.tokenizer.bos_token)
     key = cache_key(docs, tok, c)
     data_dir = cache_root / f"{c.source}-{key[:16]}"
     if not (data_dir / "meta.json").exists():
-        build_cache(data_dir, key, tok, eos_id, vocab_size, train_docs, val_docs, source=c.source)
+        build_cache(data_dir, key, tok, eos_id, bos_id, vocab_size, train_docs, val_docs,
+                    source=c.source)
     train, val, counts, info = open_cache(data_dir, key=key, vocab_size=vocab_size)
     return PreparedDataset(train, val, counts, vocab_size, eos_id, tok, data_dir, info,
-                           **loader_settings(c))
+                           bos_id=bos_id, **loader_settings(c))
 
 
 def loader_settings(c: ml_collections.ConfigDict) -> dict:
@@ -185,7 +189,8 @@ def cache_key(docs: list[Document], tok: Tokenizer, c: ml_collections.ConfigDict
     h = hashlib.sha256()
     h.update(json.dumps({"format": FORMAT_VERSION, "val_fraction": c.val_fraction,
                          "split_seed": c.split_seed, "max_val": c.max_val_documents,
-                         "eos": c.tokenizer.eos_token}, sort_keys=True).encode())
+                         "eos": c.tokenizer.eos_token, "bos": c.tokenizer.bos_token},
+                        sort_keys=True).encode())
     h.update(tokenizer_lib.tokenizer_digest(tok).encode())
     for d in docs:
         h.update(d.name.encode("utf-8", "surrogatepass"))
@@ -200,20 +205,31 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def encode_stream(tok: Tokenizer, docs: list[Document], eos_id: int, dtype: np.dtype,
-                  chunk: int = 512) -> np.ndarray:
-    """``[EOS d0 EOS d1 ... EOS]`` as one ``[N] dtype`` array. Post-processors (BOS) are not applied."""
-    parts = []
+                  bos_id: int | None = None, chunk: int = 512) -> np.ndarray:
+    """``[EOS d0 EOS d1 ... EOS]``, or ``[BOS d0 EOS BOS d1 EOS ...]`` with a BOS, as one ``[N] dtype``.
+
+    The tokenizer's own post-processor (which may add BOS) is not applied: packing owns the markers.
+    """
+    return join_documents((np.asarray(enc.ids, dtype)
+                           for i in range(0, len(docs), chunk)
+                           for enc in tok.encode_batch_fast([d.text for d in docs[i:i + chunk]],
+                                                            add_special_tokens=False)),
+                          eos_id, bos_id, dtype)
+
+
+def join_documents(docs, eos_id: int, bos_id: int | None, dtype: np.dtype) -> np.ndarray:
+    """Token arrays -> ``[EOS d0 EOS ... EOS]`` (no BOS) or ``[BOS d0 EOS BOS d1 EOS ...]``."""
     eos = np.array([eos_id], dtype)
-    for i in range(0, len(docs), chunk):
-        batch = tok.encode_batch_fast([d.text for d in docs[i:i + chunk]], add_special_tokens=False)
-        for enc in batch:
-            parts.append(eos)
-            parts.append(np.asarray(enc.ids, dtype))
-    parts.append(eos)
-    return np.concatenate(parts)
+    if bos_id is None:
+        parts = [p for d in docs for p in (eos, d)] + [eos]
+    else:
+        bos = np.array([bos_id], dtype)
+        parts = [p for d in docs for p in (bos, d, eos)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def build_cache(data_dir: Path, key: str, tok: Tokenizer, eos_id: int, vocab_size: int,
+def build_cache(data_dir: Path, key: str, tok: Tokenizer, eos_id: int, bos_id: int | None,
+                vocab_size: int,
                 train_docs: list[Document], val_docs: list[Document], *, source: str) -> None:
     """Tokenises both splits into ``data_dir``, atomically: a crash never leaves a half-built folder."""
     dtype = token_dtype(vocab_size)
@@ -221,9 +237,9 @@ def build_cache(data_dir: Path, key: str, tok: Tokenizer, eos_id: int, vocab_siz
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     info = {"format": FORMAT_VERSION, "key": key, "source": source, "vocab_size": vocab_size,
-            "eos_id": eos_id, "dtype": dtype.name}
+            "eos_id": eos_id, "bos_id": bos_id, "dtype": dtype.name}
     for split, docs in (("train", train_docs), ("val", val_docs)):
-        stream = encode_stream(tok, docs, eos_id, dtype)
+        stream = encode_stream(tok, docs, eos_id, dtype, bos_id)
         np.save(tmp / f"{split}.npy", stream)
         info[f"{split}_tokens"] = int(len(stream))
         info[f"{split}_documents"] = len(docs)

@@ -1,11 +1,12 @@
 """Pre-tokenised data (``data.source = 'tokens'``): the pod-scale path, with no text and no tokenising.
 
-Accepted files, each a flat stream in which ``eos_id`` separates documents:
+Accepted files, each a flat stream in which ``eos_id`` separates documents (with ``bos_id`` set,
+documents are ``[BOS d EOS]`` and BOS opens them):
 
 - ``.npy``: memory-mapped in place (its own dtype);
 - ``.bin``: raw little-endian ids of ``data.tokens.dtype``, memory-mapped in place;
-- ``.array_record``: one document per record, raw ids of ``data.tokens.dtype``; converted once into
-  the cache as ``[EOS d0 EOS d1 ... EOS]``.
+- ``.array_record``: one document per record, raw ids of ``data.tokens.dtype`` without markers;
+  converted once into the cache as ``[EOS d0 EOS d1 ... EOS]`` (or ``[BOS d0 EOS ...]``).
 
 With ``data.tokens.val_path`` both files are used in place and only ``token_counts.npy`` and
 ``meta.json`` go to the cache. Without it, whole documents (spans opened by EOS) are held out of the
@@ -27,17 +28,18 @@ import numpy as np
 
 from tieflax.data import tokenizer as tokenizer_lib
 from tieflax.data.config import DataError
-from tieflax.data.prepare import (FORMAT_VERSION, PreparedDataset, count_tokens, loader_settings,
-                                  open_cache, resolve_tokenizer, split_indices)
+from tieflax.data.prepare import (FORMAT_VERSION, PreparedDataset, count_tokens, join_documents,
+                                  loader_settings, open_cache, resolve_tokenizer, split_indices)
 
 
-def _fingerprint(paths: list[Path], c: ml_collections.ConfigDict, vocab: int, eos: int) -> str:
+def _fingerprint(paths: list[Path], c: ml_collections.ConfigDict, vocab: int, eos: int,
+                 bos: int | None) -> str:
     h = hashlib.sha256()
     for p in paths:
         st = p.stat()
         h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     h.update(json.dumps({"format": FORMAT_VERSION, "dtype": c.tokens.dtype, "vocab": vocab,
-                         "eos": eos, "val_fraction": c.val_fraction, "split_seed": c.split_seed,
+                         "eos": eos, "bos": bos, "val_fraction": c.val_fraction, "split_seed": c.split_seed,
                          "max_val": c.max_val_documents}, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -51,16 +53,13 @@ def _check_file(path: str, field: str) -> Path:
     return p
 
 
-def read_array_record(path: Path, dtype: np.dtype, eos_id: int) -> np.ndarray:
-    """``[EOS d0 EOS d1 ... EOS]`` from an ArrayRecord file of one document per record."""
+def read_array_record(path: Path, dtype: np.dtype, eos_id: int, bos_id: int | None) -> np.ndarray:
+    """The joined stream (see ``join_documents``) of an ArrayRecord file of one document per record."""
     from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=import-outside-toplevel
     reader = ArrayRecordReader(str(path))
     try:
-        eos = np.array([eos_id], dtype)
-        parts = []
-        for record in reader.read_all():
-            parts += [eos, np.frombuffer(record, dtype)]
-        return np.concatenate(parts + [eos])
+        return join_documents((np.frombuffer(r, dtype) for r in reader.read_all()), eos_id, bos_id,
+                              dtype)
     finally:
         reader.close()
 
@@ -79,10 +78,10 @@ def open_stream(path: Path, dtype: str, field: str) -> np.ndarray:
     return arr
 
 
-def split_stream(stream: np.ndarray, eos_id: int, c: ml_collections.ConfigDict, *,
-                 where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Whole documents (spans starting at each EOS) of ``stream`` held out into a val stream."""
-    starts = np.flatnonzero(np.asarray(stream) == eos_id)
+def split_stream(stream: np.ndarray, eos_id: int, bos_id: int | None, c: ml_collections.ConfigDict,
+                 *, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Whole documents (spans opened by BOS, or by EOS without one) of ``stream`` held out as val."""
+    starts = np.flatnonzero(np.asarray(stream) == (eos_id if bos_id is None else bos_id))
     if len(starts) == 0 or starts[0] != 0:
         starts = np.concatenate([[0], starts])
     ends = np.append(starts[1:], len(stream))
@@ -90,10 +89,11 @@ def split_stream(stream: np.ndarray, eos_id: int, c: ml_collections.ConfigDict, 
     starts, ends = starts[keep], ends[keep]
     train_idx, val_idx = split_indices(len(starts), c.val_fraction, c.split_seed,
                                        c.max_val_documents, where=where)
-    eos = np.array([eos_id], stream.dtype)
+    # Without BOS, EOS-opened spans need one more EOS to close the last; with BOS each span is closed.
+    tail = [np.array([eos_id], stream.dtype)] if bos_id is None else []
 
     def gather(idx):
-        return np.concatenate([stream[starts[i]:ends[i]] for i in idx] + [eos])
+        return np.concatenate([stream[starts[i]:ends[i]] for i in idx] + tail)
     return gather(train_idx), gather(val_idx)
 
 
@@ -104,13 +104,15 @@ def prepare_token_files(c: ml_collections.ConfigDict, workdir: Path, cache_root:
         tok = resolve_tokenizer(c, workdir, [])
         vocab = tokenizer_lib.tokenizer_vocab_size(tok)
         eos_id = tokenizer_lib.eos_id_of(tok, c.tokenizer.eos_token)
+        bos_id = tokenizer_lib.bos_id_of(tok, c.tokenizer.bos_token)
     else:
         tok, vocab, eos_id = None, c.tokens.vocab_size, c.tokens.eos_id
+        bos_id = c.tokens.bos_id if c.tokens.bos_id >= 0 else None
     tokenizer_lib.check_vocab_size(vocab, vocab_size, where="data.tokens / data.tokenizer.path")
     paths = [_check_file(c.tokens.train_path, "data.tokens.train_path")]
     if c.tokens.val_path:
         paths.append(_check_file(c.tokens.val_path, "data.tokens.val_path"))
-    key = _fingerprint(paths, c, vocab, eos_id)
+    key = _fingerprint(paths, c, vocab, eos_id, bos_id)
     data_dir = cache_root / f"tokens-{key[:16]}"
     convert = not c.tokens.val_path or any(p.suffix == ".array_record" for p in paths)
 
@@ -118,13 +120,14 @@ def prepare_token_files(c: ml_collections.ConfigDict, workdir: Path, cache_root:
         tmp = data_dir.with_name(f".{data_dir.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        streams = [_load(p, c, eos_id, f) for p, f in zip(paths, ("data.tokens.train_path",
+        streams = [_load(p, c, eos_id, bos_id, f) for p, f in zip(paths, ("data.tokens.train_path",
                                                                   "data.tokens.val_path"))]
         if not c.tokens.val_path:
-            streams = list(split_stream(streams[0], eos_id, c, where="data.tokens.train_path"))
+            streams = list(split_stream(streams[0], eos_id, bos_id, c,
+                                        where="data.tokens.train_path"))
         train, val = streams
         info = {"format": FORMAT_VERSION, "key": key, "source": "tokens", "vocab_size": vocab,
-                "eos_id": eos_id, "dtype": str(train.dtype), "train_tokens": int(len(train)),
+                "eos_id": eos_id, "bos_id": bos_id, "dtype": str(train.dtype), "train_tokens": int(len(train)),
                 "val_tokens": int(len(val)), "files": [str(p) for p in paths], "copied": convert}
         np.save(tmp / "token_counts.npy", count_tokens(train, vocab, where=str(paths[0])))
         count_tokens(val, vocab, where=str(paths[-1]))  # only to check its ids are in range
@@ -147,11 +150,12 @@ def prepare_token_files(c: ml_collections.ConfigDict, workdir: Path, cache_root:
         if int(counts.sum()) != len(train):
             raise DataError(f"data cache {data_dir} is stale or corrupt (token_counts.npy does not "
                             "match the train file): delete that folder and it is rebuilt.")
-    return PreparedDataset(train, val, counts, vocab, eos_id, tok, data_dir, info,
+    return PreparedDataset(train, val, counts, vocab, eos_id, tok, data_dir, info, bos_id=bos_id,
                            **loader_settings(c))
 
 
-def _load(path: Path, c: ml_collections.ConfigDict, eos_id: int, field: str) -> np.ndarray:
+def _load(path: Path, c: ml_collections.ConfigDict, eos_id: int, bos_id: int | None,
+          field: str) -> np.ndarray:
     if path.suffix == ".array_record":
-        return read_array_record(path, np.dtype(c.tokens.dtype), eos_id)
+        return read_array_record(path, np.dtype(c.tokens.dtype), eos_id, bos_id)
     return open_stream(path, c.tokens.dtype, field)

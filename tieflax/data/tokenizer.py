@@ -83,6 +83,18 @@ def eos_id_of(tok: Tokenizer, eos_token: str) -> int:
     return eos
 
 
+def bos_id_of(tok: Tokenizer, bos_token: str) -> int | None:
+    """The id of ``bos_token``, None when it is '' (no BOS), or a :class:`DataError`."""
+    if not bos_token:
+        return None
+    bos = tok.token_to_id(bos_token)
+    if bos is None:
+        special = [t.content for t in tok.get_added_tokens_decoder().values()][:8]
+        raise DataError(f"the tokenizer has no token data.tokenizer.bos_token = {bos_token!r}; set it "
+                        f"to one of its special tokens, e.g. {special}, or to '' for none.")
+    return bos
+
+
 def check_vocab_size(tokenizer_vocab: int, model_vocab: int, *, where: str) -> None:
     """The model's vocabulary must be exactly the tokenizer's: a clear error otherwise."""
     if tokenizer_vocab != model_vocab:
