@@ -63,6 +63,16 @@ def test_restored_state_gives_exactly_the_next_batches(prepared):
     assert_batches_equal(take(fresh, 11), ref[29:])
 
 
+def test_start_step_resumes_without_state_on_another_process_count(prepared):
+    kw = dict(seq_len=T, global_batch_size=4, seed=7)
+    ref = take(make_loader(prepared, "train", **kw), 40)
+    assert_batches_equal(take(make_loader(prepared, "train", start_step=29, **kw), 11), ref[29:])
+    halves = [take(make_loader(prepared, "train", start_step=29, process_index=p, process_count=2,
+                               **kw), 11) for p in range(2)]
+    joined = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*halves)]
+    assert_batches_equal(joined, ref[29:])
+
+
 def test_resume_through_orbax_with_grain_handler(prepared, tmp_path):
     """The recipe in the loader's docstring: save the iterator in the same orbax step as the params."""
     import orbax.checkpoint as ocp

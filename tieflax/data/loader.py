@@ -16,7 +16,9 @@ exactly. Save it in the same orbax step as the parameters with grain's handler::
     mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                data=grain.checkpoint.CheckpointRestore(loader)))
 
-The handler writes one ``process_<i>-of-<n>.json`` per process.
+The handler writes one ``process_<i>-of-<n>.json`` per process, so that state restores only onto the
+same number of processes. To resume on another number, rebuild the loader with
+``start_step=<steps done>``: batches depend only on the seed and the step.
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ def steps_per_epoch(prepared: PreparedDataset, split: str, *, seq_len: int,
 
 def make_loader(prepared: PreparedDataset, split: str, *, seq_len: int, global_batch_size: int,
                 seed: int, shuffle: bool = True, num_epochs: int | None = None,
-                process_index: int | None = None, process_count: int | None = None
-                ) -> grain.DatasetIterator:
+                process_index: int | None = None, process_count: int | None = None,
+                start_step: int = 0) -> grain.DatasetIterator:
     """An iterator over this process's share of each global batch of ``split``.
 
     Each element is a dict of ``[b, T]`` int32 NumPy arrays, ``b = global_batch_size / process_count``,
@@ -115,6 +117,9 @@ def make_loader(prepared: PreparedDataset, split: str, *, seq_len: int, global_b
       num_epochs: None repeats forever (training); an integer stops after that many passes, the last
         global batch completed with all-padding rows so nothing is dropped.
       process_index, process_count: default to ``jax.process_index()`` / ``jax.process_count()``.
+      start_step: begin at this global batch. The batches depend only on the seed and the step, so
+        this resumes exactly without a saved iterator state, also on a different number of
+        processes (whose saved per-process states would not match).
 
     Returns:
       A ``grain.DatasetIterator``; ``get_state()`` / ``set_state()`` resume it exactly.
@@ -130,6 +135,8 @@ def make_loader(prepared: PreparedDataset, split: str, *, seq_len: int, global_b
         raise DataError(f"seq_len = {seq_len} must be positive.")
     if not 0 <= seed < 2**32:
         raise DataError(f"seed = {seed} must lie in [0, 2**32) for grain's shuffle.")
+    if start_step < 0:
+        raise DataError(f"start_step = {start_step} must be >= 0.")
     if num_epochs is not None and num_epochs <= 0:
         raise DataError(f"num_epochs = {num_epochs} must be positive, or None to repeat forever.")
     tokens = prepared.tokens(split)
@@ -149,7 +156,7 @@ def make_loader(prepared: PreparedDataset, split: str, *, seq_len: int, global_b
                                 num_epochs=num_epochs)
     # Global batch s is micro-batches s*P .. s*P + P-1, so process p takes every P-th micro-batch
     # starting at p. Slicing a MapDataset is lazy: other processes' rows are never read.
-    ds = grain.MapDataset.source(batches)[p::n_proc].map(rows.rows)
+    ds = grain.MapDataset.source(batches)[p::n_proc][start_step:].map(rows.rows)
     read = grain.ReadOptions(num_threads=prepared.read_threads,
                              prefetch_buffer_size=prepared.prefetch_buffer_size)
     return iter(ds.to_iter_dataset(read))
