@@ -1,8 +1,8 @@
 """``tieflax convert`` end to end: import a tied HF model, untie it, train it, export it, tie it back.
 
-One chain of workdirs is built once per module (import -> untie -> train a few steps) and each test checks
-one link of it. Training uses the real trainer on a small pre-tokenised corpus of counting sequences,
-which a tiny model learns within a few steps.
+One chain of workdirs is built once per module (import -> untie -> ``tieflax train`` a few steps ->
+export) and each test checks one link of it. Training runs the real trainer on a small pre-tokenised
+corpus of counting sequences, which a tiny model learns within a few steps.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 import jax.numpy as jnp  # noqa: E402
 
-from tieflax import checkpoint as ckpt  # noqa: E402
 from tieflax.cli import main  # noqa: E402
 from tieflax.commands.convert import load_latest_params  # noqa: E402
 from tieflax.config import model_config  # noqa: E402
+from tieflax.metrics import read_metrics  # noqa: E402
 from tieflax.model import TransformerLM  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -50,8 +50,6 @@ def _params(workdir):
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     """Folders: hf (tied llama), imported, untied (trained STEPS steps), hf_out (exported)."""
-    from tieflax.train import train_and_evaluate
-
     root = tmp_path_factory.mktemp("convert")
     d = {k: str(root / k) for k in ("hf", "imported", "untied", "hf_out")}
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
@@ -65,7 +63,7 @@ def chain(tmp_path_factory):
     assert main(["convert", "--untie", "--workdir", d["imported"], "--out", d["untied"],
                  f"--config.data.tokens.train_path={corpus}", *TRAIN]) == 0
     d["untied_initial"] = _params(d["untied"])[1]
-    d["result"] = train_and_evaluate(ckpt.load_workdir_config(d["untied"]), d["untied"])
+    assert main(["train", "--workdir", d["untied"]]) == 0  # continues from the converted parameters
     assert main(["convert", "--to-hf", "--workdir", d["untied"], "--out", d["hf_out"]]) == 0
     return d
 
@@ -89,8 +87,7 @@ def test_untied_training_diverges_the_matrices_and_lowers_the_loss(chain):
     assert step == STEPS and not config.model.tie_embeddings
     w_in, w_out = (np.asarray(params[k]["embedding"][:V], np.float64) for k in ("embed", "lm_head"))
     assert np.linalg.norm(w_in - w_out) / np.linalg.norm(w_in) > 1e-3  # they now train separately
-    with open(chain["result"]["metrics_path"]) as f:
-        losses = [row["ce_loss"] for row in map(json.loads, f) if row["split"] == "train"]
+    losses = [row["ce_loss"] for row in read_metrics(chain["untied"], split="train")]
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1, losses
 
 
