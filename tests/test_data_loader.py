@@ -135,6 +135,22 @@ def test_each_epoch_is_reshuffled(prepared):
     assert sorted(first) == sorted(second) and first != second
 
 
+@pytest.mark.parametrize("large", [False, True])
+def test_each_epoch_is_a_permutation_in_both_shuffle_regimes(prepared, monkeypatch, large):
+    from tieflax.data import loader as loader_lib
+    if large:  # pretend the corpus is huge: grain's O(1)-memory shuffle instead of NumPy's
+        monkeypatch.setattr(loader_lib, "NUMPY_SHUFFLE_MAX_ROWS", 10)
+    n = len(PackedRows(prepared.train_tokens, T, EOS))
+    ids = loader_lib._MicroBatchRowIds(n, 1, 1, seed=3, shuffle=True, num_epochs=2)
+    assert (ids._grain_order is not None) == large
+    order = np.concatenate([ids[k] for k in range(2 * n)])
+    again = loader_lib._MicroBatchRowIds(n, 1, 1, seed=3, shuffle=True, num_epochs=2)
+    np.testing.assert_array_equal(order, np.concatenate([again[k] for k in range(2 * n)]))
+    for epoch in order.reshape(2, n):
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(n))
+    assert not np.array_equal(order[:n], order[n:]) and not np.array_equal(order[:n], np.arange(n))
+
+
 def test_to_global_batch_on_an_eight_device_mesh(prepared):
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     local = next(make_loader(prepared, "val", seq_len=T, global_batch_size=8, seed=0))

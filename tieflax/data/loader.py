@@ -39,14 +39,20 @@ from tieflax.data.prepare import PreparedDataset
 from tieflax.sharding import BATCH_AXES
 
 
+# Above this many rows a NumPy permutation (8 bytes a row, two epochs cached) costs too much memory;
+# grain's O(1)-memory index shuffle takes over, at ~10x the CPU per row.
+NUMPY_SHUFFLE_MAX_ROWS = 1 << 24
+
+
 class _MicroBatchRowIds:
     """Micro-batch ``k`` -> the ``[b]`` row ids it holds (``-1`` = an all-padding row).
 
     Rows are taken in epoch order; epoch ``e`` visits them in the permutation
-    ``np.random.default_rng([seed, e]).permutation(n)`` (identity without shuffle). A finite loader
-    ends with all-padding rows up to a whole global batch, so every process runs the same steps.
-    The permutation depends on NumPy's ``default_rng`` stream: keep NumPy's version fixed between
-    saving and restoring a loader state for an exact resume.
+    ``np.random.default_rng([seed, e]).permutation(n)`` (identity without shuffle), or, above
+    ``NUMPY_SHUFFLE_MAX_ROWS`` rows, in grain's ``MapDataset.range(n).shuffle(seed).repeat()`` order.
+    A finite loader ends with all-padding rows up to a whole global batch, so every process runs the
+    same steps. The NumPy permutation depends on NumPy's ``default_rng`` stream: keep NumPy's version
+    fixed between saving and restoring a loader state for an exact resume.
     """
 
     def __init__(self, num_rows_: int, batch: int, global_batch: int, *, seed: int, shuffle: bool,
@@ -59,6 +65,9 @@ class _MicroBatchRowIds:
             self._len = -(-self._rows_total // global_batch) * (global_batch // batch)
         self._perms: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()  # grain reads with several threads
+        self._grain_order = None
+        if shuffle and num_rows_ > NUMPY_SHUFFLE_MAX_ROWS:
+            self._grain_order = grain.MapDataset.range(num_rows_).shuffle(seed=seed).repeat()
 
     def __len__(self) -> int:
         return self._len
@@ -75,7 +84,9 @@ class _MicroBatchRowIds:
         flat = k * self._b + np.arange(self._b, dtype=np.int64)  # positions in the row stream
         epoch, within = np.divmod(flat, self._n)
         ids = within.copy()
-        if self._shuffle:
+        if self._grain_order is not None:
+            ids = np.array([self._grain_order[int(f)] for f in flat], np.int64) % self._n
+        elif self._shuffle:
             for e in np.unique(epoch):
                 ids[epoch == e] = self._perm(int(e))[within[epoch == e]]
         if self._rows_total is not None:
