@@ -6,7 +6,7 @@ split, tokenised and counted in a few seconds on a laptop CPU, with no network.
 Cache layout, under ``data.cache_dir`` (default ``<workdir>/data_cache``)::
 
     <source>-<key16>/
-        train.npy          [N_train] uint16 (uint32 when V > 65536): the train stream [EOS d EOS d ... EOS]
+        train.npy          [N_train] uint16 (uint32 when V > 65536): the train stream [EOS d EOS ... EOS]
         val.npy            [N_val]   same, held-out documents
         token_counts.npy   [V] int64: unigram counts of train.npy (EOS included)
         meta.json          the full key, sizes, document counts and names of the held-out documents
@@ -46,8 +46,9 @@ class PreparedDataset:
 
     Attributes:
       train_tokens, val_tokens: ``[N] uint16|uint32`` read-only memmaps of the split streams, documents
-        joined as ``[EOS d0 EOS d1 ... EOS]``.
-      token_counts: ``[vocab_size] int64`` unigram counts of the train stream (for frequency analyses).
+        joined as ``[EOS d0 EOS d1 ... EOS]`` (with a BOS: ``[BOS d0 EOS BOS d1 EOS ...]``).
+      token_counts: ``[vocab_size] int64`` unigram counts of the train stream, markers included (for
+        frequency analyses; ids the train split never uses count 0).
       vocab_size: ids the tokenizer emits; equals the model's vocab size (checked).
       eos_id: the id that ends documents (and opens them when there is no BOS).
       bos_id: the id that opens documents, or None (then EOS does).
