@@ -130,3 +130,17 @@ def test_bad_requests_fail_clearly(chain, tmp_path):
               "--config.model.tie_embeddings=False"])
     with pytest.raises(SystemExit, match="--out is required"):
         main(["convert", "--to-hf", "--workdir", chain["untied"]])
+
+
+def test_import_points_training_at_the_checkpoints_tokenizer(chain, tmp_path):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(chain["hf"], hf)
+    (hf / "tokenizer.json").write_text('{"stand-in": true}')
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|end|>"}}))
+    assert main(["convert", "--from-hf", str(hf), "--workdir", str(tmp_path / "w")]) == 0
+    config, _, _ = load_latest_params(str(tmp_path / "w"))
+    assert config.data.tokenizer.path == str(tmp_path / "w" / "tokenizer.json")
+    assert config.data.tokenizer.eos_token == "<|end|>"
+    assert (tmp_path / "w" / "hf_files" / "tokenizer_config.json").is_file()
