@@ -146,7 +146,15 @@ def load_initial_params(workdir: str, abstract_params: Any | None = None) -> Any
             return ckptr.restore(path, abstract_params)
     with ocp.PyTreeCheckpointer() as ckptr:
         meta = ckptr.metadata(path).item_metadata.tree
-        return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=_numpy_restore_args(meta)))
+        return _plain(ckptr.restore(path, args=ocp.args.PyTreeRestore(
+            restore_args=_numpy_restore_args(meta))))
+
+
+def _plain(tree: Any) -> Any:
+    """Nested plain dicts (orbax may hand back its own mapping types)."""
+    if hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
 
 
 def latest_step(workdir: str) -> int | None:
@@ -168,15 +176,14 @@ def load_latest_params(workdir: str) -> tuple[ml_collections.ConfigDict, Any, in
         if has_initial_params(workdir):
             return config, load_initial_params(workdir), 0
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
-    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
-        meta = manager.item_metadata(step)["state"]
-        meta = getattr(meta, "tree", meta)
-        params_meta = meta["params"]
-        restore_args = {"params": _numpy_restore_args(params_meta)}
+    path = os.path.join(checkpoint_dir(workdir), str(step), "state")
+    with ocp.PyTreeCheckpointer() as ckptr:
+        params_meta = ckptr.metadata(path).item_metadata.tree["params"]
         # Partial restore: only the parameters are read, never the (2x larger) optimizer state.
-        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item={"params": params_meta}, restore_args=restore_args, partial_restore=True)))
-    return config, out.state["params"], step
+        out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+            item={"params": params_meta}, restore_args={"params": _numpy_restore_args(params_meta)},
+            partial_restore=True))
+    return config, _plain(out["params"]), step
 
 
 def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]:

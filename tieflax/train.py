@@ -208,13 +208,13 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
             g_lookup, g_head = grads["embed"]["embedding"], grads["lm_head"]["embedding"]
             grads = {k: v for k, v in grads.items() if k != "lm_head"}
             grads["embed"] = {**grads["embed"], "embedding": g_lookup + g_head}
-            metrics["grad_norm/embed_lookup"] = optax.global_norm(g_lookup)
-            metrics["grad_norm/embed_head"] = optax.global_norm(g_head)
-            metrics["grad_norm/embed"] = optax.global_norm(grads["embed"]["embedding"])
+            metrics["grad_norm/embed_lookup"] = optax.tree.norm(g_lookup)
+            metrics["grad_norm/embed_head"] = optax.tree.norm(g_head)
+            metrics["grad_norm/embed"] = optax.tree.norm(grads["embed"]["embedding"])
         else:
-            metrics["grad_norm/embed_in"] = optax.global_norm(grads["embed"]["embedding"])
-            metrics["grad_norm/head_out"] = optax.global_norm(grads["lm_head"]["embedding"])
-        grad_norm = optax.global_norm(grads)
+            metrics["grad_norm/embed_in"] = optax.tree.norm(grads["embed"]["embedding"])
+            metrics["grad_norm/head_out"] = optax.tree.norm(grads["lm_head"]["embedding"])
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = s.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
 
@@ -225,7 +225,7 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
         z = stats["z_loss"] / n_tokens
         metrics.update({
             "loss": loss, "ce_loss": loss - z, "z_loss": z, "accuracy": stats["correct"] / n_tokens,
-            "grad_norm": grad_norm, "param_norm": optax.global_norm(params),
+            "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
             "learning_rate": s.schedule(state["step"]), "tokens": n_tokens,
             "invalid_labels": stats["invalid_labels"], "nonfinite": (~ok & (stats["invalid_labels"] == 0)),
         })

@@ -1,0 +1,202 @@
+"""Training: the loss falls (tied, untied), resume is exact after SIGTERM and kill -9, restore onto another
+mesh, the tied gradient split, and the guards (mesh fit, non-finite loss)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import time
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_train_support import micro_config, prepare_shared_data, start_train
+from tieflax import checkpoint as ckpt
+from tieflax.config import model_config
+from tieflax.metrics import read_metrics
+from tieflax.model import ConfigError, TransformerLM
+from tieflax.train import TrainingError, _untied_view, evaluate, train_and_evaluate
+
+N = 20  # steps of the reference run; the interrupted run must reproduce its final parameters
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("train_data"))
+    prepare_shared_data(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tied_run(data_dir, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("tied") / "run")
+    return workdir, train_and_evaluate(micro_config(data_dir, tied=True, num_steps=N), workdir)
+
+
+@pytest.fixture(scope="module")
+def untied_run(data_dir, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("untied") / "run")
+    return workdir, train_and_evaluate(micro_config(data_dir, tied=False, num_steps=N), workdir)
+
+
+# ------------------------------------------------------------------------------------------ loss falls
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_loss_falls_and_the_workdir_is_complete(which, request):
+    workdir, result = request.getfixturevalue(f"{which}_run")
+    rows = read_metrics(workdir, "train")
+    assert rows[0]["loss"] > 5.5  # ~ln(512) = 6.24 at initialisation
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.6, [r["loss"] for r in rows]
+    assert result["final_val_loss"] < rows[0]["loss"] - 0.5
+    assert result["final_val_perplexity"] == pytest.approx(np.exp(result["final_val_loss"]), rel=1e-6)
+    assert result["metrics_path"] == os.path.join(workdir, "metrics.jsonl")
+    assert np.isfinite(result["tokens_per_second"]) and result["tokens_per_second"] > 0
+    names = ({"grad_norm/embed_lookup", "grad_norm/embed_head", "grad_norm/embed"} if which == "tied"
+             else {"grad_norm/embed_in", "grad_norm/head_out"})
+    for key in names | {"loss", "perplexity", "learning_rate", "grad_norm", "tokens_per_second"}:
+        assert all(key in r for r in rows[1:]), key
+    if which == "tied":  # both contributions are real, and they add up to (at most) the tied gradient
+        r = rows[-1]
+        assert r["grad_norm/embed_lookup"] > 0 and r["grad_norm/embed_head"] > 0
+        assert r["grad_norm/embed"] <= r["grad_norm/embed_lookup"] + r["grad_norm/embed_head"] + 1e-6
+    assert read_metrics(workdir, "val")
+    for name in ("config.json", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(workdir, name)), name
+    assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+    assert ckpt.latest_step(workdir) == result["step"]
+
+
+def test_untied_has_exactly_v_times_d_more_parameters(tied_run, untied_run):
+    assert untied_run[1]["params"]["total"] - tied_run[1]["params"]["total"] == 512 * 32
+
+
+def test_tied_gradient_is_the_sum_of_the_untied_views_gradients(data_dir):
+    """The train step differentiates a tied model as an untied one with the matrix twice: exact."""
+    mc = model_config(micro_config(data_dir, tied=True))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 512)
+    targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-1)
+    params = jax.tree.map(lambda x: getattr(x, "value", x),
+                          TransformerLM(mc).init(jax.random.key(0), tokens)["params"],
+                          is_leaf=lambda x: hasattr(x, "names"))
+
+    def mean_loss(p, model):
+        loss, _ = model.apply({"params": p}, tokens, targets, method=TransformerLM.loss)
+        return loss.sum() / (targets >= 0).sum()
+
+    grad = jax.jit(jax.grad(mean_loss), static_argnums=1)
+    g_tied = grad(params, TransformerLM(mc))
+    g_split = grad(_untied_view(params), TransformerLM(mc.replace(tie_embeddings=False)))
+    lookup, head = g_split["embed"]["embedding"], g_split["lm_head"]["embedding"]
+    assert float(jnp.linalg.norm(lookup)) > 0 and float(jnp.linalg.norm(head)) > 0
+    np.testing.assert_allclose(g_tied["embed"]["embedding"], lookup + head, rtol=1e-5, atol=1e-8)
+    rest = {k: v for k, v in g_split.items() if k not in ("embed", "lm_head")}
+    chex.assert_trees_all_close({k: v for k, v in g_tied.items() if k != "embed"}, rest, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+def _wait_for_checkpoint(workdir: str, proc, above: int, timeout: float = 240.0) -> int:
+    """Polls for a finished checkpoint (orbax renames it to its bare step number) newer than ``above``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        steps = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
+                 if d.isdigit()] if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
+        if steps and max(steps) > above:
+            return max(steps)
+        assert proc.poll() is None, f"training exited early with {proc.returncode}"
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint above step {above} within {timeout}s")
+
+
+def test_sigterm_saves_and_exits_0_then_kill9_and_resume_is_exact(tied_run, data_dir, tmp_path):
+    config = micro_config(data_dir, tied=True, num_steps=N)
+    workdir = str(tmp_path / "run")
+
+    # SIGTERM: the step finishes, a checkpoint is written at that step, exit code 0.
+    proc = start_train(workdir, config)
+    _wait_for_checkpoint(workdir, proc, above=0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=240) == 0
+    log = open(str(tmp_path / "run.log")).read()
+    stopped = int(re.search(r"checkpoint saved at step (\d+)", log).group(1))
+    assert ckpt.latest_step(workdir) == stopped < N
+
+    # Rerun the same command; kill -9 once it has checkpointed past the SIGTERM step, mid-run.
+    proc = start_train(workdir, config)
+    _wait_for_checkpoint(workdir, proc, above=stopped)
+    proc.kill()
+    proc.wait(timeout=60)
+    killed_at = ckpt.latest_step(workdir)
+    assert stopped < killed_at < N
+
+    # Rerun once more (in this process) to the end: the same parameters as the uninterrupted run.
+    result = train_and_evaluate(config, workdir)
+    assert result["step"] == N
+    _, resumed, step = ckpt.load_latest_params(workdir)
+    _, reference, ref_step = ckpt.load_latest_params(tied_run[0])
+    assert step == ref_step == N
+    chex.assert_trees_all_equal(resumed, reference)
+    assert result["final_val_loss"] == tied_run[1]["final_val_loss"]
+
+
+def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
+    """Saved on 8 devices as data=8; evaluated as data=4 x tensor=2 (vocab and heads resharded) through `tieflax eval`."""
+    from tieflax.cli import main
+
+    workdir, result = tied_run
+    same = evaluate(ckpt.load_workdir_config(workdir), workdir)
+    assert same["step"] == N
+    assert same["loss"] == pytest.approx(result["final_val_loss"], rel=1e-6)
+    assert main(["eval", "--workdir", workdir, "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
+    other = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert other["step"] == N
+    assert other["loss"] == pytest.approx(same["loss"], rel=1e-5)
+
+
+def test_load_latest_params_and_initial_params_contract(tied_run, data_dir, tmp_path):
+    """save_initial_params -> a fresh run starts from those parameters (checked after 0 updates)."""
+    config, params, step = ckpt.load_latest_params(tied_run[0])
+    assert step == N and isinstance(params["embed"]["embedding"], np.ndarray)
+    assert "lm_head" not in params and config.model.tie_embeddings
+    workdir = str(tmp_path / "from_init")
+    ckpt.save_initial_params(workdir, config, params)
+    _, again, step0 = ckpt.load_latest_params(workdir)
+    assert step0 == 0
+    chex.assert_trees_all_equal(again, params)
+
+
+# ---------------------------------------------------------------------------------------------- guards
+
+def test_config_that_does_not_fit_the_mesh_fails_before_compiling(data_dir, tmp_path):
+    config = micro_config(data_dir)
+    config.train.global_batch_size = 12  # 8 batch shards
+    with pytest.raises(ConfigError, match=r"config\.train\.global_batch_size"):
+        train_and_evaluate(config, str(tmp_path / "a"))
+    config = micro_config(data_dir)
+    config.mesh.data, config.mesh.tensor = 1, 8
+    config.model.vocab_size, config.model.vocab_pad_multiple = 500, 100  # V_pad 500 over 8 shards
+    with pytest.raises(ConfigError, match=r"config\.model\.vocab_pad_multiple"):
+        train_and_evaluate(config, str(tmp_path / "b"))
+    assert not os.path.exists(str(tmp_path / "a" / "checkpoints"))
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
+    config = micro_config(data_dir, num_steps=12)
+    config.train.learning_rate, config.train.warmup_steps = 1e12, 2  # the parameters explode by step 3
+    config.train.log_every = config.train.checkpoint_every = 1
+    config.train.grad_clip_norm = 0.0
+    workdir = str(tmp_path / "nan")
+    with pytest.raises(TrainingError, match="NaN/Inf") as err:
+        train_and_evaluate(config, workdir)
+    bad = int(re.search(r"step (\d+):", str(err.value)).group(1))
+    good = ckpt.latest_step(workdir)
+    assert good is not None and good < bad
+    assert f"last good checkpoint is step {good}" in str(err.value)
+    _, params, _ = ckpt.load_latest_params(workdir)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))

@@ -1,0 +1,82 @@
+"""Helpers shared by the training tests (no tests here): a micro config on a small offline corpus."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from tieflax.config import default_config, default_model_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def micro_config(data_dir: str, *, tied: bool = True, num_steps: int = 20):
+    """A 1-layer, d=32 model on 40 stdlib files with a 512-token BPE: seconds per run on a CPU."""
+    c = default_config()
+    c.model = default_model_config(family="llama", vocab_size=512, d_model=32, n_layers=1, n_heads=2,
+                                   d_ff=64, max_seq_len=32, tie_embeddings=tied)
+    c.data.source = "python_stdlib"
+    c.data.python_stdlib.max_files = 40
+    c.data.tokenizer.vocab_size = 512
+    c.data.val_fraction = 0.2
+    c.data.cache_dir = os.path.join(data_dir, "data_cache")
+    c.data.tokenizer.path = os.path.join(data_dir, "tokenizer.json")
+    c.data.read_threads = 0  # deterministic and light on a 2-core machine
+    t = c.train
+    t.seq_len, t.global_batch_size, t.num_steps = 32, 16, num_steps
+    t.learning_rate, t.warmup_steps = 1e-2, 5
+    t.log_every, t.checkpoint_every, t.eval_every, t.eval_batches = 5, 5, 10_000, 2
+    t.loss_token_block, t.loss_vocab_block = 128, 256
+    return c
+
+
+def prepare_shared_data(data_dir: str) -> None:
+    """Trains the tokenizer and tokenises the corpus once; later runs reuse both."""
+    from tieflax.data import prepare_dataset
+
+    c = micro_config(data_dir)
+    c.data.tokenizer.path = ""
+    prepare_dataset(c.data, data_dir, vocab_size=c.model.vocab_size)
+    assert os.path.isfile(os.path.join(data_dir, "tokenizer.json"))
+
+
+def config_overrides(config) -> list[str]:
+    """The config as ``--config.a.b=v`` arguments (for subprocess runs of `tieflax train`)."""
+    out = []
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if hasattr(v, "items"):
+                walk(v, f"{prefix}{k}.")
+            elif v is not None:
+                out.append(f"--config.{prefix}{k}={v!r}" if isinstance(v, str) else f"--config.{prefix}{k}={v}")
+    walk(config, "")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(devices: int, **extra: str) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def start_train(workdir: str, config, *, devices: int = 8, log_path: str | None = None,
+                **env: str) -> subprocess.Popen:
+    """``python -m tieflax.cli train --workdir ... <config as overrides>`` in the background."""
+    cmd = [sys.executable, "-m", "tieflax.cli", "train", "--config",
+           os.path.join(REPO, "configs", "experiments", "tiny.py"), "--workdir", workdir,
+           *config_overrides(config)]
+    out = open(log_path or os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log"), "w")
+    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(devices, **env), stdout=out,
+                            stderr=subprocess.STDOUT)
