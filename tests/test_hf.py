@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tieflax.analysis.params import abstract_params, count_params  # noqa: E402
@@ -143,7 +144,7 @@ def test_sharded_checkpoints_both_ways(imported, root):
     model.save_pretrained(sharded, max_shard_size="20KB")
     assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
     _, params2 = load_hf_checkpoint(sharded)
-    for a, b in zip(*(hf_weights.jax.tree.leaves(p) for p in (params, params2))):
+    for a, b in zip(*(jax.tree.leaves(p) for p in (params, params2))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     out = os.path.join(root, "export-sharded")
     files = save_hf_checkpoint(out, config, params, max_shard_bytes=20_000)
@@ -243,3 +244,26 @@ def test_export_refuses_switches_without_hf_counterpart(imported):
             hf_config.config_to_hf(config.replace(**changes))
     with pytest.raises(hf_weights.CheckpointMismatch, match="head_bias"):
         hf_weights.weight_entries(config.replace(head_bias=True))
+
+
+def test_gpt2_names_without_prefix_and_buffers(imported):
+    """The published 'gpt2' checkpoint was saved from GPT2Model: no 'transformer.' prefix, attn.bias buffers."""
+    _, folder, _, config, params, _ = imported("gpt2", True)
+    state = {k.removeprefix("transformer."): v for k, v in read_safetensors(folder).items()}
+    state["h.0.attn.bias"] = np.tril(np.ones((1, 1, 16, 16), np.float32))
+    again = hf_weights.params_from_state(state, config)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state["h.0.attn.c_attn.extra"] = state["ln_f.weight"]
+    with pytest.raises(hf_weights.CheckpointMismatch, match="unexpected transformer.h.0.attn.c_attn.extra"):
+        hf_weights.params_from_state(state, config)
+
+
+def test_tied_checkpoint_with_a_different_head_warns_and_ignores_it(imported):
+    _, folder, _, config, params, _ = imported("llama", True)
+    state = read_safetensors(folder)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1.0
+    with pytest.warns(UserWarning, match="ignores lm_head.weight"):
+        again = hf_weights.params_from_state(state, config)
+    assert "lm_head" not in again
+    np.testing.assert_array_equal(again["embed"]["embedding"], params["embed"]["embedding"])
