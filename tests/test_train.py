@@ -146,7 +146,7 @@ def test_sigterm_saves_and_exits_0_then_kill9_and_resume_is_exact(tied_run, data
 
 
 def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
-    """Saved on 8 devices as data=8; evaluated as data=4 x tensor=2 (vocab and heads resharded) through `tieflax eval`."""
+    """Saved on 8 devices as data=8; evaluated through `tieflax eval` as data=4 x tensor=2 (resharded)."""
     from tieflax.cli import main
 
     workdir, result = tied_run

@@ -44,6 +44,7 @@ from tieflax import sharding as shd
 from tieflax.config import model_config
 from tieflax.metrics import MetricWriter, progress_bar
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
+from tieflax.model.embedding import finish_logits
 from tieflax.optim import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ def check_fits_mesh(config: ml_collections.ConfigDict, mc: ModelConfig, mesh_siz
          f"d_model={mc.d_model} is not divisible by fsdp={fsdp}")
     need(mc.position != "learned" or t.seq_len <= mc.max_seq_len, "config.train.seq_len",
          f"{t.seq_len} exceeds the learned position table (config.model.max_seq_len={mc.max_seq_len})")
+    need(t.loss_impl in ("fused", "dense"), "config.train.loss_impl",
+         f"{t.loss_impl!r} is not 'fused' or 'dense'")
     need(t.num_steps >= 1, "config.train.num_steps", f"must be >= 1, got {t.num_steps}")
     for field in ("log_every", "checkpoint_every", "eval_every", "keep_checkpoints"):
         need(t[field] >= 1, f"config.train.{field}", f"must be >= 1, got {t[field]}")
@@ -170,8 +173,11 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
     mesh = s.mesh
 
     def micro_loss(gparams, mb, n_tokens):
-        loss, aux = s.grad_model.apply({"params": gparams}, mb["inputs"], mb["targets"], mb["positions"],
-                                       mb["segment_ids"], method=TransformerLM.loss, **options)
+        if c.loss_impl == "dense":
+            loss, aux = dense_loss(s.grad_model, gparams, mb, z_loss=c.z_loss, label_smoothing=c.label_smoothing)
+        else:
+            loss, aux = s.grad_model.apply({"params": gparams}, mb["inputs"], mb["targets"], mb["positions"],
+                                           mb["segment_ids"], method=TransformerLM.loss, **options)
         valid = (mb["targets"] >= 0) & (mb["targets"] < s.model_config.vocab_size)
         stats = dict(z_loss=aux["z_loss"].sum(), correct=(aux["correct"] & valid).sum(),
                      invalid_labels=aux["invalid_label_count"])
@@ -234,6 +240,35 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
     batch_shardings = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
     return jax.jit(step, in_shardings=(s.state_shardings, batch_shardings),
                    out_shardings=(s.state_shardings, shd.replicated(mesh)), donate_argnums=(0,))
+
+
+def dense_loss(model: TransformerLM, params: dict, batch: dict, *, z_loss: float = 0.0,
+               label_smoothing: float = 0.0) -> tuple[jax.Array, dict]:
+    """The baseline the fused loss replaces: full fp32 logits [B, T, V_pad], then log-softmax.
+
+    Same semantics as the fused loss (head switches, padding rows masked, labels < 0 ignored, labels
+    >= V counted as invalid), for ``config.train.loss_impl='dense'`` and the train-step benchmark.
+    Returns (loss per token [B, T] fp32, aux with ``z_loss``, ``correct``, ``invalid_label_count``).
+    """
+    hidden, weight, bias = model.apply({"params": params}, batch["inputs"], batch["positions"],
+                                       batch["segment_ids"], method=TransformerLM.features)
+    c = model.config
+    logits = jnp.einsum("btd,vd->btv", hidden.astype(jnp.float32), weight.astype(jnp.float32))
+    logits = finish_logits(logits, c, bias)
+    v = jnp.arange(c.padded_vocab) < c.vocab_size
+    logits = jnp.where(v, logits, -1e30)
+    y = batch["targets"]
+    valid = (y >= 0) & (y < c.vocab_size)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    zy = jnp.take_along_axis(logits, jnp.where(valid, y, 0)[..., None], axis=-1)[..., 0]
+    ce = lse - (1 - label_smoothing) * zy
+    if label_smoothing:
+        ce = ce - label_smoothing / c.vocab_size * jnp.where(v, logits, 0.0).sum(-1)
+    zterm = z_loss * jnp.square(lse)
+    loss = jnp.where(valid, ce + zterm, 0.0)
+    aux = dict(z_loss=jnp.where(valid, zterm, 0.0), correct=valid & (zy >= logits.max(-1)),
+               invalid_label_count=jnp.sum(y >= c.vocab_size, dtype=jnp.int32))
+    return loss, aux
 
 
 # ================================================================================================ evals

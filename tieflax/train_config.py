@@ -26,6 +26,7 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.grad_clip_norm = 1.0
     c.z_loss = 0.0
     c.label_smoothing = 0.0
+    c.loss_impl = "fused"             # 'fused' (blockwise, no logits) or 'dense' (full logits: baseline)
     c.loss_token_block = 1024         # fused cross-entropy block sizes
     c.loss_vocab_block = 4096
     c.eval_every = 200

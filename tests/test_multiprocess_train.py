@@ -1,0 +1,66 @@
+"""Two processes x 4 CPU devices over gloo (launch/local_multiprocess.sh) against one process x 8 devices.
+
+Phase 1 trains 4 steps and checkpoints; phase 2 reruns the command with num_steps=8 and resumes. The
+learning rate is constant (no warmup, min_lr_ratio=1) so that extending num_steps does not change the
+schedule. Every step's loss must match the single-process run on the same data: the global batch, the
+mesh (data=8) and the program are the same; only the cross-process reduction order may differ.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from test_train_support import REPO, config_overrides, micro_config, prepare_shared_data, subprocess_env
+from tieflax import checkpoint as ckpt
+from tieflax.metrics import read_metrics
+from tieflax.train import train_and_evaluate
+
+LOSS_RTOL = 1e-5  # fp32 all-reduce order across processes vs within one
+
+
+def _config(data_dir: str, num_steps: int):
+    c = micro_config(data_dir, num_steps=num_steps)
+    c.train.warmup_steps, c.train.min_lr_ratio = 0, 1.0
+    c.train.log_every, c.train.checkpoint_every = 1, 2
+    return c
+
+
+def _launch(workdir: str, config, logs: str) -> None:
+    cmd = ["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "4", "python", "-m",
+           "tieflax.cli", "train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),
+           "--workdir", workdir, *config_overrides(config)]
+    env = subprocess_env(4, WORKDIR_LOGS=logs)
+    env.pop("XLA_FLAGS")  # the launcher sets the per-process device count
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    if proc.returncode != 0:
+        other = open(os.path.join(logs, "process_1.log")).read() if os.path.exists(
+            os.path.join(logs, "process_1.log")) else ""
+        pytest.fail(f"multi-process run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                    f"{proc.stderr[-4000:]}\n--- process 1 ---\n{other[-4000:]}")
+
+
+def test_two_processes_match_one_and_resume(tmp_path):
+    data_dir = str(tmp_path / "data")
+    prepare_shared_data(data_dir)
+    multi = str(tmp_path / "multi")
+
+    _launch(multi, _config(data_dir, 4), str(tmp_path))
+    assert ckpt.latest_step(multi) == 4
+    _launch(multi, _config(data_dir, 8), str(tmp_path))  # resumes from step 4
+    assert ckpt.latest_step(multi) == 8
+
+    single = str(tmp_path / "single")
+    result = train_and_evaluate(_config(data_dir, 8), single)
+
+    got = {r["step"]: r["loss"] for r in read_metrics(multi, "train")}
+    want = {r["step"]: r["loss"] for r in read_metrics(single, "train")}
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
+                               rtol=LOSS_RTOL)
+    assert want[8] < want[1]  # it trained
+    val = {r["step"]: r["loss"] for r in read_metrics(multi, "val")}
+    np.testing.assert_allclose(val[8], result["final_val_loss"], rtol=LOSS_RTOL)
