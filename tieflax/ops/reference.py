@@ -61,8 +61,8 @@ def numpy_cross_entropy(hidden, weight, labels, *, valid_vocab, weights=None, z_
 def dense_cross_entropy(hidden, weight, labels, *, valid_vocab, weights=None, z_loss=0.0,
                         label_smoothing=0.0, logit_scale=1.0, softcap=None, bias=None):
     """Loss per token [N] on full [N, V] logits in JAX (autodiff gives the gradients)."""
-    raw = logit_scale * jnp.dot(hidden, weight.T, preferred_element_type=jnp.float32)
-    raw = raw.astype(jnp.promote_types(raw.dtype, hidden.dtype))
+    acc = jnp.promote_types(jnp.float32, hidden.dtype)  # fp32, or fp64 for fp64 inputs
+    raw = logit_scale * jnp.dot(hidden, weight.T, preferred_element_type=acc)
     if bias is not None:
         raw = raw + bias
     z = softcap * jnp.tanh(raw / softcap) if softcap is not None else raw

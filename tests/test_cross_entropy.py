@@ -1,0 +1,261 @@
+"""tieflax.ops.cross_entropy against a float64 NumPy oracle, on 1-8 devices, plus HLO and memory checks.
+
+Tolerances: fp32 inputs match the float64 oracle to 2e-5 x max|reference| (max abs error, per array);
+bf16 inputs (oracle fed the same bf16-rounded values) to 2e-2 x max|reference|; float64 inputs
+(``check_grads``) to the JAX defaults for float64.
+"""
+
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tieflax.ops.cross_entropy import cross_entropy
+from tieflax.ops.reference import dense_cross_entropy, naive_cross_entropy, numpy_cross_entropy
+from tieflax.sharding import make_mesh
+
+# Shapes chosen so nothing divides evenly: 147 valid rows in 152 padded ones, blocks of 5 tokens x 7 rows.
+N, D, V_PAD, VV = 48, 16, 152, 147
+TB, VB = 5, 7
+ALL = dict(z_loss=1e-2, label_smoothing=0.1, logit_scale=0.7, softcap=5.0)
+PLAIN = dict(z_loss=0.0, label_smoothing=0.0, logit_scale=1.0, softcap=None)
+MODES = ("recompute", "fused")
+# name -> (data, fsdp, tensor) over the first data*fsdp*tensor devices; None = single-device path.
+MESHES = {"1dev": None, "2dev_1x2": (1, 1, 2), "4dev_2x2": (2, 1, 2), "8dev_1x8": (1, 1, 8),
+          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1)}
+
+
+def _mesh(name):
+    shape = MESHES[name]
+    return None if shape is None else make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+
+
+def _data(dtype=np.float32, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, VV, N)
+    y[:3] = -1            # ignored
+    y[3], y[4] = 150, 999  # invalid: inside the padding, and beyond V_pad
+    y[5] = VV - 1          # last valid row, in the shifted last vocab block
+    return dict(h=(rng.normal(size=(N, D)) * scale).astype(dtype),
+                w=(rng.normal(size=(V_PAD, D)) * 0.5).astype(dtype),
+                b=(rng.normal(size=V_PAD) * 0.1).astype(np.float32),
+                wt=rng.uniform(0.5, 1.5, N).astype(np.float32), y=y.astype(np.int32),
+                g=rng.normal(size=N).astype(np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _fn(mode, mesh_name, feats):
+    """One compiled loss+grad per (mode, mesh, features), reused for every label set of that shape.
+
+    Returns (loss, aux, grads of sum(g * loss), grads of 0.5 * sum(loss)); the second, uniform
+    cotangent exercises the fused mode's stored weight gradient, the first its exact fallback."""
+    mesh, kw = _mesh(mesh_name), dict(feats)
+
+    def loss(h, w, b, wt, y):
+        return cross_entropy(h, w, y, valid_vocab=VV, weights=wt, bias=b, token_block=TB, vocab_block=VB,
+                             mode=mode, mesh=mesh, **kw)
+
+    def weighted(*a, y, g):
+        l, aux = loss(*a, y)
+        return jnp.sum(g * l), (l, aux)
+
+    def f(h, w, b, wt, y, g):
+        (_, (l, aux)), gr = jax.value_and_grad(weighted, argnums=(0, 1, 2, 3), has_aux=True)(
+            h, w, b, wt, y=y, g=g)
+        # Only the fused mode treats a uniform cotangent differently; skip the second compile otherwise.
+        gu = None if mode != "fused" else jax.grad(
+            lambda *a: 0.5 * jnp.sum(loss(*a, y)[0]), argnums=(0, 1, 2, 3))(h, w, b, wt)
+        return l, aux, gr, gu
+
+    return jax.jit(f)
+
+
+def _close(got, want, rel):
+    want = np.asarray(want, np.float64)
+    if not want.size:
+        return
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=rel * max(np.abs(want).max(), 1e-30))
+
+
+def _check_against_oracle(d, mode, mesh_name, feats, rel):
+    l, aux, gr, gu = _fn(mode, mesh_name, tuple(sorted(feats.items())))(d["h"], d["w"], d["b"], d["wt"], d["y"], d["g"])
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731 (bf16 -> exact f64)
+    kw = dict(valid_vocab=VV, weights=d["wt"], bias=d["b"], **feats)
+    ref = numpy_cross_entropy(f64(d["h"]), f64(d["w"]), d["y"], cotangent=d["g"], **kw)
+    refu = numpy_cross_entropy(f64(d["h"]), f64(d["w"]), d["y"], cotangent=np.full(N, 0.5), **kw)
+    chex.assert_shape((l, aux["lse"], aux["z_loss"], aux["correct"]), (N,))
+    assert l.dtype == jnp.float32 and aux["correct"].dtype == jnp.bool_
+    assert int(aux["invalid_label_count"]) == ref["invalid_label_count"]
+    _close(l, ref["loss"], rel)
+    _close(aux["z_loss"], ref["z_loss"], rel)
+    valid = (d["y"] >= 0) & (d["y"] < VV)
+    _close(np.asarray(aux["lse"])[valid], ref["lse"][valid], rel)
+    np.testing.assert_array_equal(np.asarray(aux["correct"]), ref["correct"])
+    for got, r in ((gr, ref), (gu, refu)) if gu is not None else ((gr, ref),):
+        chex.assert_trees_all_equal_shapes_and_dtypes(got, (d["h"], d["w"], d["b"], d["wt"]))
+        for gg, key in zip(got, ("d_hidden", "d_weight", "d_bias", "d_weights")):
+            _close(gg, r[key], rel)
+        # Padding rows (>= valid_vocab) get exactly zero gradient.
+        assert not np.asarray(got[1], np.float32)[VV:].any() and not np.asarray(got[2])[VV:].any()
+    return l, aux, gr
+
+
+# Recompute on every mesh; fused (same statistics code, plus its own gradient loop) on one device and on
+# the mesh that shards batch and vocab at once, to keep the suite's compile time down.
+@pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES]
+                         + [("fused", "1dev"), ("fused", "8dev_2x4")])
+def test_matches_float64_oracle_all_features(mode, mesh_name):
+    _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_label_ignored_gives_zero_loss_and_gradient(mode):
+    d = _data()
+    d["y"][:] = -1
+    d["y"][::7] = VV + 2  # invalid labels are inactive too
+    l, aux, gr = _check_against_oracle(d, mode, "1dev", ALL, 2e-5)
+    assert not np.asarray(l).any() and all(np.isfinite(np.asarray(x)).all() for x in gr)
+    assert not np.asarray(gr[0]).any() and not np.asarray(gr[1]).any()
+    assert int(aux["invalid_label_count"]) == 7
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_of_magnitude_1e4_do_not_overflow(mode):
+    d = _data(scale=3000.0)  # |logits| ~ 1e4: exp would overflow without the running max
+    l, aux, _ = _check_against_oracle(d, mode, "8dev_2x4", PLAIN, 2e-5)
+    assert np.abs(np.asarray(aux["lse"])).max() > 5e3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_inputs(mode):
+    d = _data(dtype=jnp.bfloat16)
+    _check_against_oracle(d, mode, "1dev", ALL, 2e-2)
+
+
+def test_oracle_gradients_match_jax_autodiff_in_float64():
+    """The oracle's analytic gradient formula, checked independently against autodiff of dense logits."""
+    d = _data()
+    kw = dict(valid_vocab=VV, **ALL)
+    ref = numpy_cross_entropy(d["h"], d["w"], d["y"], weights=d["wt"], bias=d["b"], cotangent=d["g"], **kw)
+    with jax.enable_x64(True):
+        args = [jnp.asarray(d[k], jnp.float64) for k in ("h", "w", "b", "wt")]
+        f = lambda h, w, b, wt: jnp.sum(d["g"] * dense_cross_entropy(h, w, d["y"], weights=wt, bias=b, **kw))  # noqa: E731
+        grads = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*args)
+        loss = dense_cross_entropy(*args[:2], d["y"], weights=args[3], bias=args[2], **kw)
+    np.testing.assert_allclose(np.asarray(loss), ref["loss"], rtol=1e-12, atol=1e-12)
+    for g, key in zip(grads, ("d_hidden", "d_weight", "d_bias", "d_weights")):
+        np.testing.assert_allclose(np.asarray(g), ref[key], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_check_grads_float64(mode):
+    d = _data()
+    with jax.enable_x64(True):
+        y = jnp.asarray(d["y"])
+        g = jnp.asarray(d["g"], jnp.float64)
+
+        @jax.jit
+        def f(h, w, b, wt):
+            l, _ = cross_entropy(h, w, y, valid_vocab=VV, weights=wt, bias=b, token_block=TB, vocab_block=VB,
+                                 mode=mode, **ALL)
+            return jnp.sum(g * l)
+
+        args = [jnp.asarray(d[k], jnp.float64) for k in ("h", "w", "b", "wt")]
+        jax.test_util.check_grads(f, args, order=1, modes=("rev",))
+
+
+# ----------------------------------------------------------------------- compiled HLO and memory
+
+_COLLECTIVE = re.compile(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*?\b(all-reduce|all-gather|reduce-scatter|"
+                         r"all-to-all|collective-permute)(?:-start)?\(")
+
+
+def _collectives(hlo_text):
+    """[(op, elements)] of every collective in an HLO module (first result shape of each)."""
+    return [(op, int(np.prod([int(x) for x in dims.split(",") if x] or [1])))
+            for _, dims, op in _COLLECTIVE.findall(hlo_text)]
+
+
+def _lossgrad_hlo(fn, n, d, v, mesh):
+    sh = (NamedSharding(mesh, P(("data", "fsdp"), None)), NamedSharding(mesh, P("tensor", None)),
+          NamedSharding(mesh, P(("data", "fsdp"))))
+    args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((v, d), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32))
+    f = jax.grad(lambda h, w, y: fn(h, w, y).sum(), argnums=(0, 1))
+    return jax.jit(f, in_shardings=sh).lower(*args).compile().as_text()
+
+
+def test_collective_detector_flags_a_logits_sized_all_gather():
+    mesh = make_mesh(2, 1, 4)
+
+    def bad(h, w, y):  # gathers the per-shard logits over vocab: what the fused loss must never do
+        def body(h, w, y):
+            z = lax.all_gather(h @ w.T, "tensor", axis=1, tiled=True)
+            return jax.nn.logsumexp(z, axis=1) - jnp.take_along_axis(z, y[:, None], axis=1)[:, 0]
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(("data", "fsdp")), P("tensor"), P(("data", "fsdp"))),
+                             out_specs=P(("data", "fsdp")), check_vma=False)(h, w, y)
+
+    sizes = [e for _, e in _collectives(_lossgrad_hlo(bad, 128, 16, 512, mesh))]
+    assert max(sizes) >= 64 * 512
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_collective_moves_a_logits_tile(mode):
+    """On (data, tensor) = (2, 4): N_local = 64, V_local = 128, d = 16, token block 32. Logits-sized means
+    token_block x V_local = 4096 elements; dH is 64 x 16 = 1024 and the dW reduction 128 x 16 = 2048."""
+    mesh, n, d, v, bt = make_mesh(2, 1, 4), 128, 16, 512, 32
+    fn = lambda h, w, y: cross_entropy(h, w, y, valid_vocab=500, token_block=bt, vocab_block=48,  # noqa: E731
+                                       mode=mode, mesh=mesh)[0]
+    coll = _collectives(_lossgrad_hlo(fn, n, d, v, mesh))
+    assert coll, "expected the [N] statistics and dH reductions in the HLO"
+    assert not [c for c in coll if c[0] == "all-gather"], coll  # the weight is never gathered over vocab
+    assert max(e for _, e in coll) < bt * (v // 4), coll
+
+
+def _temp_mb(f, *shapes):
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes]
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
+def test_compiled_temp_memory_is_bounded():
+    """fp32, one device, N=2048, d=256, V=32768, blocks 2048 x 256: naive temp holds [N, V] logits
+    (256 MiB each); ours may hold a few [2048, 256] tiles (2 MiB each), never logits."""
+    n, d, v = 2048, 256, 32768
+    shapes = ((n, d), jnp.float32), ((v, d), jnp.float32), ((n,), jnp.int32)
+    ours = lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, token_block=2048, vocab_block=256)[0]  # noqa: E731
+    grad = lambda fn: jax.grad(lambda h, w, y: fn(h, w, y).sum(), argnums=(0, 1))  # noqa: E731
+    naive = _temp_mb(grad(lambda h, w, y: naive_cross_entropy(h, w, y, valid_vocab=v)), *shapes)
+    lossgrad = _temp_mb(grad(ours), *shapes)
+    loss_only = _temp_mb(lambda h, w, y: ours(h, w, y).sum(), *shapes)
+    assert naive > 256, naive
+    assert lossgrad < 8 and lossgrad < 0.02 * naive, (lossgrad, naive)  # measured 4.3 MiB
+    assert loss_only < 6, loss_only  # measured 4.0 MiB
+
+
+# ------------------------------------------------------------------------------------ validation
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(weight=np.zeros((D, V_PAD), np.float32)), "weight must be"),
+    (dict(labels=np.zeros((N,), np.float32)), "labels must be integers"),
+    (dict(valid_vocab=V_PAD + 1), "valid_vocab"),
+    (dict(mode="fast"), "mode="),
+    (dict(mesh=(1, 1, 8), weight=np.zeros((V_PAD + 4, D), np.float32)), "multiple of the 'tensor'"),
+    (dict(mesh=(1, 1, 8), vocab_axis="vocab"), "not in the mesh axes"),
+    (dict(mesh=(8, 1, 1), labels=np.zeros((N - 2,), np.int32), hidden=np.zeros((N - 2, D), np.float32)),
+     "cannot be split"),
+])
+def test_bad_arguments_name_the_field(kwargs, match):
+    args = dict(hidden=np.zeros((N, D), np.float32), weight=np.zeros((V_PAD, D), np.float32),
+                labels=np.zeros((N,), np.int32), valid_vocab=VV)
+    if "mesh" in kwargs:
+        kwargs = dict(kwargs, mesh=make_mesh(*kwargs["mesh"]))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        cross_entropy(**args)
