@@ -261,7 +261,7 @@ def test_gpt2_names_without_prefix_and_buffers(imported):
 
 def test_tied_checkpoint_with_a_different_head_warns_and_ignores_it(imported):
     _, folder, _, config, params, _ = imported("llama", True)
-    state = read_safetensors(folder)
+    state = dict(read_safetensors(folder))
     state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1.0
     with pytest.warns(UserWarning, match="ignores lm_head.weight"):
         again = hf_weights.params_from_state(state, config)

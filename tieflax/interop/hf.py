@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -48,24 +48,46 @@ def read_hf_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint folder (single file or sharded), as numpy arrays by name."""
-    from safetensors.numpy import load_file
+class SafetensorsFolder(Mapping):
+    """A read-only, lazy ``{name: numpy array}`` over a checkpoint's safetensors files: a tensor is read
+    (memory-mapped) only when indexed, so importing a large checkpoint never holds all of it twice."""
+
+    def __init__(self, files: dict[str, str]):
+        self._files = files  # tensor name -> file path
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="numpy") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def read_safetensors(path: str) -> SafetensorsFolder:
+    """All tensors of a checkpoint folder (single file or sharded), lazily, by name."""
+    from safetensors import safe_open
 
     single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
-        state: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors = load_file(os.path.join(path, shard))
-            state.update({name: tensors[name] for name in tensors if weight_map.get(name) == shard})
-        missing = sorted(set(weight_map) - set(state))
-        if missing:
-            raise ValueError(f"{INDEX_FILE} in {path!r} lists tensors its shards do not hold: {missing[:8]}")
-        return state
+        files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            with safe_open(shard, framework="numpy") as f:
+                held = set(f.keys())
+            missing = sorted(n for n, s in files.items() if s == shard and n not in held)
+            if missing:
+                raise ValueError(f"{INDEX_FILE} in {path!r} lists tensors that {os.path.basename(shard)} does "
+                                 f"not hold: {missing[:8]}")
+        return SafetensorsFolder(files)
     if os.path.isfile(single):
-        return load_file(single)
+        with safe_open(single, framework="numpy") as f:
+            return SafetensorsFolder({name: single for name in f.keys()})
     pickles = [name for name in _PICKLE_FILES if os.path.exists(os.path.join(path, name))]
     if pickles:
         raise UnsafeCheckpoint(
@@ -136,5 +158,5 @@ def _shard(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.nd
     return shards
 
 
-__all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "read_hf_config", "read_safetensors", "UnsafeCheckpoint",
-           "SIDE_FILES"]
+__all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "read_hf_config", "read_safetensors", "SafetensorsFolder",
+           "UnsafeCheckpoint", "SIDE_FILES"]

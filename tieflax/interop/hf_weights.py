@@ -126,21 +126,29 @@ def _gpt2_name(path: tuple[str, ...], c: ModelConfig) -> str | None:
 # ------------------------------------------------------------------------------------------------------
 # Import
 def params_from_state(state: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
-    """Hugging Face tensors (numpy, any float dtype) -> unboxed tieflax params in ``c.param_dtype``."""
-    state = _normalise_names(dict(state), c)
-    if c.family == "gpt2":
-        state = _split_gpt2_qkv(state)
+    """Hugging Face tensors (numpy, any float dtype) -> unboxed tieflax params in ``c.param_dtype``.
+
+    ``state`` may be lazy (``tieflax.interop.hf.read_safetensors``): each tensor is read once, converted
+    and dropped, so peak host memory is the tieflax parameters plus one tensor.
+    """
+    sources = _source_names(list(state.keys()), c)   # our name -> (checkpoint key, third of c_attn or None)
     entries = weight_entries(c)
-    if c.tie_embeddings and "lm_head.weight" in state:
-        head = state.pop("lm_head.weight")
-        embed = state.get(next(e.name for e in entries if e.path == ("embed", "embedding")))
-        if embed is not None and not np.array_equal(head, embed):
+
+    def fetch(name: str) -> np.ndarray:
+        key, part = sources[name]
+        value = np.asarray(state[key])
+        return value if part is None else np.split(value, 3, axis=-1)[part]
+
+    if c.tie_embeddings and "lm_head.weight" in sources:
+        del sources["lm_head.weight"]
+        embed_name = next(e.name for e in entries if e.path == ("embed", "embedding"))
+        if embed_name in sources and not np.array_equal(state["lm_head.weight"], fetch(embed_name)):
             warnings.warn("the checkpoint is tied (tie_word_embeddings) but also holds an lm_head.weight that "
                           "differs from the embedding; like transformers, tieflax ignores lm_head.weight. Set "
                           "tie_word_embeddings=false in config.json to load it as an untied model.")
     expected = {e.name for e in entries}
-    missing = sorted(expected - set(state))
-    unexpected = sorted(n for n in set(state) - expected if not _BUFFERS.search(n))
+    missing = sorted(expected - set(sources))
+    unexpected = sorted(n for n in set(sources) - expected if not _BUFFERS.search(n))
     if missing or unexpected:
         hint = (" An untied checkpoint needs lm_head.weight; if the model is tied, set tie_word_embeddings=true."
                 if "lm_head.weight" in missing else "")
@@ -149,7 +157,7 @@ def params_from_state(state: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
     dtype = jnp.dtype(c.param_dtype)
     params: dict = {}
     for e in entries:
-        value = _to_tieflax(np.asarray(state[e.name]), e, c)
+        value = _to_tieflax(fetch(e.name), e, c)
         node = params
         for key in e.path[:-1]:
             node = node.setdefault(key, {})
@@ -157,21 +165,17 @@ def params_from_state(state: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
     return params
 
 
-def _normalise_names(state: dict, c: ModelConfig) -> dict:
+def _source_names(keys: list[str], c: ModelConfig) -> dict[str, tuple[str, int | None]]:
+    """Our name for every checkpoint key; GPT-2's fused c_attn appears as three names (#q, #k, #v)."""
     # GPT-2 checkpoints saved from GPT2Model (as the original 'gpt2' is) have no 'transformer.' prefix.
-    if c.family == "gpt2" and not any(k.startswith("transformer.") for k in state):
-        return {k if k == "lm_head.weight" else "transformer." + k: v for k, v in state.items()}
-    return state
-
-
-def _split_gpt2_qkv(state: dict) -> dict:
-    out = {}
-    for name, value in state.items():
-        if re.search(r"\.attn\.c_attn\.(weight|bias)$", name):
-            for part, piece in zip("qkv", np.split(np.asarray(value), 3, axis=-1)):
-                out[f"{name}#{part}"] = piece
+    bare = c.family == "gpt2" and not any(k.startswith("transformer.") for k in keys)
+    out: dict[str, tuple[str, int | None]] = {}
+    for key in keys:
+        name = "transformer." + key if bare and key != "lm_head.weight" else key
+        if c.family == "gpt2" and re.search(r"\.attn\.c_attn\.(weight|bias)$", name):
+            out.update({f"{name}#{p}": (key, i) for i, p in enumerate("qkv")})
         else:
-            out[name] = value
+            out[name] = (key, None)
     return out
 
 
