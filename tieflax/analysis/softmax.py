@@ -17,8 +17,7 @@ import numpy as np
 from tieflax.analysis.frequency import bucket_means, check_counts, frequency_buckets
 
 
-@functools.partial(jax.jit, static_argnames=("vocab_size", "logit_scale", "softcap"))
-def _block_stats(h, w, bias, keep, *, vocab_size, logit_scale, softcap):
+def _tile_stats(h, w, bias, keep, vocab_size, logit_scale, softcap):
     z = jnp.einsum("nd,vd->nv", h.astype(jnp.float32), w.astype(jnp.float32)) * logit_scale
     if bias is not None:
         z = z + bias.astype(jnp.float32)
@@ -29,6 +28,31 @@ def _block_stats(h, w, bias, keep, *, vocab_size, logit_scale, softcap):
     return lse, (jnp.exp(z - lse[:, None]) * keep[:, None]).sum(0)  # keep [n]: 0 for padded tokens
 
 
+def block_statistics(h, w, bias=None, *, token_block: int, vocab_size: int, logit_scale: float = 1.0,
+                     softcap: float | None = None):
+    """Traceable core of :func:`softmax_statistics`: h [N, d], w [V_pad, d] -> (lse [N] fp32, summed
+    probabilities [V_pad] fp32). Token blocks run in a ``lax.map``, so only one ``[block, V_pad]``
+    tile of logits is live."""
+    n = h.shape[0]
+    block = min(token_block, n)
+    n_blocks = -(-n // block)
+    pad = n_blocks * block - n
+    hp = jnp.pad(h, ((0, pad), (0, 0))).reshape(n_blocks, block, h.shape[-1])
+    keep = (jnp.arange(n_blocks * block) < n).astype(jnp.float32).reshape(n_blocks, block)
+
+    def one(args):
+        return _tile_stats(args[0], w, bias, args[1], vocab_size, logit_scale, softcap)
+
+    lse, probs = jax.lax.map(one, (hp, keep))
+    return lse.reshape(-1)[:n], probs.sum(0)
+
+
+@functools.partial(jax.jit, static_argnames=("token_block", "vocab_size", "logit_scale", "softcap"))
+def _statistics(h, w, bias, *, token_block, vocab_size, logit_scale, softcap):
+    return block_statistics(h, w, bias, token_block=token_block, vocab_size=vocab_size,
+                            logit_scale=logit_scale, softcap=softcap)
+
+
 def softmax_statistics(hidden, weight, *, vocab_size: int, logit_scale: float = 1.0,
                        softcap: float | None = None, bias=None, token_block: int = 1024
                        ) -> tuple[np.ndarray, np.ndarray]:
@@ -36,24 +60,14 @@ def softmax_statistics(hidden, weight, *, vocab_size: int, logit_scale: float = 
 
     hidden: [..., d] final hidden states (any float dtype); weight: [V_pad, d] head matrix; bias: [V_pad]
     or None; ``logit_scale`` and ``softcap`` as :func:`tieflax.model.head_loss_kwargs` gives them
-    (its ``valid_vocab`` is ``vocab_size``). ``mean_prob[j] = mean_t softmax(z_t)[j]`` over the N tokens, so it sums to 1.
+    (its ``valid_vocab`` is ``vocab_size``). ``mean_prob[j] = mean_t softmax(z_t)[j]`` over the N tokens,
+    so it sums to 1. Computed in fp32 blocks of ``token_block`` tokens, accumulated on the host in float64.
     """
     h = jnp.asarray(hidden).reshape(-1, jnp.shape(hidden)[-1])
     w = jnp.asarray(getattr(weight, "value", weight))
-    n = h.shape[0]
-    lses, total = [], np.zeros(w.shape[0], np.float64)
-    block = min(token_block, n)
-    for start in range(0, n, block):
-        blk = h[start:start + block]
-        keep = blk.shape[0]
-        if keep < block:  # pad the last block so every block has one compiled shape
-            blk = jnp.pad(blk, ((0, block - keep), (0, 0)))
-        mask = (jnp.arange(block) < keep).astype(jnp.float32)
-        lse, probs = _block_stats(blk, w, bias, mask, vocab_size=vocab_size, logit_scale=float(logit_scale),
-                                  softcap=float(softcap) if softcap else None)
-        lses.append(np.asarray(lse[:keep], np.float64))
-        total += np.asarray(probs, np.float64)
-    return np.concatenate(lses), total[:vocab_size] / n
+    lse, probs = _statistics(h, w, bias, token_block=token_block, vocab_size=vocab_size,
+                             logit_scale=float(logit_scale), softcap=float(softcap) if softcap else None)
+    return np.asarray(lse, np.float64), np.asarray(probs, np.float64)[:vocab_size] / h.shape[0]
 
 
 def softmax_diagnostics(lse, mean_prob, token_counts, targets=None, n_buckets: int = 4) -> dict:

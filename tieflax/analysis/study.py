@@ -34,6 +34,7 @@ def default_compare_config() -> ml_collections.ConfigDict:
     c.match = "width"            # how untied_matched sheds parameters: 'width' (d_model, d_ff) or 'depth'
     c.seeds = (0,)               # several seeds: the report gives mean and spread
     c.analysis_points = 4        # checkpoints analysed over training (gradient interference over time)
+    c.analyze_init = True        # also analyse the initial parameters (step 0; one extra compile per variant)
     c.val_batches = 2            # validation batches for the softmax statistics
     c.n_buckets = 4              # frequency buckets (rarest first)
     c.max_rows = 2048            # row sample for pairwise cosines / spectra (0 = every row)
@@ -150,7 +151,7 @@ def _initial_params(mc, config):
 
 
 def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collections.ConfigDict) -> dict:
-    """Analyses a finished run: gradient interference at step 0 and at each kept checkpoint, everything
+    """Analyses a finished run: gradient interference at step 0 (``analyze_init``) and at each kept checkpoint, everything
     (with per-row arrays for the plots) at the last one. Writes ``run_dir/analysis/compare.json``."""
     from tieflax.analysis.workdir import (_analysis_loss_options, analysis_data, analyze_params,
                                           checkpoint_steps, load_params_at, without_arrays)
@@ -161,8 +162,10 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     options = _analysis_loss_options(config)
     kw = dict(n_buckets=cc.n_buckets, max_rows=cc.max_rows or None, loss_options=options)
     steps = checkpoint_steps(run_dir)
-    over_time = [(0, analyze_params(mc, _initial_params(mc, config), data["token_counts"],
-                                    train_batch=data["train_batch"], **kw))]
+    over_time = []
+    if cc.analyze_init:
+        over_time.append((0, analyze_params(mc, _initial_params(mc, config), data["token_counts"],
+                                            train_batch=data["train_batch"], **kw)))
     for step in steps[:-1]:
         _, params, _ = load_params_at(run_dir, step)
         over_time.append((step, analyze_params(mc, params, data["token_counts"],

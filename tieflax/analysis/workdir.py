@@ -9,6 +9,7 @@ pod-sized ones ``max_rows`` bounds the pairwise and spectral work.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -20,7 +21,7 @@ from tieflax.analysis.diagnostics import embedding_diagnostics
 from tieflax.analysis.frequency import as_matrix
 from tieflax.analysis.geometry import pairwise_cosines, row_cosines
 from tieflax.analysis.gradients import split_embedding_gradients
-from tieflax.analysis.softmax import softmax_diagnostics, softmax_statistics
+from tieflax.analysis.softmax import softmax_diagnostics
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -89,39 +90,48 @@ def analysis_data(config, workdir: str, n_val_batches: int = 2) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- analysis
-def _features_fn(model_config):
-    from tieflax.model import TransformerLM
+@functools.lru_cache(maxsize=16)
+def _softmax_fn(model_config, token_block: int):
+    """One jitted (params, batch) -> (lse [N], summed probabilities [V_pad]) per config: the forward pass
+    and the blockwise softmax statistics compile together, once for every checkpoint of a run."""
+    from tieflax.analysis.softmax import block_statistics
+    from tieflax.model import TransformerLM, head_loss_kwargs
 
     model = TransformerLM(model_config)
-    return jax.jit(lambda p, b: model.apply({"params": p}, b["inputs"], b.get("positions"),
-                                            b.get("segment_ids"), method=TransformerLM.features))
+    kw = head_loss_kwargs(model_config)
+
+    def fn(params, batch):
+        hidden, weight, bias = model.apply({"params": params}, batch["inputs"], batch.get("positions"),
+                                           batch.get("segment_ids"), method=TransformerLM.features)
+        return block_statistics(hidden.reshape(-1, hidden.shape[-1]), weight, bias, token_block=token_block,
+                                vocab_size=model_config.vocab_size, logit_scale=kw["logit_scale"],
+                                softcap=kw["softcap"])
+
+    return jax.jit(fn)
 
 
 def softmax_analysis(model_config, params: dict, batches: list[dict], token_counts,
-                     n_buckets: int = 4) -> dict:
+                     n_buckets: int = 4, token_block: int = 1024) -> dict:
     """:func:`softmax_diagnostics` over ``batches`` (targets < 0 excluded from the per-token numbers)."""
-    from tieflax.model import head_loss_kwargs
-
     if not batches:
         raise ValueError("softmax_analysis needs at least one batch; the validation split is empty")
-    kw = head_loss_kwargs(model_config)
-    features = _features_fn(model_config)
-    lses, probs, targets = [], [], []
+    fn = _softmax_fn(model_config, token_block)
+    lses, targets = [], []
+    prob_sum = np.zeros(model_config.vocab_size, np.float64)
+    n_positions = 0
     for b in batches:
-        hidden, weight, bias = features(params, b)
-        lse, mean_prob = softmax_statistics(hidden, weight, vocab_size=model_config.vocab_size,
-                                            logit_scale=kw["logit_scale"], softcap=kw["softcap"], bias=bias)
+        lse, probs = fn(params, b)
         t = np.asarray(b["targets"]).reshape(-1)
+        lse = np.asarray(lse, np.float64)
         lses.append(lse[t >= 0])
         targets.append(t[t >= 0])
-        probs.append(mean_prob * len(lse))
-    total = sum(len(x) for x in lses)
-    # Mean probability over every position of the batches (a position's distribution exists whether or
-    # not its target is scored).
-    mean_prob = np.sum(probs, axis=0) / sum(np.asarray(b["targets"]).size for b in batches)
-    out = softmax_diagnostics(np.concatenate(lses), mean_prob, token_counts, np.concatenate(targets),
-                              n_buckets)
-    out["tokens"] = int(total)
+        # Mean probability over every position (a position's distribution exists whether or not its
+        # target is scored).
+        prob_sum += np.asarray(probs, np.float64)[:model_config.vocab_size]
+        n_positions += t.size
+    out = softmax_diagnostics(np.concatenate(lses), prob_sum / n_positions, token_counts,
+                              np.concatenate(targets), n_buckets)
+    out["tokens"] = int(sum(len(x) for x in lses))
     return out
 
 
