@@ -267,3 +267,20 @@ def test_tied_checkpoint_with_a_different_head_warns_and_ignores_it(imported):
         again = hf_weights.params_from_state(state, config)
     assert "lm_head" not in again
     np.testing.assert_array_equal(again["embed"]["embedding"], params["embed"]["embedding"])
+
+
+def test_every_published_config_exports_and_reads_back():
+    """configs/models/*.py: config_to_hf is accepted by transformers and reads back to the same model."""
+    import glob
+
+    from tieflax.config import load_config, model_config
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "models", "*.py")))
+    assert len(paths) >= 6
+    for path in paths:
+        config = model_config(load_config(path))
+        hf = hf_config.config_to_hf(config)
+        theirs = transformers.AutoConfig.for_model(**hf)
+        assert theirs.tie_word_embeddings is config.tie_embeddings, path
+        back = hf_config.config_from_hf(json.loads(theirs.to_json_string()))
+        assert hf_config.checkpoint_fields(back) == hf_config.checkpoint_fields(config), path

@@ -226,7 +226,9 @@ def _int_if_whole(x: float):
     return int(x) if float(x).is_integer() else float(x)
 
 
-def _canonical(c: ModelConfig) -> dict:
+def checkpoint_fields(c: ModelConfig) -> dict:
+    """The fields of ``c`` that a checkpoint defines, normalised (derived values filled in, unused ones
+    dropped): two configs with equal ``checkpoint_fields`` compute the same function."""
     values = dataclasses.asdict(c)
     for name in NOT_IN_CHECKPOINTS:
         values.pop(name)
@@ -252,7 +254,7 @@ def _check_round_trip(c: ModelConfig, hf: dict) -> None:
         back = config_from_hf(hf)
     except UnsupportedHFConfig as e:
         raise UnsupportedHFConfig(f"config.model cannot be written as a Hugging Face {c.family!r} config: {e}") from None
-    want, got = _canonical(c), _canonical(back)
+    want, got = checkpoint_fields(c), checkpoint_fields(back)
     bad = sorted(k for k in want if want[k] != got[k])
     if bad:
         detail = ", ".join(f"{k}={want[k]!r} (a {c.family!r} checkpoint implies {got[k]!r})" for k in bad)
