@@ -14,7 +14,7 @@ from tieflax.analysis.report import REPORT, claims, load_summary
 from tieflax.config import load_config, model_config
 from tieflax.model import ModelConfig
 
-CONFIG = "configs/experiments/tie_vs_untie.py"
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
 WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou thy "
          "was god which my me said but ye their have will thee from as are when this out were upon man by "
          "you israel king son up there hath then people came had house into her").split()

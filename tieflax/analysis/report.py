@@ -168,14 +168,20 @@ def claims(groups: dict[str, list[dict]]) -> list[str]:
     cos_g = m("tied", lambda r: _final(r)["gradient"]["cosine_mean"])
     conflict = m("tied", lambda r: _final(r)["gradient"]["conflict_fraction"])
     if all(map(math.isfinite, (rows_l, rows_h, cos_g))):
+        if cos_g < -0.05:
+            verdict = "interference is seen: on average the two paths push a row in opposed directions"
+        elif cos_g > 0.05:
+            verdict = "no interference on average: the two paths are mostly aligned here"
+        else:
+            verdict = "the two paths are on average unrelated (|cosine| <= 0.05), neither aligned nor opposed"
         out.append(
             f"**The tied gradient mixes a dense output signal and a sparse input signal that interfere.** On "
             f"one training batch the head path updates {100 * rows_h:.1f}% of vocabulary rows and the lookup "
-            f"path {100 * rows_l:.1f}% (dense vs sparse: {'seen' if rows_h > 5 * rows_l else 'not seen'}). Where "
-            f"both act, their mean cosine is {cos_g:.3f} and {100 * conflict:.0f}% of rows have opposed "
-            f"directions: {'interference (negative alignment) is seen' if cos_g < 0 else 'the two signals are not, on average, opposed here'}; "
-            "near-zero cosines mean the two signals are unrelated rather than conflicting. See "
-            "`gradient_interference.png` for the trend over training.")
+            f"path {100 * rows_l:.1f}% (dense vs sparse: {'seen' if rows_h > 5 * rows_l else 'not seen'}). On "
+            f"rows both paths update, the mean cosine of the two gradients is {cos_g:.3f} and "
+            f"{100 * conflict:.0f}% of those rows have a negative cosine; {verdict} (threshold +-0.05). See "
+            "`gradient_interference.png` for the trend over training and `gradient_cosine_by_bucket.png` by "
+            "frequency.")
     rare_head = m("tied", lambda r: _final(r)["gradient"]["bucket_rows_head"][0])
     rare_lookup = m("tied", lambda r: _final(r)["gradient"]["bucket_rows_lookup"][0])
     if math.isfinite(rare_head) and math.isfinite(rare_lookup):
@@ -183,7 +189,9 @@ def claims(groups: dict[str, list[dict]]) -> list[str]:
         out.append(f"**Under tying, rare tokens receive updates every step through the softmax denominator.** "
                    f"Rarest frequency bucket, one batch: {100 * rare_head:.1f}% of its rows get a head gradient, "
                    f"{100 * rare_lookup:.1f}% a lookup gradient; {verdict}. (In an untied model the same head "
-                   "gradient goes to W_out only, and a rare token's W_in row moves only when it occurs.)")
+                   "gradient goes to W_out only, and a rare token's W_in row moves only when it occurs. With an "
+                   "Adam-type optimiser a row's step size depends little on its gradient's magnitude, so a "
+                   "small but non-zero head gradient still moves the row every step.)")
     loss = {n: _values(g[n], lambda r: r["result"]["final_val_loss"]) for n in g}
     if loss["tied"] and loss["untied"]:
         spread = max([np.std(v, ddof=1) for v in loss.values() if len(v) > 1] or [float("nan")])
