@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 import jax.numpy as jnp  # noqa: E402
 
 from tieflax.cli import main  # noqa: E402
-from tieflax.commands.convert import load_latest_params  # noqa: E402
+from tieflax.checkpoint import load_latest_params  # noqa: E402
 from tieflax.config import model_config  # noqa: E402
 from tieflax.metrics import read_metrics  # noqa: E402
 from tieflax.model import TransformerLM  # noqa: E402

@@ -18,8 +18,6 @@ import dataclasses
 import json
 import os
 import shutil
-
-import numpy as np
 from typing import Any, Sequence
 
 HELP = "Hugging Face import/export, and tie/untie surgery on checkpoints"
@@ -85,10 +83,11 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = ()) -> dict[
 
 def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> dict:
     """The workdir's latest parameters -> an HF folder; returns a report."""
+    from tieflax import checkpoint as ckpt
     from tieflax.config import model_config
     from tieflax.interop.hf import SIDE_FILES, save_hf_checkpoint
 
-    config, params, step = load_latest_params(workdir)
+    config, params, step = ckpt.load_latest_params(workdir)
     mc = model_config(config)
     written = save_hf_checkpoint(out, mc, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
     carried = _copy_files(os.path.join(workdir, HF_FILES_DIR), out, SIDE_FILES)
@@ -129,7 +128,7 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     if os.path.abspath(out) == os.path.abspath(workdir):
         raise SystemExit("tieflax convert: --out must be a new workdir, not --workdir itself (the run "
                          "there would resume its own checkpoints)")
-    config, params, step = load_latest_params(workdir)
+    config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
     for item in overrides:
         apply_override(config, item)
@@ -148,31 +147,6 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
 
 
 # ------------------------------------------------------------------------------------------------------
-def load_latest_params(workdir: str):
-    """``checkpoint.load_latest_params``, reading a trained step's ``state`` item directly if it cannot.
-
-    With orbax 0.12.8, a ``CheckpointManager`` opened without handlers returns no metadata for the
-    ``state`` item, so ``checkpoint.load_latest_params`` fails with a TypeError on any trained step;
-    here only the parameters of that item are read, as host NumPy arrays.
-    """
-    from tieflax import checkpoint as ckpt
-
-    try:
-        return ckpt.load_latest_params(workdir)
-    except TypeError:
-        import jax
-        import orbax.checkpoint as ocp
-
-        step = ckpt.latest_step(workdir)
-        path = os.path.join(ckpt.checkpoint_dir(workdir), str(step), "state")
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            meta = checkpointer.metadata(path).item_metadata.tree["params"]
-            restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-            out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                item={"params": meta}, restore_args={"params": restore_args}, partial_restore=True))
-        return ckpt.load_workdir_config(workdir), out["params"], step
-
-
 def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> None:
     """Points the data pipeline at the checkpoint's own tokenizer (copied into the workdir), if it has one."""
     src = os.path.join(hf_dir, "tokenizer.json")
