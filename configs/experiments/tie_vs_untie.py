@@ -4,7 +4,7 @@
 
 Trains ``tied``, ``untied`` (same body, its own 8,192 x 128 head: +1,048,576 parameters) and
 ``untied_matched`` (untied at the tied model's total parameter count: d_model 128 -> 88, d_ff solved to
-match within 0.1%) for the same 400 steps x 16 x 128 tokens, seed 0, then analyses their checkpoints and
+match within 0.1%) for the same 200 steps x 16 x 128 tokens (409,600 tokens), seed 0, then analyses their checkpoints and
 writes ``runs/compare/report.md`` (+ ``report.html`` and PNGs). Expect about 10 minutes on 2 CPU cores;
 the last lines printed are the report's path. Rerunning resumes; ``--report-only`` rewrites the report.
 
@@ -31,13 +31,13 @@ def get_config(arg: str = ""):
     t = config.train
     t.seq_len = 128
     t.global_batch_size = 16
-    t.num_steps = 400
-    t.warmup_steps = 40
+    t.num_steps = 200
+    t.warmup_steps = 20
     t.learning_rate = 3e-3
-    t.eval_every = 100
+    t.eval_every = 50
     t.eval_batches = 8
     t.log_every = 10
-    t.analyze_every = 50          # diag/* rows in metrics.jsonl (parameter diagnostics over training)
+    t.analyze_every = 25          # diag/* rows in metrics.jsonl (parameter diagnostics over training)
     config.mesh.data = -1
     config.compare = default_compare_config()
     config.compare.analysis_points = 4

@@ -230,6 +230,10 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
             log(f"[{len(runs) + 1}/{total}] training {name} (seed {seed}) in {run_dir}")
             t0 = time.perf_counter()
             result = train_and_evaluate(cfg, run_dir)
+            if result.get("preempted"):
+                # SIGTERM: the run saved a checkpoint; stop here, and rerunning the command resumes.
+                log(f"stopped by SIGTERM during {name} (seed {seed}); rerun the same command to resume")
+                raise SystemExit(143)
             log(f"[{len(runs) + 1}/{total}] {name}: val loss {result['final_val_loss']:.4f} "
                 f"({time.perf_counter() - t0:.0f} s); analysing checkpoints")
             analysis = analyze_run(cfg, run_dir, cc)
