@@ -128,6 +128,9 @@ def test_bad_requests_fail_clearly(chain, tmp_path):
     with pytest.raises(SystemExit, match="tie_embeddings"):
         main(["convert", "--from-hf", chain["hf"], "--workdir", str(tmp_path / "c"),
               "--config.model.tie_embeddings=False"])
+    with pytest.raises(SystemExit, match="vocab_pad_multiple"):
+        main(["convert", "--untie", "--workdir", chain["imported"], "--out", str(tmp_path / "d"),
+              "--config.model.vocab_pad_multiple=256"])
     with pytest.raises(SystemExit, match="--out is required"):
         main(["convert", "--to-hf", "--workdir", chain["untied"]])
 

@@ -71,7 +71,7 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = ()) -> dict[
     config = default_config()
     config.model = default_model_config(**dataclasses.asdict(imported))
     _use_hf_tokenizer(config, hf_dir, workdir)
-    _apply_overrides(config, overrides, imported)
+    _apply_overrides(config, overrides, imported, "--from-hf")
     mc = model_config(config)
     params = params_from_state(read_safetensors(hf_dir), mc)
     ckpt.save_initial_params(workdir, config, params)
@@ -123,16 +123,15 @@ def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = 
 
 def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str]) -> dict:
     from tieflax import checkpoint as ckpt
-    from tieflax.config import apply_override, model_config
+    from tieflax.config import model_config
 
     if os.path.abspath(out) == os.path.abspath(workdir):
         raise SystemExit("tieflax convert: --out must be a new workdir, not --workdir itself (the run "
                          "there would resume its own checkpoints)")
     config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
-    for item in overrides:
-        apply_override(config, item)
-    model_config(config)  # validate before writing anything
+    # The parameters exist already: overrides may change training and data settings, not their shapes.
+    _apply_overrides(config, overrides, model_config(config), "--untie/--tie", also_fixed=("vocab_pad_multiple",))
     ckpt.save_initial_params(out, config, params)
     for name in ("tokenizer.json", HF_FILES_DIR):
         src = os.path.join(workdir, name)
@@ -165,19 +164,21 @@ def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> None:
             config.data.tokenizer.eos_token = eos
 
 
-def _apply_overrides(config, overrides: Sequence[str], imported) -> None:
+def _apply_overrides(config, overrides: Sequence[str], before, mode: str, also_fixed: Sequence[str] = ()) -> None:
+    """Applies ``--config.*`` overrides, refusing any change to a model field the parameters define."""
     from tieflax.config import apply_override, model_config
     from tieflax.interop.hf_config import NOT_IN_CHECKPOINTS
 
     for item in overrides:
         apply_override(config, item)
     now = model_config(config)
-    changed = sorted(f.name for f in dataclasses.fields(now) if f.name not in NOT_IN_CHECKPOINTS
-                     and getattr(now, f.name) != getattr(imported, f.name))
+    changed = sorted(f.name for f in dataclasses.fields(now)
+                     if (f.name not in NOT_IN_CHECKPOINTS or f.name in also_fixed)
+                     and getattr(now, f.name) != getattr(before, f.name))
     if changed:
-        raise SystemExit(f"tieflax convert --from-hf: config.model field(s) {changed} are defined by the "
-                         "checkpoint and cannot be overridden on import (untie or tie afterwards with "
-                         "--untie / --tie)")
+        raise SystemExit(f"tieflax convert {mode}: config.model field(s) {changed} are fixed by the parameters "
+                         "being converted and cannot be overridden here (change the tie switch with "
+                         "--untie / --tie; other fields only with a new model)")
 
 
 def _copy_files(src_dir: str, dst_dir: str, names: Sequence[str]) -> list[str]:
