@@ -127,8 +127,8 @@ def sweep(reps):
     n, d, v = SHAPES["timed"]
     gn, gd, gv = SHAPES["gemma2-2b"]
     rows = []
-    for mode, cands in (("recompute", [(256, 4096), (512, 2048), (512, 4096), (1024, 1024),
-                                       (1024, 2048), (2048, 2048)]),
+    for mode, cands in (("recompute", [(8192, 128), (8192, 256), (8192, 512), (2048, 256), (1024, 512),
+                                       (1024, 2048)]),
                         ("fused", [(128, 0), (256, 0), (512, 0), (1024, 0)])):
         fns = {"naive": lambda h, w, y: naive_cross_entropy(h, w, y, valid_vocab=v)}
         for tb, vb in cands:

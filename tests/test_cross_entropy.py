@@ -173,14 +173,22 @@ def test_check_grads_float64(mode):
 
 # ----------------------------------------------------------------------- compiled HLO and memory
 
-_COLLECTIVE = re.compile(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*?\b(all-reduce|all-gather|reduce-scatter|"
-                         r"all-to-all|collective-permute)(?:-start)?\(")
+_COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                         r"(?:-start)?\(")
+_SHAPE = re.compile(r"[a-z][a-z0-9]*\[([0-9,]*)\]")
 
 
 def _collectives(hlo_text):
-    """[(op, elements)] of every collective in an HLO module (first result shape of each)."""
-    return [(op, int(np.prod([int(x) for x in dims.split(",") if x] or [1])))
-            for _, dims, op in _COLLECTIVE.findall(hlo_text)]
+    """[(op, elements)] for every collective in an HLO module; a tuple-shaped (combined) collective
+    counts the elements of all its results together."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            sizes = [int(np.prod([int(x) for x in dims.split(",") if x] or [1]))
+                     for dims in _SHAPE.findall(m.group(1))]
+            out.append((m.group(2), sum(sizes)))
+    return out
 
 
 def _lossgrad_hlo(fn, n, d, v, mesh):
