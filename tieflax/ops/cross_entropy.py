@@ -10,6 +10,8 @@ Algorithm (``mode='recompute'``, the default)
     backward  loop over vocab blocks x token blocks; recompute each tile, turn it into d(logits) and
               accumulate ``dH += dZ @ W_blk`` ([N, d] fp32) and ``dW_blk += dZ^T @ H_blk`` ([bv, d] fp32).
     Cost: 4 matmuls of ``2 N V d`` FLOPs (naive autodiff: 3), live memory one tile + ``[N, d]`` fp32.
+    The default token block (8192) usually covers all local tokens, so each loop is a single pass over
+    vocab blocks and no copy of the hidden states is sliced.
 
 ``mode='fused'`` (gradient in the forward, Liger-style)
     One loop over token blocks; each step computes the ``[bt, V_local]`` logits once, the softmax
@@ -25,8 +27,9 @@ Vocabulary parallelism (``mesh`` given)
     ``jax.shard_map`` with ``weight`` sharded ``P(vocab_axis, None)`` and tokens over ``batch_axes``.
     Cross-device traffic: one ``pmax`` and one ``psum`` of ``[N_local]`` statistics per forward (per
     token block in fused mode), one ``psum`` of ``dH`` [N_local, d] over the vocab axis, and the usual
-    data-parallel reduction of ``dW`` [V_local, d] over the batch axes. No logits-sized collective; the
-    weight is never gathered over vocab.
+    data-parallel reduction of ``dW`` [V_local, d] over the batch axes (recompute mode: one ``[bv, d]``
+    block at a time, so no second weight-sized buffer). No logits-sized collective; the weight is never
+    gathered over vocab. Per-device memory is flat in V.
 
 Semantics (global valid vocabulary ``V = valid_vocab``; ``j`` runs over rows ``< V``)::
 
