@@ -36,6 +36,7 @@ def default_compare_config() -> ml_collections.ConfigDict:
     c.analysis_points = 4        # checkpoints analysed over training (gradient interference over time)
     c.analyze_init = True        # also analyse the initial parameters (step 0; one extra compile per variant)
     c.val_batches = 2            # validation batches for the softmax statistics
+    c.analysis_sequences = 16    # sequences per analysis batch (analysis runs unsharded on one device)
     c.n_buckets = 4              # frequency buckets (rarest first)
     c.max_rows = 2048            # row sample for pairwise cosines / spectra (0 = every row)
     return c
@@ -151,14 +152,15 @@ def _initial_params(mc, config):
 
 
 def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collections.ConfigDict) -> dict:
-    """Analyses a finished run: gradient interference at step 0 (``analyze_init``) and at each kept checkpoint, everything
-    (with per-row arrays for the plots) at the last one. Writes ``run_dir/analysis/compare.json``."""
+    """Analyses a finished run: gradient interference at step 0 (``analyze_init``) and at each kept
+    checkpoint, everything (with per-row arrays for the plots) at the last one. Writes
+    ``run_dir/analysis/compare.json``."""
     from tieflax.analysis.workdir import (_analysis_loss_options, analysis_data, analyze_params,
                                           checkpoint_steps, load_params_at, without_arrays)
     from tieflax.config import model_config
 
     mc = model_config(config)
-    data = analysis_data(config, run_dir, cc.val_batches)
+    data = analysis_data(config, run_dir, cc.val_batches, cc.analysis_sequences)
     options = _analysis_loss_options(config)
     kw = dict(n_buckets=cc.n_buckets, max_rows=cc.max_rows or None, loss_options=options)
     steps = checkpoint_steps(run_dir)
@@ -207,6 +209,9 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
     from tieflax.metrics import read_metrics
     from tieflax.train import train_and_evaluate
 
+    import jax
+
+    is_main = jax.process_index() == 0
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     cc = compare_config(config)
@@ -236,14 +241,15 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
                 raise SystemExit(143)
             log(f"[{len(runs) + 1}/{total}] {name}: val loss {result['final_val_loss']:.4f} "
                 f"({time.perf_counter() - t0:.0f} s); analysing checkpoints")
-            analysis = analyze_run(cfg, run_dir, cc)
+            # Analysis and the report run on process 0 only; the others go on to the next run's training
+            # and wait for it there.
+            analysis = analyze_run(cfg, run_dir, cc) if is_main else None
             runs.append(dict(variant=name, seed=int(seed), run_dir=run_dir, result=result, analysis=analysis,
-                             metrics=read_metrics(run_dir), model=cfg.model.to_dict(),
+                             metrics=read_metrics(run_dir) if is_main else [], model=cfg.model.to_dict(),
                              params=param_report(model_config(cfg)).as_dict()))
     summary = dict(config=json.loads(config.to_json_best_effort()), compare=cc.to_dict(), match=match,
                    runs=runs, wall_seconds=time.perf_counter() - t_start)
-    report = write_report(summary, workdir)
-    summary["report"] = report
+    summary["report"] = write_report(summary, workdir) if is_main else None
     return summary
 
 

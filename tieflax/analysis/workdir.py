@@ -65,11 +65,13 @@ def load_params_at(workdir: str, step: int | None = None) -> tuple[Any, dict, in
 
 
 # --------------------------------------------------------------------------------------------- batches
-def analysis_data(config, workdir: str, n_val_batches: int = 2) -> dict:
+def analysis_data(config, workdir: str, n_val_batches: int = 2, max_sequences: int = 0) -> dict:
     """``{'token_counts' [V] int64, 'train_batch', 'val_batches'}`` for the run's data, as host NumPy.
 
     The train batch is the first of the run's own shuffle (seed ``config.seed``): the same batch for every
-    checkpoint and every variant of a comparison, so their gradients are comparable.
+    checkpoint and every variant of a comparison, so their gradients are comparable. ``max_sequences``
+    (0 = all) keeps only the first sequences of each batch: analysis runs on one device, unsharded, so a
+    pod-sized global batch must be cut down.
     """
     from tieflax.data import make_loader, prepare_dataset
 
@@ -85,6 +87,9 @@ def analysis_data(config, workdir: str, n_val_batches: int = 2) -> dict:
         if len(val_batches) >= n_val_batches:
             break
         val_batches.append(dict(batch))
+    if max_sequences:
+        cut = lambda b: {k: np.asarray(v)[:max_sequences] for k, v in b.items()}  # noqa: E731
+        train_batch, val_batches = cut(train_batch), [cut(b) for b in val_batches]
     return dict(token_counts=np.asarray(prepared.token_counts), train_batch=train_batch,
                 val_batches=val_batches, data_dir=str(prepared.data_dir))
 

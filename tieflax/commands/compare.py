@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         summary = run_compare(config, args.workdir, log=lambda line: print(line, flush=True))
         path = summary["report"]
+        if path is None:  # not process 0 of a multi-process run: process 0 writes the report
+            return 0
         print(f"compare finished in {summary['wall_seconds'] / 60:.1f} min")
     print(f"report: {os.path.abspath(path)}")
     html = os.path.splitext(path)[0] + ".html"
