@@ -192,6 +192,12 @@ def test_unsupported_configs_are_named(changes, match):
         hf_config.config_from_hf(_llama_dict(**changes))
 
 
+def test_checkpoint_fields_cannot_be_overridden_on_import():
+    assert hf_config.config_from_hf(_llama_dict(), vocab_pad_multiple=256).padded_vocab == 256
+    with pytest.raises(hf_config.UnsupportedHFConfig, match=r"\['tie_embeddings'\].*surgery"):
+        hf_config.config_from_hf(_llama_dict(), tie_embeddings=True)
+
+
 def test_gpt2_unsupported_option_is_named():
     gpt2 = dict(model_type="gpt2", vocab_size=V, n_embd=32, n_layer=1, n_head=4)
     with pytest.raises(hf_config.UnsupportedHFConfig, match="scale_attn_by_inverse_layer_idx"):

@@ -102,6 +102,7 @@ def load_hf_checkpoint(path: str, *, param_dtype: str = "float32",
                        **config_overrides: Any) -> tuple[ModelConfig, dict]:
     """Folder -> (``ModelConfig``, unboxed params). ``config_overrides`` set tieflax-only fields (e.g.
     ``vocab_pad_multiple``, ``dtype``); checkpoint-defined fields come from ``config.json``."""
+    path = os.path.expanduser(path)
     config = config_from_hf(read_hf_config(path), param_dtype=param_dtype, **config_overrides)
     return config, params_from_state(read_safetensors(path), config)
 
@@ -117,6 +118,7 @@ def save_hf_checkpoint(path: str, config: ModelConfig, params: Mapping, *, dtype
     import ml_dtypes
     from safetensors.numpy import save_file
 
+    path = os.path.expanduser(path)
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, None: None}.get(dtype, dtype)
     state = state_from_params(params, config, dtype=np_dtype)
     dtype_name = dtype or str(next(iter(state.values())).dtype)

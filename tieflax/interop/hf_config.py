@@ -75,6 +75,11 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     fields.update(family=model_type, vocab_size=int(cfg["vocab_size"]),
                   tie_embeddings=bool(cfg["tie_word_embeddings"]),
                   init_std=float(cfg["initializer_range"]), embed_init_std=float(cfg["initializer_range"]))
+    fixed = sorted(set(overrides) - set(NOT_IN_CHECKPOINTS))
+    if fixed:
+        raise UnsupportedHFConfig(f"config.model field(s) {fixed} are defined by the checkpoint's config.json and "
+                                  f"cannot be overridden on import; only {NOT_IN_CHECKPOINTS} can (untie or tie "
+                                  "afterwards with tieflax.model.surgery)")
     fields.update(overrides)
     return ModelConfig(**fields)
 
