@@ -72,6 +72,13 @@ def test_notebooks_match_their_sources():
 
 
 @pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    """One JAX persistent compilation cache for the notebooks of this session: 01 and 03 train the same
+    tiny models, so 03 reuses 01's compiled programs (it starts cold in every test session)."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
 def kernel_dirs(tmp_path_factory):
     """A kernelspec that starts this very interpreter (a plain 'python3' spec may resolve another one)."""
     root = tmp_path_factory.mktemp("kernels")
@@ -83,7 +90,7 @@ def kernel_dirs(tmp_path_factory):
     return [str(root)]
 
 
-def _execute(nb, cwd, kernel_dirs):
+def _execute(nb, cwd, kernel_dirs, compilation_cache):
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
@@ -91,6 +98,8 @@ def _execute(nb, cwd, kernel_dirs):
     km = KernelManager(kernel_name="tieflax-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"    # CI has no accelerator; never probe for one
+    env.update(JAX_COMPILATION_CACHE_DIR=compilation_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False,
                             resources={"metadata": {"path": str(cwd)}})
     client.execute(env=env)
@@ -98,7 +107,7 @@ def _execute(nb, cwd, kernel_dirs):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name, tmp_path, kernel_dirs):
+def test_notebook_runs(name, tmp_path, kernel_dirs, compilation_cache):
     nb = _read(name)
     # A last cell reports what the kernel saw, so the test can check the interpreter and the devices.
     nb.cells.append(nbformat.v4.new_code_cell(
@@ -106,7 +115,7 @@ def test_notebook_runs(name, tmp_path, kernel_dirs):
         "cpu = resource.getrusage(resource.RUSAGE_SELF)\n"
         "print('PROBE', sys.executable, jax.device_count(), jax.default_backend(), cpu.ru_utime + cpu.ru_stime)"))
     t0 = time.perf_counter()
-    _execute(nb, tmp_path, kernel_dirs)
+    _execute(nb, tmp_path, kernel_dirs, compilation_cache)
     probe = "".join(o.get("text", "") for o in nb.cells[-1].outputs).split()
     # Wall time depends on what else the machine runs; the kernel's CPU seconds do much less.
     print(f"{name}: {time.perf_counter() - t0:.1f} s wall, {float(probe[-1]):.1f} s kernel CPU")

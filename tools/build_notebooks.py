@@ -26,7 +26,9 @@ REPO = "tieflax/tieflax"
 PIP_SPEC = f"tieflax[notebooks] @ git+https://github.com/{REPO}"
 # notebook file -> module in tools/notebook_cells holding its CELLS
 NOTEBOOKS = {
+    "01_quickstart.ipynb": "nb01_quickstart",
     "02_sharded_cross_entropy.ipynb": "nb02_sharded_cross_entropy",
+    "03_embedding_geometry.ipynb": "nb03_embedding_geometry",
 }
 
 
