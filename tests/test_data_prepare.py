@@ -229,3 +229,16 @@ def test_hf_source_streams_a_local_dataset(tmp_path, monkeypatch, caplog):
     c.hf.text_field = "body"
     with pytest.raises(DataError, match="'body' is not a field.*\\['id', 'text'\\]"):
         load_documents(c)
+
+
+def test_given_tokenizer_may_be_smaller_than_a_padded_model_vocab(built, tmp_path):
+    """Published models pad the embedding past the tokenizer (Qwen2.5); a larger tokenizer is an error."""
+    root, texts, _, _ = built
+    tok = train_bpe(texts, vocab_size=V, eos_token="<|endoftext|>")
+    tok.save(str(tmp_path / "given.json"))
+    c = files_config(root)
+    c.tokenizer.path = str(tmp_path / "given.json")
+    p = prepare_dataset(c, tmp_path / "w", vocab_size=V + 64)
+    assert p.token_counts.shape == (V + 64,) and p.token_counts[V:].sum() == 0
+    with pytest.raises(DataError, match=f"vocab_size = {V - 1} does not match the tokenizer's {V}"):
+        prepare_dataset(c, tmp_path / "w", vocab_size=V - 1)

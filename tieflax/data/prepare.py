@@ -104,7 +104,8 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, workdir: str | os.Pa
                                            where=f"data.source = {c.source!r}")
     tok = resolve_tokenizer(c, workdir, train_docs)
     tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), vocab_size,
-                                   where=f"tokenizer {workdir / tokenizer_lib.TOKENIZER_FILE}")
+                                   where=f"tokenizer {workdir / tokenizer_lib.TOKENIZER_FILE}",
+                                   allow_smaller_tokenizer=bool(c.tokenizer.path))
     eos_id = tokenizer_lib.eos_id_of(tok, c.tokenizer.eos_token)
     bos_id = tokenizer_lib.bos_id_of(tok, c.tokenizer.bos_token)
     key = cache_key(docs, tok, c)

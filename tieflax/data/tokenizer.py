@@ -95,11 +95,17 @@ def bos_id_of(tok: Tokenizer, bos_token: str) -> int | None:
     return bos
 
 
-def check_vocab_size(tokenizer_vocab: int, model_vocab: int, *, where: str) -> None:
-    """The model's vocabulary must be exactly the tokenizer's: a clear error otherwise."""
-    if tokenizer_vocab != model_vocab:
-        raise DataError(
-            f"the model's vocab_size = {model_vocab} does not match the tokenizer's {tokenizer_vocab} "
-            f"({where}). Set the model's vocab_size to {tokenizer_vocab}, or change the tokenizer "
-            "(data.tokenizer.vocab_size / data.tokenizer.path; delete <workdir>/tokenizer.json to "
-            "retrain it).")
+def check_vocab_size(tokenizer_vocab: int, model_vocab: int, *, where: str,
+                     allow_smaller_tokenizer: bool = False) -> None:
+    """The model's vocabulary must be the tokenizer's: a clear error otherwise.
+
+    ``allow_smaller_tokenizer``: a published model's embedding is often padded past its tokenizer (Qwen2.5:
+    151,665 tokens in a 151,936-row embedding); the extra rows are never an input or a target.
+    """
+    if tokenizer_vocab == model_vocab or (allow_smaller_tokenizer and tokenizer_vocab < model_vocab):
+        return
+    raise DataError(
+        f"the model's vocab_size = {model_vocab} does not match the tokenizer's {tokenizer_vocab} "
+        f"({where}). Set the model's vocab_size to {tokenizer_vocab}, or change the tokenizer "
+        "(data.tokenizer.vocab_size / data.tokenizer.path; delete <workdir>/tokenizer.json to "
+        "retrain it).")
