@@ -155,13 +155,13 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     """Analyses a finished run: gradient interference at step 0 (``analyze_init``) and at each kept
     checkpoint, everything (with per-row arrays for the plots) at the last one. Writes
     ``run_dir/analysis/compare.json``."""
-    from tieflax.analysis.workdir import (_analysis_loss_options, analysis_data, analyze_params,
+    from tieflax.analysis.workdir import (analysis_loss_options, analysis_data, analyze_params,
                                           checkpoint_steps, load_params_at, without_arrays)
     from tieflax.config import model_config
 
     mc = model_config(config)
     data = analysis_data(config, run_dir, cc.val_batches, cc.analysis_sequences)
-    options = _analysis_loss_options(config)
+    options = analysis_loss_options(config)
     kw = dict(n_buckets=cc.n_buckets, max_rows=cc.max_rows or None, loss_options=options)
     steps = checkpoint_steps(run_dir)
     over_time = []

@@ -199,7 +199,7 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     mc = to_model_config(config)
     data = analysis_data(config, workdir, n_val_batches)
     result = analyze_params(mc, params, data["token_counts"], train_batch=data["train_batch"],
-                            val_batches=data["val_batches"], loss_options=_analysis_loss_options(config),
+                            val_batches=data["val_batches"], loss_options=analysis_loss_options(config),
                             n_buckets=n_buckets, max_rows=max_rows, with_arrays=True)
     result.update(step=int(step), workdir=os.path.abspath(workdir), data_dir=data["data_dir"])
     out_dir = out_dir or os.path.join(workdir, "analysis")
@@ -219,7 +219,7 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     return result
 
 
-def _analysis_loss_options(config) -> dict:
+def analysis_loss_options(config) -> dict:
     """The training loss's block sizes (and z-loss / smoothing), so the gradient is the trained one's."""
     t = config.train
     return dict(z_loss=t.z_loss, label_smoothing=t.label_smoothing, token_block=t.loss_token_block,
