@@ -43,18 +43,17 @@ def badge(filename: str) -> str:
 # accelerator is visible; on a Colab TPU/GPU runtime jax uses the real chips.
 SETUP_CELL = f'''\
 # Install (Colab only) and devices. Run this cell first: XLA reads XLA_FLAGS once, when jax starts.
+import importlib.util
 import os
 import subprocess
 import sys
 
 if "google.colab" in sys.modules:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "{PIP_SPEC}"], check=True)
-else:
-    import importlib.util
-
-    if importlib.util.find_spec("tieflax") is None:  # find, not import: importing may start jax
-        raise ImportError("tieflax is not installed in this kernel; from the repository root run "
-                          "`pip install -e .` and restart the kernel.")
+    importlib.invalidate_caches()  # the freshly installed package becomes importable in this kernel
+elif importlib.util.find_spec("tieflax") is None:  # find, not import: importing tieflax may start jax
+    raise ImportError("tieflax is not installed in this kernel; from the repository root run "
+                      "`pip install -e .` and restart the kernel.")
 
 
 def _has_accelerator() -> bool:
@@ -67,7 +66,8 @@ def _has_accelerator() -> bool:
     return tpu or gpu
 
 
-if not _has_accelerator() and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+cpu_only = os.environ.get("JAX_PLATFORMS", "").lower() == "cpu" or not _has_accelerator()
+if cpu_only and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # 8 fake CPU devices, so that meshes and vocab-parallel code run on a laptop as on a TPU v2-8/v3-8.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()

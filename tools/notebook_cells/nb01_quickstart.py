@@ -98,8 +98,8 @@ for name, config in configs.items():
     config.data.cache_dir = os.path.join(WORKDIR, "data_cache")
     results[name] = train_and_evaluate(config, os.path.join(WORKDIR, name))
     r = results[name]
-    print(f"{name:7s} step {r['step']}: train loss {r['final_train_loss']:.3f}, "
-          f"val loss {r['final_val_loss']:.3f} (perplexity {r['final_val_perplexity']:.1f})")
+    print(f"{name:7s} step {r['step']}: validation loss {r['final_val_loss']:.3f} "
+          f"(perplexity {r['final_val_perplexity']:.1f}), {r['params']['total']:,} parameters")
 '''),
     ("md", r'''
 ## 3. Loss curves

@@ -169,9 +169,11 @@ ax_mem.set(xscale="log", yscale="log", xlabel="vocabulary V", ylabel="scratch me
            title=f"loss + grad, N={MEMORY_SHAPE[0]}, d={MEMORY_SHAPE[1]}, mesh {tuple(mesh.shape.values())}")
 ax_time.set(xscale="log", yscale="log", xlabel="vocabulary V", ylabel="ms per loss + grad",
             title=f"N={TIME_SHAPE[0]}, d={TIME_SHAPE[1]}, {n_dev} {jax.devices()[0].platform} devices")
-for ax in (ax_mem, ax_time):
+for ax, vocabs in ((ax_mem, MEMORY_VOCABS), (ax_time, TIME_VOCABS)):
+    ax.set_xticks(vocabs, [f"{v:,}" for v in vocabs])
+    ax.minorticks_off()
     ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, alpha=0.3)
 plt.tight_layout()
 plt.show()
 '''),

@@ -100,8 +100,8 @@ for name, caption in CAPTIONS.items():
 ## 3. The numbers behind the plots, and the claims
 
 `diagnostics_table` holds every number at the final checkpoint; `claims` states each claim, the number it
-is judged on, the threshold and what this run shows. With a few dozen steps and one seed, expect most to
-read "not seen here": that is the honest answer at this budget, not a bug.
+is judged on, the threshold and what this run shows. With a few dozen steps and one seed, expect several to
+read "not seen here", and none of them to settle anything: that is the honest answer at this budget.
 '''),
     ("code", r'''
 display(Markdown(diagnostics_table(groups)))
