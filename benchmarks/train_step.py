@@ -42,7 +42,7 @@ TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def measure(vocab: int, tied: bool, loss_impl: str, args) -> dict:
     config = load_config(TINY, [f"model.vocab_size={vocab}", f"model.tie_embeddings={tied}",
                                 f"train.loss_impl='{loss_impl}'", f"train.global_batch_size={args.batch}",
-                                "mesh.data=-1"])
+                                "mesh.data=-1"] + [f"train.{k}={v}" for k, v in args.blocks.items()])
     t = config.train
     mesh = setup_mesh(config)
     with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
@@ -79,15 +79,23 @@ def main() -> None:
     parser.add_argument("--vocabs", default="8192,128256")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
     parser.add_argument("--batch", type=int, default=16, help="sequences of 128 tokens per step")
+    parser.add_argument("--token-block", type=int, default=0, help="fused loss token block (0: config default)")
+    parser.add_argument("--vocab-block", type=int, default=0, help="fused loss vocab block (0: config default)")
+    parser.add_argument("--variants", default="tied-fused,tied-dense,untied-fused,untied-dense")
     args = parser.parse_args()
+    args.blocks = {k: v for k, v in (("loss_token_block", args.token_block),
+                                     ("loss_vocab_block", args.vocab_block)) if v}
     rows = []
     for vocab in [int(v) for v in args.vocabs.split(",")]:
-        for tied in (True, False):
-            for loss_impl in ("fused", "dense"):
+        for variant in args.variants.split(","):
+            head, loss_impl = variant.split("-")
+            tied = head == "tied"
+            if True:
                 rows.append(measure(vocab, tied, loss_impl, args))
                 print(f"# measured V={vocab} tied={tied} {loss_impl}: {rows[-1]['step_s']:.3f} s/step",
                       file=sys.stderr, flush=True)
     base = {r["vocab"]: r for r in rows if r["tied"] and r["loss"] == "fused"}
+    base = {r["vocab"]: base.get(r["vocab"], r) for r in rows}
     print(f"\njax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, "
           f"batch {args.batch} x 128 tokens, median of {args.steps} steps\n")
     print("| V | head | loss | step (s) | tokens/s | time / tied-fused | temp MiB | temp / tied-fused |")

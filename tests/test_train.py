@@ -21,7 +21,7 @@ from tieflax import checkpoint as ckpt
 from tieflax.config import model_config
 from tieflax.metrics import read_metrics
 from tieflax.model import ConfigError, TransformerLM
-from tieflax.train import TrainingError, _untied_view, evaluate, train_and_evaluate
+from tieflax.train import TrainingError, _untied_view, dense_loss, evaluate, train_and_evaluate
 
 N = 20  # steps of the reference run; the interrupted run must reproduce its final parameters
 
@@ -42,7 +42,9 @@ def tied_run(data_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def untied_run(data_dir, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("untied") / "run")
-    return workdir, train_and_evaluate(micro_config(data_dir, tied=False, num_steps=N), workdir)
+    config = micro_config(data_dir, tied=False, num_steps=N)
+    config.train.analyze_every = 10  # the embedding diagnostics hook (tieflax.analysis)
+    return workdir, train_and_evaluate(config, workdir)
 
 
 # ------------------------------------------------------------------------------------------ loss falls
@@ -66,6 +68,10 @@ def test_loss_falls_and_the_workdir_is_complete(which, request):
         assert r["grad_norm/embed_lookup"] > 0 and r["grad_norm/embed_head"] > 0
         assert r["grad_norm/embed"] <= r["grad_norm/embed_lookup"] + r["grad_norm/embed_head"] + 1e-6
     assert read_metrics(workdir, "val")
+    if which == "untied":
+        diag = read_metrics(workdir, "diag")
+        assert [r["step"] for r in diag] == [10, 20]
+        assert "in_out/row_cosine_mean" in diag[-1] and "input/mean_norm" in diag[-1]
     for name in ("config.json", "tokenizer.json"):
         assert os.path.isfile(os.path.join(workdir, name)), name
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
@@ -82,13 +88,15 @@ def test_tied_gradient_is_the_sum_of_the_untied_views_gradients(data_dir):
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 512)
     targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-1)
     params = jax.tree.map(lambda x: getattr(x, "value", x),
-                          TransformerLM(mc).init(jax.random.key(0), tokens)["params"],
+                          jax.jit(TransformerLM(mc).init)(jax.random.key(0), tokens)["params"],
                           is_leaf=lambda x: hasattr(x, "names"))
 
-    def mean_loss(p, model):
-        loss, _ = model.apply({"params": p}, tokens, targets, method=TransformerLM.loss)
+    def mean_loss(p, model):  # dense: compiles fast; the identity is autodiff's, whatever the loss
+        loss, _ = dense_loss(model, p, batch)
         return loss.sum() / (targets >= 0).sum()
 
+    batch = {"inputs": tokens, "targets": targets, "segment_ids": jnp.ones_like(tokens),
+             "positions": jnp.broadcast_to(jnp.arange(16), tokens.shape)}
     grad = jax.jit(jax.grad(mean_loss), static_argnums=1)
     g_tied = grad(params, TransformerLM(mc))
     g_split = grad(_untied_view(params), TransformerLM(mc.replace(tie_embeddings=False)))

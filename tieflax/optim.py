@@ -24,6 +24,9 @@ def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
     """Linear warmup 0 -> ``learning_rate`` over ``warmup_steps``, cosine to ``learning_rate * min_lr_ratio``
     at ``num_steps``."""
     warmup = min(int(c.warmup_steps), int(c.num_steps))
+    if warmup == 0 and c.min_lr_ratio == 1.0:
+        # Constant: independent of num_steps, so a run extended by raising num_steps keeps its schedule.
+        return optax.constant_schedule(c.learning_rate)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=c.learning_rate, warmup_steps=warmup,
         decay_steps=max(int(c.num_steps), warmup + 1), end_value=c.learning_rate * c.min_lr_ratio)

@@ -447,6 +447,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         writer = MetricWriter(workdir, enabled=is_main)
         stop = _StopSignal()
         diagnostics = _diagnostics_fn() if t.analyze_every else None
+        if diagnostics is not None and jax.process_count() > 1:
+            # The diagnostics read whole matrices on the host, which one process of many does not hold.
+            log.warning("config.train.analyze_every is ignored in multi-process runs; analyse checkpoints "
+                        "with `tieflax analyze` instead")
+            diagnostics = None
         if is_main and start == 0:
             writer.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
 
@@ -503,7 +508,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 if at_ckpt or preempted:
                     ckpt.save(manager, step, state, train_loader)
                 if diagnostics is not None and step % t.analyze_every == 0:
-                    writer.write(step, diagnostics(state["params"], prepared.token_counts), split="diag")
+                    scalars = diagnostics(state["params"], prepared.token_counts)
+                    writer.write(step, {k.removeprefix("diag/"): v for k, v in scalars.items()}, split="diag")
                 if step % t.eval_every == 0 or step == t.num_steps:
                     val = run_eval(eval_step, state["params"], prepared, config, mesh)
                     writer.write(step, val, split="val")

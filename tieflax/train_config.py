@@ -1,6 +1,8 @@
 """Every default of training (optimiser, schedule, loss, checkpoints, logging), in one place.
 
-The experiment config holds this as ``config.train``.
+The experiment config holds this as ``config.train``. Model numerics live in ``config.model``: bf16
+compute with fp32 parameters is ``model.dtype='bfloat16'`` (``model.param_dtype`` stays ``'float32'``).
+The mesh is ``config.mesh``; the data pipeline is ``config.data``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.z_loss = 0.0
     c.label_smoothing = 0.0
     c.loss_impl = "fused"             # 'fused' (blockwise, no logits) or 'dense' (full logits: baseline)
-    c.loss_token_block = 1024         # fused cross-entropy block sizes
-    c.loss_vocab_block = 4096
+    # Fused cross-entropy tile [token block x vocab block]: the cross-entropy sweep's fastest CPU setting
+    # (benchmarks/README.md); the tile is 8 MiB of fp32 logits whatever the vocabulary size.
+    c.loss_token_block = 8192
+    c.loss_vocab_block = 256
     c.eval_every = 200
     c.eval_batches = 8
     c.log_every = 10
