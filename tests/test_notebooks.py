@@ -106,6 +106,18 @@ def _execute(nb, cwd, kernel_dirs, compilation_cache):
     return nb
 
 
+def test_a_cell_error_fails_the_run(tmp_path, kernel_dirs, compilation_cache):
+    """The harness itself: an exception in any cell must surface as a failure, not as an output."""
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1"),
+                                         nbformat.v4.new_code_cell("raise ValueError('broken cell')"),
+                                         nbformat.v4.new_code_cell("y = 2")])
+    with pytest.raises(CellExecutionError, match="broken cell"):
+        _execute(nb, tmp_path, kernel_dirs, compilation_cache)
+    assert nb.cells[2].outputs == [] and nb.cells[2].execution_count is None  # execution stopped there
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, tmp_path, kernel_dirs, compilation_cache):
     nb = _read(name)
