@@ -17,7 +17,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK_DIR = os.path.join(ROOT, "notebooks")
-_spec = importlib.util.spec_from_file_location("build_notebooks", os.path.join(ROOT, "tools", "build_notebooks.py"))
+_spec = importlib.util.spec_from_file_location("build_notebooks",
+                                               os.path.join(ROOT, "tools", "build_notebooks.py"))
 build_notebooks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_notebooks)
 

@@ -18,7 +18,7 @@ CELLS = [
 # Settings. The defaults train two tiny models for a few dozen steps (about a minute on a 2-core CPU).
 # For a real run use the shapes of configs/experiments/tiny.py: VOCAB = 8192, D_MODEL = 128, N_LAYERS = 4,
 # SEQ_LEN = 128, STEPS = 600, and a fresh WORKDIR.
-STEPS = 30            # optimiser steps per model
+STEPS = 20            # optimiser steps per model
 VOCAB = 2048          # BPE vocabulary V, trained on the corpus on the first run
 D_MODEL = 64          # width d: each embedding matrix is V x d
 N_LAYERS = 2

@@ -95,8 +95,9 @@ with jax.default_matmul_precision("float32"):
 
 print(f"{'':18s} {'loss':>10s} {'|loss-oracle|':>14s} {'max|dH-oracle|':>15s} {'max|dW-oracle|':>15s}")
 for name, (loss, d_hidden, d_weight) in results.items():
-    print(f"{name:18s} {float(loss):10.6f} {abs(float(loss) - oracle['loss'].sum() / n_active):14.2e} "
-          f"{np.abs(d_hidden - oracle['d_hidden']).max():15.2e} {np.abs(d_weight - oracle['d_weight']).max():15.2e}")
+    err_loss = abs(float(loss) - oracle["loss"].sum() / n_active)
+    err_dh, err_dw = np.abs(d_hidden - oracle["d_hidden"]).max(), np.abs(d_weight - oracle["d_weight"]).max()
+    print(f"{name:18s} {float(loss):10.6f} {err_loss:14.2e} {err_dh:15.2e} {err_dw:15.2e}")
 
 # Fails loudly if the fused loss and the dense loss disagree (fp32 accumulation-order tolerance).
 dense = results["dense"]

@@ -19,7 +19,7 @@ CELLS = [
 # enough to see what every plot shows, far too little to judge a claim. For a real run use the shapes of
 # configs/experiments/tie_vs_untie.py: VOCAB = 8192, D_MODEL = 128, N_LAYERS = 4, SEQ_LEN = 128,
 # STEPS = 400, VARIANTS = ("tied", "untied", "untied_matched"), SEEDS = (0, 1, 2), and a fresh WORKDIR.
-STEPS = 30
+STEPS = 20
 VOCAB = 2048
 D_MODEL = 64
 N_LAYERS = 2
