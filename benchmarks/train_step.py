@@ -26,7 +26,6 @@ import time
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +41,8 @@ TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def measure(vocab: int, tied: bool, loss_impl: str, args) -> dict:
     config = load_config(TINY, [f"model.vocab_size={vocab}", f"model.tie_embeddings={tied}",
                                 f"train.loss_impl='{loss_impl}'", f"train.global_batch_size={args.batch}",
-                                "mesh.data=-1"] + [f"train.{k}={v}" for k, v in args.blocks.items()])
+                                "mesh.data=-1"]
+                         + [f"train.{k}={v}" for k, v in args.blocks.items()])
     t = config.train
     mesh = setup_mesh(config)
     with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
@@ -50,11 +50,12 @@ def measure(vocab: int, tied: bool, loss_impl: str, args) -> dict:
         step = make_train_step(config, s)
         rng = np.random.default_rng(0)
         ids = rng.integers(0, vocab, size=(t.global_batch_size, t.seq_len + 1), dtype=np.int32)
-        host = {"inputs": ids[:, :-1], "targets": ids[:, 1:],
-                "segment_ids": np.ones((t.global_batch_size, t.seq_len), np.int32),
-                "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.global_batch_size, t.seq_len))}
+        shape = (t.global_batch_size, t.seq_len)
+        host = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "segment_ids": np.ones(shape, np.int32),
+                "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), shape)}
         batch = {k: jax.device_put(host[k], shd.batch_sharding(mesh)) for k in BATCH_KEYS}
-        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
+        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                          for k, v in batch.items()}
         t0 = time.perf_counter()
         compiled = step.lower(s.abstract_state, abstract_batch).compile()
         compile_s = time.perf_counter() - t0
@@ -79,8 +80,8 @@ def main() -> None:
     parser.add_argument("--vocabs", default="8192,128256")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
     parser.add_argument("--batch", type=int, default=16, help="sequences of 128 tokens per step")
-    parser.add_argument("--token-block", type=int, default=0, help="fused loss token block (0: config default)")
-    parser.add_argument("--vocab-block", type=int, default=0, help="fused loss vocab block (0: config default)")
+    parser.add_argument("--token-block", type=int, default=0, help="fused-loss token block (0: default)")
+    parser.add_argument("--vocab-block", type=int, default=0, help="fused-loss vocab block (0: default)")
     parser.add_argument("--variants", default="tied-fused,tied-dense,untied-fused,untied-dense")
     args = parser.parse_args()
     args.blocks = {k: v for k, v in (("loss_token_block", args.token_block),
@@ -90,10 +91,9 @@ def main() -> None:
         for variant in args.variants.split(","):
             head, loss_impl = variant.split("-")
             tied = head == "tied"
-            if True:
-                rows.append(measure(vocab, tied, loss_impl, args))
-                print(f"# measured V={vocab} tied={tied} {loss_impl}: {rows[-1]['step_s']:.3f} s/step",
-                      file=sys.stderr, flush=True)
+            rows.append(measure(vocab, tied, loss_impl, args))
+            print(f"# measured V={vocab} tied={tied} {loss_impl}: {rows[-1]['step_s']:.3f} s/step",
+                  file=sys.stderr, flush=True)
     base = {r["vocab"]: r for r in rows if r["tied"] and r["loss"] == "fused"}
     base = {r["vocab"]: base.get(r["vocab"], r) for r in rows}
     print(f"\njax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, "

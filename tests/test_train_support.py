@@ -56,7 +56,8 @@ def config_overrides(config) -> list[str]:
             if hasattr(v, "items"):
                 walk(v, f"{prefix}{k}.")
             elif v is not None:
-                out.append(f"--config.{prefix}{k}={v!r}" if isinstance(v, str) else f"--config.{prefix}{k}={v}")
+                out.append(f"--config.{prefix}{k}={v!r}" if isinstance(v, str)
+                           else f"--config.{prefix}{k}={v}")
     walk(config, "")
     return out
 

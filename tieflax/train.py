@@ -174,7 +174,8 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
 
     def micro_loss(gparams, mb, n_tokens):
         if c.loss_impl == "dense":
-            loss, aux = dense_loss(s.grad_model, gparams, mb, z_loss=c.z_loss, label_smoothing=c.label_smoothing)
+            loss, aux = dense_loss(s.grad_model, gparams, mb, z_loss=c.z_loss,
+                                   label_smoothing=c.label_smoothing)
         else:
             loss, aux = s.grad_model.apply({"params": gparams}, mb["inputs"], mb["targets"], mb["positions"],
                                            mb["segment_ids"], method=TransformerLM.loss, **options)
@@ -482,9 +483,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             now = time.perf_counter()
             summary = _summarise(buffer)
             if timing["t0"] is not None:  # the first interval includes compilation: not a throughput
+                tokens = len(buffer) * t.global_batch_size * t.seq_len
                 timing["seconds"] += now - timing["t0"]
-                timing["tokens"] += len(buffer) * t.global_batch_size * t.seq_len
-                summary["tokens_per_second"] = len(buffer) * t.global_batch_size * t.seq_len / (now - timing["t0"])
+                timing["tokens"] += tokens
+                summary["tokens_per_second"] = tokens / (now - timing["t0"])
             timing["t0"] = now
             buffer = []
             health_check(summary, at_step)
