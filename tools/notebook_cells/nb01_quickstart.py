@@ -15,7 +15,7 @@ loss curves.
 
 CELLS = [
     ("code", r'''
-# Settings. The defaults train two tiny models for a few dozen steps (about a minute on a 2-core CPU).
+# Settings. The defaults train two tiny models for 20 steps each (a minute or so on a 2-core CPU).
 # For a real run use the shapes of configs/experiments/tiny.py: VOCAB = 8192, D_MODEL = 128, N_LAYERS = 4,
 # SEQ_LEN = 128, STEPS = 600, and a fresh WORKDIR.
 STEPS = 20            # optimiser steps per model
@@ -69,8 +69,8 @@ for name, config in configs.items():
 '''),
     ("md", r'''
 The tied tree has one `embed/embedding`; the untied tree adds `lm_head/embedding` of the same shape.
-`V_pad` rounds `V` up to a multiple of 128 so the vocabulary splits evenly over devices; padded rows are
-never counted as parameters, so the two totals differ by exactly `V x d`:
+`V_pad` rounds `V` up to a multiple of `vocab_pad_multiple` (128) so the vocabulary splits evenly over
+devices; padded rows are never counted as parameters, so the two totals differ by exactly `V x d`:
 '''),
     ("code", r'''
 reports = [param_report(model_config(config), name) for name, config in configs.items()]
@@ -80,7 +80,8 @@ assert extra == VOCAB * D_MODEL, (extra, VOCAB * D_MODEL)
 print(f"untied - tied = {extra:,} parameters = V x d = {VOCAB:,} x {D_MODEL}")
 '''),
     ("md", r'''
-At this size the embeddings are most of the model, which is why small models usually tie. Run
+At this size the one matrix is half of the tied model and the two are two thirds of the untied one,
+which is why small models usually tie. Run
 `tieflax params` in a terminal for the same table over ten published models (GPT-2 to Llama-3-70B).
 
 ## 2. Train both
@@ -120,7 +121,7 @@ ax.legend()
 plt.show()
 '''),
     ("md", r'''
-Both curves start near `ln V` (a uniform guess) and fall together. A few dozen steps say nothing about
+Both curves start near `ln V` (a uniform guess) and fall together. A run this short says nothing about
 which variant is better: differences this early are within seed-to-seed noise. For the real study,
 with several seeds, a parameter-matched untied model and the embedding diagnostics, see
 `03_embedding_geometry.ipynb` and `tieflax compare`.

@@ -17,7 +17,7 @@ per-device memory and time as the vocabulary grows.
 
 CELLS = [
     ("code", r'''
-# Settings. The defaults run in about 20 s on a 2-core CPU. For a real run on a TPU/GPU runtime
+# Settings. The defaults run in under half a minute on a 2-core CPU. For a real run on a TPU/GPU runtime
 # (Runtime > Change runtime type) set MEMORY_SHAPE = (8192, 2304), TIME_SHAPE = (8192, 2048) and
 # TIME_VOCABS = (16_384, 32_768, 65_536, 131_072).
 MEMORY_SHAPE = (2048, 128)                # (tokens N, hidden d) of the memory sweep (compiled, never run)
@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tieflax.ops.cross_entropy import cross_entropy
-from tieflax.ops.reference import dense_cross_entropy, numpy_cross_entropy
+from tieflax.ops.reference import dense_cross_entropy, naive_cross_entropy, numpy_cross_entropy
 from tieflax.sharding import BATCH_AXES, VOCAB_AXIS, make_mesh
 
 n_dev = jax.device_count()
@@ -118,9 +118,6 @@ nothing runs, so the shapes can be large. **Time**: run loss + gradient at the s
 same mesh.
 '''),
     ("code", r'''
-from tieflax.ops.reference import naive_cross_entropy
-
-
 def loss_and_grad(name, vocab):
     """Mean loss and its gradients w.r.t. (hidden, weight) of the fused or the dense loss."""
     if name == "fused":
@@ -180,11 +177,11 @@ plt.show()
 '''),
     ("md", r'''
 **Reading the plots.** Left: the dense loss's scratch memory grows in proportion to `V` (it holds its
-share of the `[N, V]` logits and their gradient), while the fused loss's stays nearly flat: one tile plus
-`[N]` statistics and the gradient accumulators. Right: time grows with `V` for both, since both do
+share of the `[N, V]` logits and their gradient), while the fused loss's stays flat: one tile plus `[N]`
+statistics and the gradient accumulators. Right: time grows with `V` for both, since both do
 `O(N V d)` matmul work; the fused loss's default `'recompute'` mode does four matmuls instead of three,
 which is what its flat memory costs. Fake CPU devices share the same cores, so judge time ratios on a
-real TPU/GPU runtime; memory numbers are exact on any backend. `benchmarks/cross_entropy.py` in the repository
-measures the same at Gemma-2 and Llama-3 sizes.
+real TPU/GPU runtime; memory numbers are exact on any backend. `benchmarks/cross_entropy.py` in the
+repository measures the same at Gemma-2 and Llama-3 sizes.
 '''),
 ]

@@ -15,7 +15,7 @@ that you can read the report of a real run.
 
 CELLS = [
     ("code", r'''
-# Settings. The defaults train two tiny models for a few dozen steps (a minute or two on a 2-core CPU):
+# Settings. The defaults train two tiny models for 20 steps each (a minute or two on a 2-core CPU):
 # enough to see what every plot shows, far too little to judge a claim. For a real run use the shapes of
 # configs/experiments/tie_vs_untie.py: VOCAB = 8192, D_MODEL = 128, N_LAYERS = 4, SEQ_LEN = 128,
 # STEPS = 400, VARIANTS = ("tied", "untied", "untied_matched"), SEEDS = (0, 1, 2), and a fresh WORKDIR.
@@ -100,7 +100,7 @@ for name, caption in CAPTIONS.items():
 ## 3. The numbers behind the plots, and the claims
 
 `diagnostics_table` holds every number at the final checkpoint; `claims` states each claim, the number it
-is judged on, the threshold and what this run shows. With a few dozen steps and one seed, expect several to
+is judged on, the threshold and what this run shows. With 20 steps and one seed, expect several to
 read "not seen here", and none of them to settle anything: that is the honest answer at this budget.
 '''),
     ("code", r'''
