@@ -208,3 +208,29 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     assert f"last good checkpoint is step {good}" in str(err.value)
     _, params, _ = ckpt.load_latest_params(workdir)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_invalid_labels_are_reported_and_the_step_is_not_applied(data_dir):
+    """Labels >= vocab_size reach the step only through a data bug: counted, and the state kept."""
+    import flax.linen as nn
+
+    from tieflax import sharding as shd
+    from tieflax.train import build, make_train_step, setup_mesh
+
+    config = micro_config(data_dir)
+    mesh = setup_mesh(config)
+    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+        s = build(config, mesh)
+        step = make_train_step(config, s)
+        state = s.init_state(jax.random.key(0))
+        before = jax.device_get(state["params"])
+        ids = np.random.default_rng(0).integers(0, 512, size=(16, 33), dtype=np.int32)
+        targets = ids[:, 1:].copy()
+        targets[0, :3] = [512, 600, 10_000]  # three invalid labels
+        batch = {"inputs": ids[:, :-1], "targets": targets, "segment_ids": np.ones((16, 32), np.int32),
+                 "positions": np.broadcast_to(np.arange(32, dtype=np.int32), (16, 32))}
+        batch = {k: jax.device_put(v, shd.batch_sharding(mesh)) for k, v in batch.items()}
+        state, metrics = step(state, batch)
+    assert int(metrics["invalid_labels"]) == 3
+    assert int(state["step"]) == 1
+    chex.assert_trees_all_equal(jax.device_get(state["params"]), before)
