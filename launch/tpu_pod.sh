@@ -3,18 +3,20 @@
 #
 # Usage:
 #   launch/tpu_pod.sh TPU_NAME ZONE [PROJECT] -- --config configs/experiments/<pod config>.py \
-#       --workdir gs://BUCKET/runs/NAME [--config.a.b=value ...]
+#       --workdir /mnt/shared/runs/NAME [--config.a.b=value ...]
 # Example:
 #   launch/tpu_pod.sh my-v5p-64 us-east5-a my-project -- --config configs/experiments/tiny.py \
-#       --workdir gs://my-bucket/runs/tiny --config.mesh.fsdp=-1 --config.mesh.data=1
+#       --workdir /mnt/shared/runs/tiny --config.mesh.fsdp=-1 --config.mesh.data=1
 #
 # What it does: `gcloud compute tpus tpu-vm ssh TPU_NAME --worker=all --command=...` runs
 # `tieflax train ARGS` on all hosts at once with TIEFLAX_DISTRIBUTED=1, so each process calls
 # jax.distributed.initialize(), which reads the pod topology from the TPU metadata.
 # Requirements on every worker: tieflax installed (set TIEFLAX_SETUP to a command that installs it,
-# e.g. TIEFLAX_SETUP="pip install -e ~/tieflax[tpu]"; it runs before training) and a workdir all hosts
-# can reach (a gs:// bucket; orbax and the metrics writer handle gs:// paths through tensorstore/etils).
-# Resume: rerun the same command. Preemption: a SIGTERM makes every host save a checkpoint and exit 0.
+# e.g. TIEFLAX_SETUP="pip install -e ~/tieflax jax[tpu]"; it runs before training) and a workdir that every
+# host sees at the same path: a shared file system or a bucket mounted with gcsfuse (the data cache,
+# config and metrics use ordinary file I/O; only the orbax checkpoints could also write gs:// directly).
+# Resume: rerun the same command. Preemption: after a SIGTERM all hosts stop together at the next
+# log step (config.train.log_every), save a checkpoint and exit 0.
 # Logs: all workers stream to this terminal; metrics are written by process 0 only.
 set -euo pipefail
 
