@@ -151,8 +151,12 @@ def claims(groups: dict[str, list[dict]]) -> list[str]:
                        "the opposite direction (the threshold is rho > 0.3)")
         else:
             verdict = "not seen here: no clear relation (the threshold is rho > 0.3)"
+        buckets = g["untied"][0]["analysis"]["final"]["output"]["bucket_norm"]
         out.append(f"**Output-head row norms grow with token frequency.** Untied W_out: Spearman rho = "
-                   f"{rho_out_untied:.3f}; {verdict}. See `norm_vs_frequency.png`.")
+                   f"{rho_out_untied:.3f}; {verdict}. Mean norm by frequency bucket, rarest first: "
+                   f"{', '.join(f'{b:.3f}' for b in buckets)}. Rho summarises one monotone trend: check "
+                   "`norm_vs_frequency.png` for a non-monotone shape (for example norms falling over the "
+                   "rare tail and rising over the most frequent tokens).")
     if all(map(math.isfinite, (rho_tied, rho_in_untied, rho_out_untied))):
         closer_to_head = abs(rho_tied - rho_out_untied) < abs(rho_tied - rho_in_untied)
         verdict = ("consistent with the claim: the tied matrix, which is also the input, carries the head's "
@@ -273,13 +277,15 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str) -> dict[str, str]:
          for side in (("input",) if f.get("tied") else ("input", "output"))},
         os.path.join(out_dir, "norm_by_bucket.png"), ylabel="mean row norm",
         title="mean row norm by frequency bucket (input = W_in, output = W_out)")
-    diag_rows = {n: [row for row in r["metrics"] if row.get("split") == "diag"] for n, r in first.items()}
+    # Rows of split 'diag' hold training_diagnostics' keys, with or without their 'diag/' prefix.
+    diag_rows = {n: [{k.removeprefix("diag/"): v for k, v in row.items()} for row in r["metrics"]
+                     if row.get("split") == "diag"] for n, r in first.items()}
     if any(diag_rows.values()):
         paths["diagnostics_over_training"] = plots.diagnostics_over_training(
-            diag_rows, [("diag/input/spearman", "rho(norm, freq): W_in"),
-                        ("diag/output/spearman", "rho(norm, freq): W_out"),
-                        ("diag/input/mean_cosine", "mean cosine: W_in"),
-                        ("diag/output/mean_cosine", "mean cosine: W_out")],
+            diag_rows, [("input/spearman", "rho(norm, freq): W_in"),
+                        ("output/spearman", "rho(norm, freq): W_out"),
+                        ("input/mean_cosine", "mean cosine: W_in"),
+                        ("output/mean_cosine", "mean cosine: W_out")],
             os.path.join(out_dir, "diagnostics_over_training.png"))
     return paths
 
@@ -360,7 +366,7 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
         "gradient_interference": "Gradient interference over training (step 0 = initialisation; one batch per point).",
         "gradient_cosine_by_bucket": "Cosine of the two gradient paths per frequency bucket, final checkpoint.",
         "softmax_mass_by_bucket": "Softmax mass per frequency bucket relative to its unigram share (1 = calibrated).",
-        "diagnostics_over_training": "Diagnostics logged during training (`diag/*` in metrics.jsonl).",
+        "diagnostics_over_training": "Diagnostics logged during training (rows of split `diag` in metrics.jsonl).",
     }
     for key, caption in captions.items():
         if key in plot_paths:
