@@ -21,7 +21,7 @@
 set -euo pipefail
 
 if [[ $# -lt 3 ]]; then
-  sed -n '2,20p' "$0"
+  sed -n '2,21p' "$0"
   exit 2
 fi
 TPU_NAME="$1"; ZONE="$2"; shift 2

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from tieflax import checkpoint as ckpt
 from tieflax import sharding as shd
 from tieflax.config import model_config
-from tieflax.metrics import MetricWriter, progress_bar
+from tieflax.metrics import MetricWriter, progress_bar, read_metrics
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
 from tieflax.optim import make_optimizer
@@ -531,6 +531,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if val is None and not preempted:
             val = run_eval(eval_step, state["params"], prepared, config, mesh)
 
+    if step == start and os.path.isfile(writer.path):  # nothing left to train: report the logged loss
+        logged = read_metrics(writer.path, "train")
+        if logged:
+            last = logged[-1]
     tokens_per_second = timing["tokens"] / timing["seconds"] if timing["seconds"] else float("nan")
     return {
         "step": step,
