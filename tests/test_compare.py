@@ -11,7 +11,7 @@ from tieflax import cli
 from tieflax.analysis import study
 from tieflax.analysis.params import param_report
 from tieflax.analysis.report import REPORT, claims, load_summary
-from tieflax.config import load_config, model_config
+from tieflax.config import load_config
 from tieflax.model import ModelConfig
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")

@@ -34,7 +34,7 @@ def split_embedding_gradients(model_config, params: dict, batch: dict,
     split = untie(params) if is_tied(params) else params
     grads = _grad_fn(model_config.replace(tie_embeddings=False, head_init="normal"),
                      tuple(sorted(loss_options.items())))(split, batch)
-    return nn_unbox(grads["embed"]["embedding"]), nn_unbox(grads["lm_head"]["embedding"])
+    return _unbox(grads["embed"]["embedding"]), _unbox(grads["lm_head"]["embedding"])
 
 
 @functools.lru_cache(maxsize=16)
@@ -53,7 +53,7 @@ def _grad_fn(untied_config, loss_options: tuple):
     return jax.jit(jax.grad(loss_fn))
 
 
-def nn_unbox(x):
+def _unbox(x):
     return getattr(x, "value", x)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tieflax.analysis.frequency import bucket_means, check_counts, frequency_buckets
+from tieflax.analysis.frequency import check_counts, frequency_buckets
 
 
 def _tile_stats(h, w, bias, keep, vocab_size, logit_scale, softcap):
