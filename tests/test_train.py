@@ -210,58 +210,63 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
-def test_invalid_labels_are_reported_and_the_step_is_not_applied(data_dir):
-    """Labels >= vocab_size reach the step only through a data bug: counted, and the state kept."""
+# -------------------------------------------------------------------------------- the step, directly
+
+@pytest.fixture(scope="module")
+def steps_4x2(data_dir):
+    """Compiled train steps on a data=4 x tensor=2 mesh, for grad_accum_steps 1 and 2 (compiled once)."""
     import flax.linen as nn
 
     from tieflax import sharding as shd
     from tieflax.train import build, make_train_step, setup_mesh
 
-    config = micro_config(data_dir)
-    mesh = setup_mesh(config)
-    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
-        s = build(config, mesh)
-        step = make_train_step(config, s)
-        state = s.init_state(jax.random.key(0))
-        before = jax.device_get(state["params"])
-        ids = np.random.default_rng(0).integers(0, 512, size=(16, 33), dtype=np.int32)
-        targets = ids[:, 1:].copy()
-        targets[0, :3] = [512, 600, 10_000]  # three invalid labels
-        batch = {"inputs": ids[:, :-1], "targets": targets, "segment_ids": np.ones((16, 32), np.int32),
-                 "positions": np.broadcast_to(np.arange(32, dtype=np.int32), (16, 32))}
-        batch = {k: jax.device_put(v, shd.batch_sharding(mesh)) for k, v in batch.items()}
-        state, metrics = step(state, batch)
+    out = {}
+    for accum in (1, 2):
+        config = micro_config(data_dir)
+        config.train.grad_accum_steps = accum
+        config.train.warmup_steps = 0  # a non-zero first update, so parameters can be compared
+        config.mesh.data, config.mesh.tensor = 4, 2  # micro-batches of 8 rows over 4 batch shards
+        mesh = setup_mesh(config)
+        with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+            s = build(config, mesh)
+            out[accum] = (s, make_train_step(config, s), mesh)
+    return out
+
+
+def _batch(ids, targets, mesh):
+    from tieflax import sharding as shd
+
+    b, t = targets.shape
+    host = {"inputs": ids[:, :-1], "targets": targets, "segment_ids": np.ones((b, t), np.int32),
+            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))}
+    return {k: jax.device_put(v, shd.batch_sharding(mesh)) for k, v in host.items()}
+
+
+def test_invalid_labels_are_reported_and_the_step_is_not_applied(steps_4x2):
+    """Labels >= vocab_size reach the step only through a data bug: counted, and the state kept."""
+    s, step, mesh = steps_4x2[1]
+    state = s.init_state(jax.random.key(0))
+    before = jax.device_get(state["params"])
+    ids = np.random.default_rng(0).integers(0, 512, size=(16, 33), dtype=np.int32)
+    targets = ids[:, 1:].copy()
+    targets[0, :3] = [512, 600, 10_000]  # three invalid labels
+    state, metrics = step(state, _batch(ids, targets, mesh))
     assert int(metrics["invalid_labels"]) == 3
     assert int(state["step"]) == 1
     chex.assert_trees_all_equal(jax.device_get(state["params"]), before)
 
 
-def test_gradient_accumulation_matches_one_big_batch(data_dir):
-    """grad_accum_steps=2 over the same global batch: the same loss, gradient norm and update."""
-    import flax.linen as nn
-
-    from tieflax import sharding as shd
-    from tieflax.train import build, make_train_step, setup_mesh
-
+def test_gradient_accumulation_matches_one_big_batch(steps_4x2):
+    """grad_accum_steps=2 over the same global batch: the same loss, gradient norms and update."""
     ids = np.random.default_rng(1).integers(0, 512, size=(16, 33), dtype=np.int32)
     targets = ids[:, 1:].copy()
     targets[3, 5:] = -1  # uneven valid-token counts per micro-batch: the mean is over the whole batch
-    host = {"inputs": ids[:, :-1], "targets": targets, "segment_ids": np.ones((16, 32), np.int32),
-            "positions": np.broadcast_to(np.arange(32, dtype=np.int32), (16, 32))}
     out = []
     for accum in (1, 2):
-        config = micro_config(data_dir)
-        config.train.grad_accum_steps = accum
-        config.train.warmup_steps = 0  # a non-zero first update, so the parameters are compared too
-        config.mesh.data = 4  # micro-batches of 8 rows over 4 batch shards
-        config.mesh.tensor = 2
-        mesh = setup_mesh(config)
-        with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
-            s = build(config, mesh)
-            batch = {k: jax.device_put(v, shd.batch_sharding(mesh)) for k, v in host.items()}
-            state, metrics = make_train_step(config, s)(s.init_state(jax.random.key(0)), batch)
-            init = s.init_state(jax.random.key(0))
-            before = np.asarray(jax.device_get(init["params"]["embed"]["embedding"]))
+        s, step, mesh = steps_4x2[accum]
+        init = s.init_state(jax.random.key(0))
+        before = np.asarray(jax.device_get(init["params"]["embed"]["embedding"]))
+        state, metrics = step(init, _batch(ids, targets, mesh))
         out.append(jax.device_get((state["params"], metrics)))
     (p1, m1), (p2, m2) = out
     for key in ("loss", "grad_norm", "grad_norm/embed_lookup", "grad_norm/embed_head", "accuracy"):
