@@ -122,3 +122,20 @@ def test_analyze_command_on_a_compare_run(compare_run, capsys):
     assert "norm_vs_frequency:" in out and (run_dir / "analysis" / "step_2_cosines.png").exists()
     with pytest.raises(FileNotFoundError, match="no checkpoint at step 3"):
         cli.main(["analyze", "--workdir", str(run_dir), "--step", "3"])
+
+
+def test_several_seeds_are_reported_as_mean_and_spread(compare_run):
+    import copy
+
+    from tieflax.analysis.report import render
+
+    summary = load_summary(str(compare_run))
+    extra = copy.deepcopy(summary["runs"])
+    for r in extra:  # a fabricated second seed whose losses differ by a known amount
+        r["seed"] = 1
+        r["result"]["final_val_loss"] += 0.2
+    summary["runs"] += extra
+    text = render(summary, {})
+    tied = [r["result"]["final_val_loss"] for r in summary["runs"] if r["variant"] == "tied"]
+    assert f"{np.mean(tied):.4f} ± {np.std(tied, ddof=1):.4f} (n=2)" in text
+    assert "the largest seed standard deviation is" in text
