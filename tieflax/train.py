@@ -131,10 +131,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Setup:
         rngs = {"params": rng}
         if mc.head_rng_stream != "params":
             rngs[mc.head_rng_stream] = jax.random.fold_in(rng, 1)
-        # No logical rules during init: DenseGeneral constrains its flat kernel before reshaping it, which
-        # a rank-3 rule rejects. Init shardings come from out_shardings instead.
-        with nn.logical_axis_rules(()):
-            params = init_model.init(rngs, jnp.zeros((1, config.train.seq_len), jnp.int32))["params"]
+        params = init_model.init(rngs, jnp.zeros((1, config.train.seq_len), jnp.int32))["params"]
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     abstract_boxed = jax.eval_shape(init_boxed, jax.random.key(0))
@@ -421,11 +418,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                seed=config.seed)
 
     # ------------------------------------------------------------------------- model, sharding, update
-    # The rules context maps logical names of parameters; there is deliberately no `jax.set_mesh`
-    # context: under one, flax's apply-time shape check re-runs DenseGeneral's kernel initializer, which
-    # constrains the flat 2-D kernel with a 3-D logical spec and fails. Without it the activations'
-    # logical constraints are no-ops and XLA propagates the parameter and batch shardings.
-    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+    # The rules map the logical names of parameters and activations onto the mesh; inside the mesh
+    # context the activations' `with_logical_constraint`s take effect.
+    with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
         s = build(config, mesh)
         train_step = make_train_step(config, s)
         eval_step = make_eval_step(config, s)
@@ -561,7 +556,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     mc = model_config(config)
     mesh = setup_mesh(config)
     prepared = prepare_dataset(config.data, workdir, vocab_size=mc.vocab_size)
-    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):  # no mesh context: see train_and_evaluate
+    with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
         s = build(config, mesh)
         params, step = ckpt.restore_latest_params(workdir, s.abstract_state["params"])
         out = run_eval(make_eval_step(config, s), params, prepared, config, mesh)

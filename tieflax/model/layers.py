@@ -114,14 +114,12 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         c = self.config
-        dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
+        dt = dtype_of(c.dtype)
         h, kvh, dh = c.n_heads, c.kv_heads, c.dim_per_head
 
         def proj(name, heads, axis_name):
-            return nn.DenseGeneral(
-                (heads, dh), use_bias=c.qkv_bias, dtype=dt, param_dtype=pdt, name=name,
-                kernel_init=dense_init(c.init_std, ("embed", axis_name, "head_dim")),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axis_name, "head_dim")))(x)
+            return Projection((c.d_model, heads, dh), ("embed", axis_name, "head_dim"), "btd,dhk->bthk",
+                              use_bias=c.qkv_bias, config=c, name=name)(x)
 
         q, k, v = proj("query", h, "heads"), proj("key", kvh, "kv_heads"), proj("value", kvh, "kv_heads")
         q = nn.with_logical_constraint(q, BTHD)
@@ -142,10 +140,36 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, dh)
         out = nn.with_logical_constraint(out, BTHD)
-        return nn.DenseGeneral(
-            c.d_model, axis=(-2, -1), use_bias=c.attn_out_bias, dtype=dt, param_dtype=pdt, name="out",
-            kernel_init=dense_init(c.init_std, ("heads", "head_dim", "embed")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(out)
+        return Projection((h, dh, c.d_model), ("heads", "head_dim", "embed"), "bthk,hkd->btd",
+                          use_bias=c.attn_out_bias, config=c, name="out")(out)
+
+
+class Projection(nn.Module):
+    """An einsum with a kernel of any rank, e.g. [d, heads, head_dim], and an optional bias.
+
+    ``nn.DenseGeneral`` initialises a flattened 2-D kernel and reshapes it, so a rank-3 logical
+    partitioning would be applied to the 2-D array (and fails inside a mesh context); here the kernel is
+    created in its own shape. Parameter names match ``DenseGeneral``'s: ``kernel`` and ``bias``.
+    """
+
+    kernel_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    equation: str
+    use_bias: bool
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c = self.config
+        dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
+        kernel = self.param("kernel", dense_init(c.init_std, self.kernel_axes), self.kernel_shape, pdt)
+        y = jnp.einsum(self.equation, x.astype(dt), kernel.astype(dt))
+        if self.use_bias:
+            out_rank = len(self.equation.split("->")[1]) - 2  # the output's non-[B, T] dims
+            shape, axes = self.kernel_shape[-out_rank:], self.kernel_axes[-out_rank:]
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, pdt)
+            y = y + bias.astype(dt)
+        return y
 
 
 class Mlp(nn.Module):
