@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import math
 
-import matplotlib
-
-matplotlib.use("Agg")  # before pyplot: never try to open a window
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
+# Figures are drawn on `Figure` objects, never through pyplot, so importing this module neither opens a
+# window nor changes the backend of a notebook that imports it.
+from matplotlib.figure import Figure
 
 COLORS = {"tied": "tab:blue", "untied": "tab:orange", "untied_matched": "tab:green"}
 
@@ -24,14 +23,14 @@ def _color(label: str, i: int) -> str:
 def _save(fig, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def norm_vs_frequency(results: dict[str, dict], path: str) -> str:
     """One row per run, columns W_in and W_out: row norm against log10 count, binned means on top."""
     n = len(results)
-    fig, axes = plt.subplots(n, 2, figsize=(10, 3.2 * n), squeeze=False, sharex=True)
+    fig = Figure(figsize=(10, 3.2 * n))
+    axes = fig.subplots(n, 2, squeeze=False, sharex=True)
     for row, (label, res) in enumerate(results.items()):
         a = res["arrays"]
         counts = np.asarray(a["counts"], np.float64)
@@ -60,7 +59,8 @@ def norm_vs_frequency(results: dict[str, dict], path: str) -> str:
 
 def cosine_histograms(results: dict[str, dict], path: str) -> str:
     """Histograms of pairwise row cosines (sampled rows) of W_in and W_out, runs overlaid."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig = Figure(figsize=(10, 3.4))
+    axes = fig.subplots(1, 2)
     for col, side in enumerate(("input", "output")):
         ax = axes[col]
         for i, (label, res) in enumerate(results.items()):
@@ -80,7 +80,8 @@ def loss_curves(curves: dict[str, dict[str, list]], path: str) -> str:
     """Train (thin) and validation (markers) loss against step. ``curves[label] = {'train': [(step,
     loss)], 'val': [(step, loss)]}``; several seeds of one variant may share a colour via the label
     prefix."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for i, (label, c) in enumerate(curves.items()):
         color = _color(label, i)
         if c.get("train"):
@@ -105,7 +106,8 @@ def gradient_interference(series: dict[str, list[tuple[int, dict]]], path: str) 
     """Over training, from checkpoint analyses: per-row cosine of the lookup and head gradients, the
     head's share of the squared gradient norm, and the fraction of rows each path updates.
     ``series[label] = [(step, gradient_dict), ...]``."""
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 3.6))
+    axes = fig.subplots(1, 3)
     for i, (label, points) in enumerate(series.items()):
         if not points:
             continue
@@ -131,7 +133,8 @@ def gradient_interference(series: dict[str, list[tuple[int, dict]]], path: str) 
 def by_bucket(values: dict[str, list[float]], path: str, *, title: str, ylabel: str,
               reference: float | None = None, log: bool = False) -> str:
     """Grouped bars: one group per frequency bucket (rarest first), one bar per run."""
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig = Figure(figsize=(7, 3.6))
+    ax = fig.subplots()
     labels = list(values)
     n_buckets = max(len(v) for v in values.values())
     width = 0.8 / max(len(labels), 1)
@@ -153,7 +156,8 @@ def by_bucket(values: dict[str, list[float]], path: str, *, title: str, ylabel: 
 
 def diagnostics_over_training(rows: dict[str, list[dict]], keys: list[tuple[str, str]], path: str) -> str:
     """Logged ``diag/*`` scalars (``metrics.jsonl`` rows of split 'diag') against step, one panel a key."""
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.3 * len(keys), 3.4), squeeze=False)
+    fig = Figure(figsize=(4.3 * len(keys), 3.4))
+    axes = fig.subplots(1, len(keys), squeeze=False)
     for col, (key, title) in enumerate(keys):
         ax = axes[0, col]
         for i, (label, rs) in enumerate(rows.items()):
