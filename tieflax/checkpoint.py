@@ -164,19 +164,23 @@ def latest_step(workdir: str) -> int | None:
         return manager.latest_step()
 
 
-def load_latest_params(workdir: str) -> tuple[ml_collections.ConfigDict, Any, int]:
-    """``(config, params, step)`` of the latest checkpoint in ``workdir``; params are host NumPy arrays.
+def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, Any, int]:
+    """``(config, params, step)`` of the latest checkpoint in ``workdir`` (or of checkpoint ``step``);
+    params are host NumPy arrays. Only the parameters are read, never the optimizer state.
 
     With no checkpoint yet, returns the ``initial_params/`` at step 0. Raises FileNotFoundError when the
-    workdir has neither.
+    workdir has neither, or has no checkpoint at the ``step`` asked for.
     """
     config = load_workdir_config(workdir)
-    step = latest_step(workdir)
-    if step is None:
+    latest = latest_step(workdir)
+    if latest is None and step in (None, 0):
         if has_initial_params(workdir):
             return config, load_initial_params(workdir), 0
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
+    step = latest if step is None else step
     path = os.path.join(checkpoint_dir(workdir), str(step), "state")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; the latest is {latest}.")
     with ocp.PyTreeCheckpointer() as ckptr:
         params_meta = ckptr.metadata(path).item_metadata.tree["params"]
         # Partial restore: only the parameters are read, never the (2x larger) optimizer state.

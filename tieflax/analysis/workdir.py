@@ -42,26 +42,14 @@ def load_params_at(workdir: str, step: int | None = None) -> tuple[Any, dict, in
 
     Only the parameters are read (a partial restore of the ``state`` item), never the optimizer state.
     """
-    import orbax.checkpoint as ocp
-
     from tieflax import checkpoint as ckpt
 
     steps = checkpoint_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"{workdir!r} has no checkpoint; train first (tieflax train --workdir ...)")
-    step = steps[-1] if step is None else step
-    if step not in steps:
+    if step is not None and step not in steps:
         raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; it has steps {steps}")
-    config = ckpt.load_workdir_config(workdir)
-    path = os.path.join(ckpt.checkpoint_dir(workdir), str(step), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    meta = checkpointer.metadata(path)
-    tree = getattr(meta, "item_metadata", None) or meta
-    params_meta = getattr(tree, "tree", tree)["params"]
-    restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), params_meta)
-    out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        item={"params": params_meta}, restore_args={"params": restore_args}, partial_restore=True))
-    return config, out["params"], step
+    return ckpt.load_latest_params(workdir, step)
 
 
 # --------------------------------------------------------------------------------------------- batches
