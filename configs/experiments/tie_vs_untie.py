@@ -12,25 +12,17 @@ Knobs: ``--config.compare.seeds='(0, 1, 2)'`` (mean and spread; x3 time), ``--co
 (needs a deeper body: 4 layers cannot absorb a 1M-parameter head), ``--config.train.num_steps=N``.
 """
 
+import os
+
 from tieflax.analysis.study import default_compare_config
-from tieflax.config import default_config, default_model_config
+from tieflax.config import load_config
+
 
 def get_config(arg: str = ""):
-    config = default_config()
-    config.model = default_model_config(
-        family="llama",
-        vocab_size=8192,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        d_ff=512,
-        max_seq_len=128,
-        tie_embeddings=True,   # each variant sets this itself; kept for `tieflax params`
-    )
-    config.data.tokenizer.vocab_size = 8192
+    # The model, data and batch shape are the tiny experiment's, so the study and `tieflax train` on
+    # configs/experiments/tiny.py train the same tied model; each variant sets the tie switch itself.
+    config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
     t = config.train
-    t.seq_len = 128
-    t.global_batch_size = 16
     t.num_steps = 200
     t.warmup_steps = 20
     t.learning_rate = 3e-3
@@ -38,7 +30,6 @@ def get_config(arg: str = ""):
     t.eval_batches = 8
     t.log_every = 10
     t.analyze_every = 25          # diag/* rows in metrics.jsonl (parameter diagnostics over training)
-    config.mesh.data = -1
     config.compare = default_compare_config()
     config.compare.analysis_points = 4
     if arg == "smoke":

@@ -1,9 +1,12 @@
 """The tied-vs-untied study at scale: ~1B-parameter Llama-style models, 128k vocabulary, pre-tokenised data.
 
     # on every worker of a TPU pod slice (see launch/):
-    tieflax compare --config configs/experiments/tie_vs_untie_pod.py --workdir gs://BUCKET/tie_vs_untie \
+    tieflax compare --config configs/experiments/tie_vs_untie_pod.py --workdir /shared/runs/tie_vs_untie \
         --config.data.tokens.train_path=/data/train.bin --config.data.tokens.val_path=/data/val.bin \
         --config.data.tokenizer.path=/data/tokenizer.json
+
+The workdir must be a path every worker shares (an NFS or Filestore mount): the data cache, config and
+metrics use ordinary file I/O, so ``gs://`` workdirs are not supported.
 
 Same three variants as ``tie_vs_untie.py``: ``tied`` (Llama-3.2-1B shape: d 2048, 16 layers, V 128,256,
 tied as published), ``untied`` (+262,668,288 parameters, equal body) and ``untied_matched`` (equal

@@ -110,9 +110,8 @@ class TransformerLM(nn.Module):
 
 def head_loss_kwargs(c: ModelConfig) -> dict:
     """The model's head switches, as the fused loss's keyword arguments."""
-    kwargs = dict(valid_vocab=c.vocab_size, logit_scale=c.effective_logit_scale,
-                  softcap=c.final_logit_softcap or None)
-    return kwargs
+    return dict(valid_vocab=c.vocab_size, logit_scale=c.effective_logit_scale,
+                softcap=c.final_logit_softcap or None)
 
 
 def embedding_matrices(params: dict) -> dict[str, Array]:
