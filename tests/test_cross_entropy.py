@@ -27,9 +27,14 @@ TB, VB = 5, 7
 ALL = dict(z_loss=1e-2, label_smoothing=0.1, logit_scale=0.7, softcap=5.0)
 PLAIN = dict(z_loss=0.0, label_smoothing=0.0, logit_scale=1.0, softcap=None)
 MODES = ("recompute", "fused")
+# 'pallas': mode='recompute' with impl='pallas', interpreted on CPU (TPU kernels run as JAX ops).
+# Its chunk of 14 vocab rows (2 blocks of 7) makes the fsdp mesh's 19 local rows take 2 chunks.
+KERNEL = {"recompute": dict(mode="recompute", impl="xla"), "fused": dict(mode="fused"),
+          "pallas": dict(mode="recompute", impl="pallas", vocab_chunk=14)}
 # name -> (data, fsdp, tensor) over the first data*fsdp*tensor devices; None = single-device path.
+# 'fsdp' > 1 shards W's d as the model does (P('tensor', 'fsdp')): blockwise gather, dW reduce-scatter.
 MESHES = {"1dev": None, "2dev_1x2": (1, 1, 2), "4dev_2x2": (2, 1, 2), "8dev_1x8": (1, 1, 8),
-          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1)}
+          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1), "8dev_f2x4": (1, 2, 4)}
 
 
 def _mesh(name):
@@ -60,7 +65,7 @@ def _fn(mode, mesh_name, feats):
 
     def loss(h, w, b, wt, y):
         return cross_entropy(h, w, y, valid_vocab=VV, weights=wt, bias=b, token_block=TB, vocab_block=VB,
-                             mode=mode, mesh=mesh, **kw)
+                             mesh=mesh, **KERNEL[mode], **kw)
 
     def weighted(*a, y, g):
         l, aux = loss(*a, y)
@@ -108,9 +113,11 @@ def _check_against_oracle(d, mode, mesh_name, feats, rel):
 
 
 # Recompute on every mesh; fused (same statistics code, plus its own gradient loop) on one device and on
-# the mesh that shards batch and vocab at once, to keep the suite's compile time down.
+# the meshes that shard batch and vocab at once, to keep the suite's compile time down; the Pallas
+# kernels (slow to interpret) on one device and on the mesh that also shards W's d.
 @pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES]
-                         + [("fused", "1dev"), ("fused", "8dev_2x4")])
+                         + [("fused", "1dev"), ("fused", "8dev_2x4"), ("fused", "8dev_f2x4"),
+                            ("pallas", "1dev"), ("pallas", "8dev_f2x4")])
 def test_matches_float64_oracle_all_features(mode, mesh_name):
     _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
 
@@ -133,7 +140,7 @@ def test_logits_of_magnitude_1e4_do_not_overflow(mode):
     assert np.abs(np.asarray(aux["lse"])).max() > 5e3
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ("pallas",))
 def test_bf16_inputs(mode):
     d = _data(dtype=jnp.bfloat16)
     _check_against_oracle(d, mode, "1dev", ALL, 2e-2)

@@ -90,10 +90,11 @@ def _fit(block: int, n: int, align: int, interpret: bool) -> int:
 # ------------------------------------------------------------------------------------- tile math
 
 def _columns(sem: Semantics, voff_ref, j, bv: int, v: int):
-    """Global columns [1, bv] of vocab block j and their mask (inside this shard's rows, < valid V)."""
+    """Global columns [1, bv] of vocab block j and their mask: rows of ``w`` from ``voff_ref[1]`` on
+    (earlier ones belong to a previous chunk), global index < valid V."""
     local = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
     cols = voff_ref[0] + local
-    return cols, (local < v) & (cols < sem.valid_vocab)
+    return cols, (local < v) & (local >= voff_ref[1]) & (cols < sem.valid_vocab)
 
 
 def _logits(sem: Semantics, h, w, b_ref, ok, cdt):
@@ -233,6 +234,11 @@ def _call(plan: Plan, kernel, grid, in_specs, out_specs, out_shape, scratch=(), 
                                              vmem_limit_bytes=plan.vmem_limit_mib * 2**20))
 
 
+def _scalars(v_off, lo):
+    """The scalar-prefetch operand: [global index of w's row 0, first row of w to use]."""
+    return jnp.stack([jnp.asarray(v_off, jnp.int32), jnp.asarray(lo, jnp.int32)])
+
+
 def _common(plan: Plan, h, w, b):
     n, d = h.shape
     v = w.shape[0]
@@ -241,9 +247,9 @@ def _common(plan: Plan, h, w, b):
     return n, d, v, bt, bv, b is not None, _compute_dtype(h.dtype, w.dtype)
 
 
-def local_stats(plan: Plan, h, w, b, y, v_off):
+def local_stats(plan: Plan, h, w, b, y, v_off, lo=0):
     """h [N, d], w [V, d], b [V] | None, y [N] int32, v_off int32 scalar -> (max, sumexp, label logit,
-    logit sum), 4 x [N] fp32, over the rows of ``w`` only."""
+    logit sum), 4 x [N] fp32, over the rows ``lo:`` of ``w`` only."""
     n, d, v, bt, bv, hb, cdt = _common(plan, h, w, b)
     tok = lambda i, j, o: (i, 0)  # noqa: E731
     specs = [pl.BlockSpec((bt, d), tok), pl.BlockSpec((bv, d), lambda i, j, o: (j, 0))]
@@ -256,11 +262,11 @@ def local_stats(plan: Plan, h, w, b, y, v_off):
     col = jax.ShapeDtypeStruct((n, 1), jnp.float32)
     out = _call(plan, functools.partial(_stats_kernel, plan.sem, cdt, bv, v, hb),
                 (pl.cdiv(n, bt), pl.cdiv(v, bv)), specs, [pl.BlockSpec((bt, 1), tok)] * 4, [col] * 4)(
-        jnp.reshape(v_off, (1,)).astype(jnp.int32), *args)
+        _scalars(v_off, lo), *args)
     return tuple(o[:, 0] for o in out)
 
 
-def local_dh(plan: Plan, h, w, b, y, lse, coef, v_off, dh_in):
+def local_dh(plan: Plan, h, w, b, y, lse, coef, v_off, dh_in, lo=0):
     """dh_in + sum over this shard's rows of dZ @ W: [N, d] in dh_in's dtype (updated in place)."""
     n, d, v, bt, bv, hb, cdt = _common(plan, h, w, b)
     tok = lambda i, j, o: (i, 0)  # noqa: E731
@@ -274,10 +280,10 @@ def local_dh(plan: Plan, h, w, b, y, lse, coef, v_off, dh_in):
     return _call(plan, functools.partial(_dh_kernel, plan.sem, cdt, bv, v, hb),
                  (pl.cdiv(n, bt), pl.cdiv(v, bv)), specs, pl.BlockSpec((bt, d), tok),
                  jax.ShapeDtypeStruct(dh_in.shape, dh_in.dtype), [pltpu.VMEM((bt, d), jnp.float32)],
-                 aliases={len(args): 0})(jnp.reshape(v_off, (1,)).astype(jnp.int32), *args)
+                 aliases={len(args): 0})(_scalars(v_off, lo), *args)
 
 
-def local_dw(plan: Plan, h, w, b, y, lse, coef, v_off, dw_dtype):
+def local_dw(plan: Plan, h, w, b, y, lse, coef, v_off, dw_dtype, lo=0):
     """(dW [V, d] dw_dtype, db [V] fp32) of this shard's rows, summed over the local tokens."""
     n, d, v, bt, bv, hb, cdt = _common(plan, h, w, b)
     tok = lambda j, i, o: (i, 0)  # noqa: E731
@@ -294,5 +300,5 @@ def local_dw(plan: Plan, h, w, b, y, lse, coef, v_off, dw_dtype):
                    [pl.BlockSpec((bv, d), voc), pl.BlockSpec((1, bv), lambda j, i, o: (0, j))],
                    [jax.ShapeDtypeStruct((v, d), dw_dtype), jax.ShapeDtypeStruct((1, v), jnp.float32)],
                    [pltpu.VMEM((bv, d), jnp.float32), pltpu.VMEM((1, bv), jnp.float32)])(
-        jnp.reshape(v_off, (1,)).astype(jnp.int32), *args)
+        _scalars(v_off, lo), *args)
     return dw, db[0]
