@@ -174,6 +174,9 @@ def _tokamax_loss(device_kind: str):
         from tokamax._src.ops.linear_softmax_cross_entropy_loss import pallas_mosaic_tpu
     except ImportError:
         return None
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; this script's own flags are not theirs
+        flags.FLAGS.mark_as_parsed()
     tpu_info.get_device_kind = lambda: device_kind
     tpu_info.get_num_device_cores = lambda: 1
     # Traced arguments carry no device, so its forward and VJP ops ask the default (CPU) one.

@@ -113,10 +113,10 @@ def _check_against_oracle(d, mode, mesh_name, feats, rel):
     return l, aux, gr
 
 
-# Recompute on every mesh (but 1x8: 2x4 and 1x2 shard the vocab too); fused (same statistics code, plus its own gradient loop) on one device and on
+# Recompute on every mesh (but 1x8 and 2x2, whose layouts 1x2 and 2x4 repeat); fused (same statistics code, plus its own gradient loop) on one device and on
 # the meshes that shard batch and vocab at once, to keep the suite's compile time down; the Pallas
 # kernels (slow to interpret) on one device and on the mesh that also shards W's d.
-@pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES if m != "8dev_1x8"]
+@pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES if m not in ("8dev_1x8", "4dev_2x2")]
                          + [("fused", "1dev"), ("fused", "8dev_2x4"), ("pallas", "1dev"),
                             ("pallas", "8dev_f2x4")])
 def test_matches_float64_oracle_all_features(mode, mesh_name):
@@ -309,6 +309,19 @@ def _tpu_devices(topology):
         pytest.skip(f"TPU compile-only topology {topology} unavailable: {e}")
 
 
+def test_integer_bf16_rounding_equals_convert():
+    """The XLA path's per-block fp32 -> bf16 rounding (used on TPU instead of a hoisted convert of W)."""
+    from tieflax.ops.cross_entropy import _bf16_round
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    bits[:4] = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000]  # ties to even (both ways), overflow, denormal
+    x = np.concatenate([bits.view(np.float32), [np.inf, -np.inf, 0.0, -0.0]]).astype(np.float32)
+    x = x[~np.isnan(x)]
+    got = np.asarray(jax.jit(_bf16_round)(x)).view(np.uint16)
+    np.testing.assert_array_equal(got, np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16))
+    assert np.isnan(np.asarray(_bf16_round(jnp.float32(np.nan)), np.float32))
+
+
 @pytest.mark.parametrize("meshed", [False, True])
 def test_auto_compiles_the_pallas_kernels_for_a_tpu_with_small_temporaries(meshed):
     """impl='auto' (the default), compiled for v5e chips from this CPU process: the loss and its gradient
@@ -335,3 +348,17 @@ def test_auto_compiles_the_pallas_kernels_for_a_tpu_with_small_temporaries(meshe
         assert temp < 2, temp
     else:
         assert temp < 0.5, temp
+
+
+def test_xla_path_compiled_for_a_tpu_makes_no_bf16_copy_of_an_fp32_head():
+    """impl='xla' on one v5e chip, W fp32, hidden bf16: the W blocks are rounded to bf16 inside the loop,
+    so the 128 MiB converted copy of W that XLA:TPU hoists out of the loop (measured: 128.3 MiB when the
+    fp32 blocks are used as they are; it only does so past some size, hence this shape) is absent."""
+    device = _tpu_devices("v5e:2x4")[0]
+    n, d, v = 1024, 1024, 65536
+    sh = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh), jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh),
+            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh)]
+    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, impl="xla")[0].sum(), argnums=(0, 1))
+    temp = jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+    assert temp < 16, temp  # measured 0.0
