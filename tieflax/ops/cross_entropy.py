@@ -31,6 +31,19 @@ Vocabulary parallelism (``mesh`` given)
     block at a time, so no second weight-sized buffer). No logits-sized collective; the weight is never
     gathered over vocab. Per-device memory is flat in V.
 
+W sharded over d (``weight_embed_axis``, default ``'fsdp'``, the model's ``P('tensor', 'fsdp')``)
+    Inside the map each device holds ``[V_local, d / fsdp]``; each ``[bv, d_local]`` block is
+    all-gathered over that axis when the loop reaches it, and each finished dW block is
+    reduce-scattered back over it (``psum_scatter``) and summed over the other batch axes, so dW leaves
+    in the parameter's own layout and neither W nor dW is ever whole on a device.
+
+Implementations (``impl``)
+    ``'xla'``: the loops above. On TPU with bf16 hidden states and an fp32 W, each W block is rounded
+    to bf16 inside the loop (XLA's default precision would round it anyway, but with one hoisted
+    convert of the whole matrix). ``'pallas'``: the Mosaic TPU kernels of ``cross_entropy_pallas``
+    (recompute mode, 5 matmuls), inside the same ``shard_map`` and collectives. ``'auto'`` (default):
+    Pallas when the program is lowered for a TPU, XLA elsewhere (``lax.platform_dependent``).
+
 Semantics (global valid vocabulary ``V = valid_vocab``; ``j`` runs over rows ``< V``)::
 
     raw_j  = logit_scale * <h, w_j> + bias_j
