@@ -346,7 +346,14 @@ def _take_w(cfg: _Cfg):
     d (one [bv, d] block at a time, never the whole matrix)."""
     if cfg.embed_axis is None:
         return _slice_rows
-    return lambda w, v0, bv: lax.all_gather(_slice_rows(w, v0, bv), cfg.embed_axis, axis=1, tiled=True)
+
+    def take(w, v0, bv):
+        # Gathered along a new leading axis, then put in place: gathering along d directly makes XLA
+        # give the whole local W a d-major layout, i.e. a weight-sized copy before the loop.
+        g = lax.all_gather(_slice_rows(w, v0, bv), cfg.embed_axis, axis=0)  # [f, bv, d_local]
+        return jnp.moveaxis(g, 0, 1).reshape(bv, -1)
+
+    return take
 
 
 def _reduce_dw(cfg: _Cfg):
@@ -356,8 +363,10 @@ def _reduce_dw(cfg: _Cfg):
 
     def reduce(blk):
         dw, db = blk
-        if cfg.embed_axis is not None:
-            dw = lax.psum_scatter(dw, cfg.embed_axis, scatter_dimension=1, tiled=True)
+        if cfg.embed_axis is not None:  # scattered over a leading axis, for the reason in _take_w
+            f = cfg.mesh.shape[cfg.embed_axis]
+            dw = jnp.moveaxis(dw.reshape(dw.shape[0], f, -1), 1, 0)
+            dw = lax.psum_scatter(dw, cfg.embed_axis, scatter_dimension=0)
         if rest:
             dw = lax.psum(dw, rest)
         return dw, lax.psum(db, cfg.batch_axes)
