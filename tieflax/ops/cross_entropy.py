@@ -669,15 +669,13 @@ def _device_kind(mesh: Mesh | None) -> str:
 
 
 def _embed_axis(mesh: Mesh | None, axis: str | None, batch_axes: tuple[str, ...], d: int) -> str | None:
-    """``weight_embed_axis`` when it really shards W's d on this mesh, else None."""
+    """``weight_embed_axis`` when the blockwise gather / reduce-scatter over it applies: a mesh axis of
+    size > 1 that also splits the tokens (dW is summed over it) and divides d. Otherwise None: W enters
+    the map replicated over d (``shard_map`` gathers it whole, as before this option existed)."""
     if mesh is None or axis is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
         return None
-    if axis not in batch_axes:
-        raise ValueError(f"weight_embed_axis={axis!r} must be one of batch_axes={batch_axes} (dW is "
-                         f"reduce-scattered over it); pass weight_embed_axis=None for a W replicated over d.")
-    if d % mesh.shape[axis]:
-        raise ValueError(f"d={d} is not a multiple of the {axis!r} axis size {mesh.shape[axis]}; "
-                         f"pass weight_embed_axis=None.")
+    if axis not in batch_axes or d % mesh.shape[axis]:
+        return None
     return axis
 
 
@@ -714,7 +712,8 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
       weight_embed_axis: the mesh axis that shards W's d in the parameter layout (tieflax's embedding
         is ``P('tensor', 'fsdp')``). When that axis has size > 1, W's rows are gathered over it one
         block at a time and dW is reduce-scattered back over it, so the gradient leaves in the
-        parameter's own layout. It must be one of ``batch_axes``. ``None``: W replicated over d.
+        parameter's own layout. Used when it is one of ``batch_axes`` and divides d; otherwise (and
+        with ``None``) W enters replicated over d.
       vocab_chunk: Pallas path with W's d sharded, or dW reduced over batch shards: local vocab rows
         gathered / reduced per step (default: an fp32 ``[rows, d]`` of about 4 MiB, rows a multiple of
         128). Larger chunks cost memory; smaller ones re-read the fp32 dH accumulator more often.
