@@ -664,8 +664,11 @@ def _check(cfg: _Cfg, hidden, weight, labels, weights, bias):
 
 def _device_kind(mesh: Mesh | None) -> str:
     """The TPU generation the Pallas blocks are sized for: the mesh's devices (a compile-only topology
-    included); without a mesh the table's conservative default."""
-    return "" if mesh is None else mesh.devices.flat[0].device_kind
+    included), else this process's TPU; compiling for a TPU without a mesh from elsewhere gets the
+    table's conservative default. (Block sizes only: which implementation runs is decided at lowering.)"""
+    if mesh is not None:
+        return mesh.devices.flat[0].device_kind
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else ""
 
 
 def _embed_axis(mesh: Mesh | None, axis: str | None, batch_axes: tuple[str, ...], d: int) -> str | None:

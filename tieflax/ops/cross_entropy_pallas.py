@@ -50,33 +50,38 @@ class Blocks:
     vmem_limit_mib: int
 
 
-# Per generation: VMEM per core is 16 MiB (v2/v3), 32 MiB (v4), 128 MiB (v5e, v6e), 95 MiB (v5p),
-# 64 MiB (v7). A [1024, d] fp32 W block double-buffered plus the [bv, d] fp32 accumulator is
-# 3 * 1024 * d * 4 bytes = 27 MiB at d = 2304; `blocks_for` halves the vocab block until it fits.
+# Per generation: VMEM per core is 16 MiB (v2-v4; libtpu reports 16 MiB for v4), 128 MiB (v5e, v6e),
+# 95 MiB (v5p), 64 MiB (v7). A [1024, d] fp32 W block double-buffered plus the [bv, d] fp32 accumulator
+# is 3 * 1024 * d * 4 bytes = 27 MiB at d = 2304; `blocks_for` halves the blocks until they fit.
 _GENERATIONS = {
-    "TPU v2": Blocks(256, 256, 12), "TPU v3": Blocks(256, 256, 12),
-    "TPU v4": Blocks(512, 512, 28), "TPU v4 lite": Blocks(512, 512, 28),
+    "TPU v2": Blocks(256, 256, 14), "TPU v3": Blocks(256, 256, 14),
+    "TPU v4": Blocks(256, 512, 14), "TPU v4 lite": Blocks(256, 512, 14),
     "TPU v5 lite": Blocks(512, 1024, 100), "TPU v5e": Blocks(512, 1024, 100),
     "TPU v5": Blocks(512, 1024, 80), "TPU v5p": Blocks(512, 1024, 80),
     "TPU v6 lite": Blocks(512, 1024, 100), "TPU v6e": Blocks(512, 1024, 100),
     "TPU7x": Blocks(512, 1024, 56), "TPU7": Blocks(512, 1024, 56),
 }
-_DEFAULT = Blocks(512, 512, 28)  # unknown kind: fits every generation from v4 on
+_DEFAULT = Blocks(256, 512, 14)  # unknown kind (no mesh to read it from): fits every generation
 
 
 def blocks_for(device_kind: str, d: int, w_bytes: int) -> Blocks:
-    """Generation table, with the vocab block halved until W's double buffer, the fp32 dW accumulator,
-    its double-buffered output and the hidden blocks fit in 3/4 of the VMEM limit."""
+    """Generation table, with the larger block halved until the biggest kernel's buffers fit in 3/4 of
+    the VMEM limit: double-buffered W and hidden blocks, a few [bt, bv] fp32 tiles, and either the fp32
+    [bv, d] accumulator with its double-buffered output (dW) or the [bt, d] accumulator, input and
+    output blocks (dH)."""
     b = _GENERATIONS.get(device_kind, _DEFAULT)
-    bv = b.vocab
+    bt, bv = b.token, b.vocab
 
-    def need(bv):
-        return (2 * bv * d * w_bytes + bv * d * 4 + 2 * bv * d * 4 + 4 * b.token * d * 4
-                + 6 * b.token * bv * 4)
+    def need(bt, bv):
+        common = 2 * bv * d * w_bytes + 2 * bt * d * 4 + 6 * bt * bv * 4
+        return common + max(3 * bv * d * 4, 5 * bt * d * 4)
 
-    while bv > 128 and need(bv) > 0.75 * b.vmem_limit_mib * 2**20:
-        bv //= 2
-    return Blocks(b.token, bv, b.vmem_limit_mib)
+    while need(bt, bv) > 0.75 * b.vmem_limit_mib * 2**20 and max(bt, bv) > 128:
+        if bv >= bt:
+            bv //= 2
+        else:
+            bt //= 2
+    return Blocks(bt, bv, b.vmem_limit_mib)
 
 
 def _fit(block: int, n: int, align: int, interpret: bool) -> int:
