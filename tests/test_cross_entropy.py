@@ -314,7 +314,7 @@ def test_integer_bf16_rounding_equals_convert():
     from tieflax.ops.cross_entropy import _bf16_round
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
-    bits[:4] = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000]  # ties to even (both ways), overflow, denormal
+    bits[:4] = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000]  # ties (both ways), overflow, denormal
     x = bits.view(np.float32)
     x = np.concatenate([x[~np.isnan(x)], np.array([np.inf, -np.inf, 0.0, -0.0], np.float32)])
     got = np.asarray(jax.jit(_bf16_round)(x)).view(np.uint16)
@@ -332,7 +332,8 @@ def test_auto_compiles_the_pallas_kernels_for_a_tpu_with_small_temporaries(meshe
     n, d, v = 1024, 256, 16384
     if meshed:
         mesh = make_mesh(1, 2, 4, devices=devices)
-        sh = [NamedSharding(mesh, s) for s in (P(("data", "fsdp"), None), P("tensor", "fsdp"), P(("data", "fsdp")))]
+        specs = (P(("data", "fsdp"), None), P("tensor", "fsdp"), P(("data", "fsdp")))
+        sh = [NamedSharding(mesh, s) for s in specs]
     else:
         mesh, sh = None, [jax.sharding.SingleDeviceSharding(devices[0])] * 3
     args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh[0]),
@@ -357,8 +358,9 @@ def test_xla_path_compiled_for_a_tpu_makes_no_bf16_copy_of_an_fp32_head():
     device = _tpu_devices("v5e:2x4")[0]
     n, d, v = 1024, 1024, 65536
     sh = jax.sharding.SingleDeviceSharding(device)
-    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh), jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh),
-            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh)]
-    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, impl="xla")[0].sum(), argnums=(0, 1))
+    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh), jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh)]
+    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, impl="xla")[0].sum(),
+                           argnums=(0, 1))
     temp = jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
     assert temp < 16, temp  # measured 0.0
