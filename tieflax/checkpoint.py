@@ -39,6 +39,10 @@ INITIAL_PARAMS_DIR = "initial_params"
 ITEMS = ("state", "data")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the step or folder and what to do."""
+
+
 # ------------------------------------------------------------------------------------------------ config
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> str:
@@ -85,18 +89,36 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
 
 
+def _item_handlers() -> dict:
+    """The handlers of the two items, so that a manager can read a checkpoint's metadata and restore
+    from it without being told the items' types (and without orbax warning that it cannot)."""
+    import grain  # noqa: PLC0415
+
+    return {"state": ocp.PyTreeCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()}
+
+
 def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
     """The run's manager over ``<workdir>/checkpoints`` with items ``state`` and ``data``."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
-    return ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS, options=options)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
+
+
+def read_manager(workdir: str) -> ocp.CheckpointManager:
+    """A manager for reading ``<workdir>/checkpoints`` (creates nothing). Readers go through the manager
+    that wrote the checkpoints: it knows the layout (``_CHECKPOINT_METADATA`` sits at the step, not in
+    the item folder), so a healthy checkpoint reads without warnings."""
+    # Not `read_only=True`: orbax warns "directory is read only" for every such manager. A manager that
+    # never saves writes nothing either.
+    options = ocp.CheckpointManagerOptions(create=False)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, loader) -> None:
     """Saves the train state and the data iterator in the same step (asynchronously)."""
     import grain  # noqa: PLC0415
 
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                data=grain.checkpoint.CheckpointSave(loader)), force=True)
 
 
@@ -105,8 +127,10 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, load
     ``.sharding``) and the data iterator in place; returns the state."""
     import grain  # noqa: PLC0415
 
-    out = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(loader)))
+    state = ocp.args.PyTreeRestore(abstract_state,
+                                   restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+    out = manager.restore(step, args=ocp.args.Composite(state=state,
+                                                        data=grain.checkpoint.CheckpointRestore(loader)))
     return out.state
 
 
@@ -160,8 +184,24 @@ def _plain(tree: Any) -> Any:
 def latest_step(workdir: str) -> int | None:
     if not os.path.isdir(checkpoint_dir(workdir)):
         return None
-    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
+    with read_manager(workdir) as manager:
         return manager.latest_step()
+
+
+def _read_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any | None) -> Any:
+    """Checkpoint ``step``'s parameters only (a partial restore: never the 2x larger optimizer state),
+    onto ``abstract_params``' shardings, or as host NumPy arrays when it is None."""
+    if abstract_params is None:
+        state_meta = manager.item_metadata(step)["state"]
+        if state_meta is None:
+            raise CheckpointError(f"checkpoint {step} has no readable state metadata")
+        abstract_params = state_meta.tree["params"]
+        restore_args = _numpy_restore_args(abstract_params)
+    else:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
+    return out.state["params"]
 
 
 def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, Any, int]:
@@ -178,16 +218,11 @@ def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collec
             return config, load_initial_params(workdir), 0
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
     step = latest if step is None else step
-    path = os.path.join(checkpoint_dir(workdir), str(step), "state")
-    if not os.path.isdir(path):
+    if not os.path.isdir(os.path.join(checkpoint_dir(workdir), str(step), "state")):
         raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; the latest is {latest}.")
-    with ocp.PyTreeCheckpointer() as ckptr:
-        params_meta = ckptr.metadata(path).item_metadata.tree["params"]
-        # Partial restore: only the parameters are read, never the (2x larger) optimizer state.
-        out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-            item={"params": params_meta}, restore_args={"params": _numpy_restore_args(params_meta)},
-            partial_restore=True))
-    return config, _plain(out["params"]), step
+    with read_manager(workdir) as manager:
+        params = _read_params(manager, step, None)
+    return config, _plain(params), step
 
 
 def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]:
@@ -198,8 +233,5 @@ def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]
         if has_initial_params(workdir):
             return load_initial_params(workdir, abstract_params), 0
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
-    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
-    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
-        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
-    return out.state["params"], step
+    with read_manager(workdir) as manager:
+        return _read_params(manager, step, abstract_params), step

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
+    from tieflax.platforms import skip_absent_tpu  # noqa: PLC0415
+
+    skip_absent_tpu()  # before any command touches JAX: no libtpu start-up noise on a machine without a TPU
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     overrides = [a for a in unknown if a.startswith("--config.")]
