@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from console_support import capture_console, foreign_problems
 from tieflax import cli
 from tieflax.analysis import study
 from tieflax.analysis.params import param_report
@@ -70,8 +71,10 @@ def compare_run(tmp_path_factory):
         "train.eval_batches=1", "train.log_every=2", "train.analyze_every=2", "compare.analysis_points=2",
         "compare.val_batches=1", "compare.max_rows=128", "compare.analyze_init=False",  # one compile less
     ]
-    assert cli.main(["compare", "--config", CONFIG, "--workdir", str(workdir),
-                     *[f"--config.{o}" for o in overrides]]) == 0
+    code, console = capture_console(cli.main, ["compare", "--config", CONFIG, "--workdir", str(workdir),
+                                                *[f"--config.{o}" for o in overrides]])
+    assert code == 0, console
+    (workdir / "console.txt").write_text(console)  # what the user saw, for test_compare_prints_no_foreign_warning
     return workdir
 
 
@@ -103,6 +106,14 @@ def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys
     rows = [json.loads(line) for line in open(workdir / "tied" / "seed_0" / "metrics.jsonl")]
     assert any(r["split"] == "diag" and "input/spearman" in {k.removeprefix("diag/") for k in r} for r in rows)
     assert len(claims({v: [r] for v, r in runs.items()})) == 6
+
+
+def test_compare_prints_no_foreign_warning(compare_run):
+    """The quick-start command shows progress bars, its summary and nothing else: no warning or error line
+    that tieflax did not write (orbax's "Metadata file does not exist" for healthy checkpoints was one)."""
+    console = (compare_run / "console.txt").read_text()
+    assert "compare finished in" in console and "report: " in console
+    assert foreign_problems(console) == [], console
 
 
 def test_report_only_rewrites_from_the_summary(compare_run, capsys):
