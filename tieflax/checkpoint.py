@@ -25,7 +25,9 @@ Contract for converters and notebooks:
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -235,3 +237,172 @@ def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
     with read_manager(workdir) as manager:
         return _read_params(manager, step, abstract_params), step
+
+
+# ------------------------------------------------------------------------------------------ resilience
+UNREADABLE_DIR = "checkpoints_unreadable"
+
+
+def _why(e: BaseException) -> str:
+    """The first line of an orbax/tensorstore failure, short enough for one line of output."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def _tree_shapes(tree: Any) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
+
+
+def _check_same_model(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointError (not "unreadable") when checkpoint ``step`` holds another model's tree."""
+    meta = manager.item_metadata(step)["state"]
+    if meta is None:
+        raise ValueError("its state metadata is missing")
+    saved, wanted = _tree_shapes(meta.tree["params"]), _tree_shapes(abstract_state["params"])
+    if saved != wanted:
+        diff = sorted(set(saved.items()) ^ set(wanted.items()))[:3]
+        raise CheckpointMismatchError(
+            f"checkpoint {step} holds a different model's parameters (first differences, (path, shape): "
+            f"{diff}): train this model in a new --workdir, or use the config the run was trained with")
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint of another model (a config problem, not a damaged checkpoint)."""
+
+
+def move_aside(workdir: str, step: int) -> str:
+    """Moves ``checkpoints/<step>`` to ``checkpoints_unreadable/<step>[-n]`` (kept, never deleted)."""
+    target_dir = os.path.join(os.path.abspath(workdir), UNREADABLE_DIR)
+    os.makedirs(target_dir, exist_ok=True)
+    target, n = os.path.join(target_dir, str(step)), 1
+    while os.path.exists(target):
+        target, n = os.path.join(target_dir, f"{step}-{n}"), n + 1
+    os.replace(os.path.join(checkpoint_dir(workdir), str(step)), target)
+    return target
+
+
+def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any, loader,
+                            say) -> tuple[int | None, Any]:
+    """``(step, state)`` of the newest checkpoint that restores, or ``(None, None)`` when there is none.
+
+    Newer checkpoints that fail to restore are reported in one line each (step and why) through ``say``
+    and moved to ``<workdir>/checkpoints_unreadable/`` (kept for inspection, never deleted). When none
+    restores, nothing is moved and CheckpointError says what to do. A checkpoint of another model is a
+    config problem: CheckpointMismatchError, nothing moved.
+    """
+    bad: list[tuple[int, str]] = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            _check_same_model(manager, step, abstract_state)
+            state = restore(manager, step, abstract_state, loader)
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore/JSON/OS: every way a file can be damaged)
+            bad.append((step, _why(e)))
+            continue
+        if bad:
+            if jax.process_index() == 0:
+                for b, why in bad:
+                    say(f"checkpoint {b} is unreadable ({why}); moved it to {move_aside(workdir, b)}")
+            manager.reload()
+        return step, state
+    if bad:
+        steps = ", ".join(f"{b} ({why})" for b, why in bad)
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)} is readable: {steps}. Restore them "
+                              f"from a backup, or move {CHECKPOINT_DIR}/ away to start again from step 0")
+    return None, None
+
+
+class SaveWatch:
+    """Starts asynchronous saves and surfaces a failed one at the next step, as a CheckpointError whose
+    message ends with the OS error (a full disk, a lost mount), instead of training on without saving."""
+
+    def __init__(self, manager: ocp.CheckpointManager):
+        self.manager = manager
+        self.pending: int | None = None
+        self._quiet = _QuietOrbaxSaveErrors()
+        logging.getLogger("absl").addFilter(self._quiet)
+
+    def start(self, step: int, state: Any, loader) -> None:
+        self._raise_if_failed(wait=True)  # orbax waits for the previous save anyway
+        try:
+            save(self.manager, step, state, loader)
+        except Exception as e:  # noqa: BLE001
+            raise self._error(step, e) from e
+        self.pending = step
+
+    def check(self, step: int) -> None:
+        """Cheap: only asks orbax whether the pending save has ended, and if so whether it failed."""
+        if self.pending is not None and not self.manager.is_saving_in_progress():
+            self._raise_if_failed(wait=True)
+
+    def _raise_if_failed(self, wait: bool) -> None:
+        if self.pending is None:
+            return
+        step, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._error(step, e) from e
+
+    def close(self) -> None:
+        """Waits for the last save and closes the manager; a failure is raised after the manager closed."""
+        error = None
+        try:
+            self._raise_if_failed(wait=True)
+        except CheckpointError as e:
+            error = e
+        try:
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001 (closing after a failed save may fail the same way)
+            error = error or self._error(-1, e)
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _error(step: int, e: BaseException) -> CheckpointError:
+        where = f"saving checkpoint {step}" if step >= 0 else "finishing the last checkpoint"
+        os_error = _os_error_of(e)
+        if os_error is not None:
+            fix = "free space on that disk (or fix the mount), then rerun to resume from the last checkpoint"
+            return CheckpointError(f"{where} failed, training stopped ({fix}): {os_error}")
+        return CheckpointError(f"{where} failed, training stopped (rerun to resume from the last checkpoint): "
+                               f"{_why(e)}")
+
+
+# tensorstore reports an OS failure inside a ValueError: '... "<file>": Failed writing: ... <strerror>
+# [os_error_code='28']'.
+_TENSORSTORE_OS_ERROR = re.compile(r'"([^"]+)"[^"]*?:\s*([^:\[]+?)\s*\[os_error_code=\'(\d+)\'\]')
+
+
+def _os_error_of(e: BaseException) -> str | None:
+    """``[Errno N] strerror: file`` of the OS failure behind ``e`` (Python's or tensorstore's), or None;
+    one that names its file is preferred."""
+    found, seen, todo = [], set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            found.append((e.errno, e.strerror, e.filename))
+        match = _TENSORSTORE_OS_ERROR.search(str(e))
+        if match:
+            path, text, code = match.groups()
+            found.append((code, text.strip(), path.removesuffix(".__lock")))
+        todo += [e.__cause__, e.__context__]
+    if not found:
+        return None
+    code, text, path = sorted(found, key=lambda f: f[2] is None)[0]
+    return f"[Errno {code}] {text}" + (f": {path}" if path else "")
+
+
+class _QuietOrbaxSaveErrors(logging.Filter):
+    """Drops orbax's own ERROR logs (tracebacks) of a failed background save: ``SaveWatch`` reports the
+    failure itself, in one line that ends with the OS error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
