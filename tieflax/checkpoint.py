@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 import jax
@@ -67,8 +68,15 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a tieflax workdir (train into it "
                                 "first, or save_initial_params there).")
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): restore "
+                              "it from a backup or rewrite it with `tieflax train --config ... --workdir` "
+                              "using the run's original config") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds no config object: restore it from a backup")
     config = default_config()
     _merge(config, saved, "config")
     return config
@@ -192,17 +200,27 @@ def latest_step(workdir: str) -> int | None:
 
 def _read_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any | None) -> Any:
     """Checkpoint ``step``'s parameters only (a partial restore: never the 2x larger optimizer state),
-    onto ``abstract_params``' shardings, or as host NumPy arrays when it is None."""
-    if abstract_params is None:
-        state_meta = manager.item_metadata(step)["state"]
-        if state_meta is None:
-            raise CheckpointError(f"checkpoint {step} has no readable state metadata")
-        abstract_params = state_meta.tree["params"]
-        restore_args = _numpy_restore_args(abstract_params)
-    else:
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
-    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
+    onto ``abstract_params``' shardings, or as host NumPy arrays when it is None. A damaged checkpoint is
+    a CheckpointError naming the step; one of another model a CheckpointMismatchError."""
+    try:
+        if abstract_params is None:
+            state_meta = manager.item_metadata(step)["state"]
+            if state_meta is None:
+                raise ValueError("its state metadata is missing")
+            abstract_params = state_meta.tree["params"]
+            restore_args = _numpy_restore_args(abstract_params)
+        else:
+            _check_same_model(manager, step, {"params": abstract_params})
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 (orbax/tensorstore/JSON: every way a file can be damaged)
+        _quiet_abandoned_reads()
+        raise CheckpointError(f"checkpoint {step} in {manager.directory} "
+                              f"is unreadable ({_why(e)}): rerun `tieflax train` in that workdir to set it "
+                              "aside and resume from the newest readable checkpoint") from e
     return out.state["params"]
 
 
@@ -244,9 +262,18 @@ UNREADABLE_DIR = "checkpoints_unreadable"
 
 
 def _why(e: BaseException) -> str:
-    """The first line of an orbax/tensorstore failure, short enough for one line of output."""
-    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {first[:200]}"
+    """One short line for an orbax/tensorstore failure: the innermost cause's first line (the outer ones
+    say "error while reading array index ..."; the inner one says what is wrong with which file)."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for err in reversed(chain):
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        if first:
+            return f"{type(err).__name__}: {first[:200]}"
+    return type(chain[0]).__name__
 
 
 def _tree_shapes(tree: Any) -> dict[str, tuple]:
@@ -299,6 +326,7 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
         except CheckpointMismatchError:
             raise
         except Exception as e:  # noqa: BLE001 (orbax/tensorstore/JSON/OS: every way a file can be damaged)
+            _quiet_abandoned_reads()
             bad.append((step, _why(e)))
             continue
         if bad:
@@ -406,3 +434,29 @@ class _QuietOrbaxSaveErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed restore, orbax's other pending reads of that checkpoint finish on an event loop that
+    is already closed: Python then prints "Event loop is closed" tracebacks and "Exception ignored in
+    <coroutine _read_array_index_and_device_put>" with a full TensorStore spec, long after tieflax has
+    reported the checkpoint in one line. These two kinds only are dropped; every other report stays."""
+    if getattr(sys, "_tieflax_quiet_reads", False):
+        return
+    sys._tieflax_quiet_reads = True
+    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
+
+    def abandoned(exc_value, obj=None) -> bool:
+        if isinstance(exc_value, RuntimeError) and str(exc_value) == "Event loop is closed":
+            return True
+        return "orbax" in repr(obj) or "_read_array_index_and_device_put" in repr(obj)
+
+    def unraisable(u):
+        if not abandoned(u.exc_value, u.object):
+            previous_unraisable(u)
+
+    def excepthook(kind, value, tb):
+        if not abandoned(value):
+            previous_except(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook

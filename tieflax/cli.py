@@ -125,7 +125,8 @@ def one_line(e: BaseException) -> str | None:
 
 def _optional_error_types():
     """Error types of modules that may be absent from a build (each is imported only if present)."""
-    for module, name in (("tieflax.train", "TrainingError"), ("tieflax.interop.hf", "UnsafeCheckpoint"),
+    for module, name in (("tieflax.train", "TrainingError"), ("tieflax.metrics", "MetricsFileError"),
+                         ("tieflax.interop.hf", "UnsafeCheckpoint"), ("tieflax.interop.hf", "DamagedCheckpoint"),
                          ("tieflax.interop.hf_config", "UnsupportedHFConfig"),
                          ("tieflax.interop.hf_weights", "CheckpointMismatch")):
         if module in sys.modules:  # only a module that ran can have raised its error
