@@ -80,6 +80,7 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
         return
     workdir = os.path.abspath(workdir)
     _check_folder(workdir)
+    created = not os.path.exists(workdir)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, LOCK_FILE)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
@@ -123,6 +124,9 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
             if holder and holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
+            if created:  # a refused or failed command leaves no empty folder behind
+                with contextlib.suppress(OSError):
+                    os.rmdir(workdir)
 
 
 def _mtime(path: str) -> float:

@@ -81,14 +81,18 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     imported = config_from_hf(read_hf_config(hf_dir))
     config = default_config()
     config.model = default_model_config(**dataclasses.asdict(imported))
+    tokenizer = _use_hf_tokenizer(config, hf_dir, workdir)
+    _apply_overrides(config, overrides, imported, "--from-hf")
+    validate_config(config)
+    mc = model_config(config)
+    weights = read_safetensors(hf_dir)
     with workdir_lock(workdir, "convert"):
         partial = partial_folder(workdir)
         shutil.rmtree(partial, ignore_errors=True)
-        _use_hf_tokenizer(config, hf_dir, partial, final=workdir)
-        _apply_overrides(config, overrides, imported, "--from-hf")
-        validate_config(config)
-        mc = model_config(config)
-        params = params_from_state(read_safetensors(hf_dir), mc)
+        os.makedirs(partial)
+        if tokenizer:
+            shutil.copy2(tokenizer, os.path.join(partial, "tokenizer.json"))
+        params = params_from_state(weights, mc)
         ckpt.save_initial_params(partial, config, params)
         copied = _copy_files(hf_dir, os.path.join(partial, HF_FILES_DIR), SIDE_FILES)
         publish(partial, workdir, overwrite=overwrite)
@@ -186,15 +190,13 @@ def _repoint_tokenizer(config, workdir: str, out: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
-def _use_hf_tokenizer(config, hf_dir: str, workdir: str, final: str | None = None) -> None:
-    """Points the data pipeline at the checkpoint's own tokenizer, copied into ``workdir`` (which becomes
-    ``final`` once complete), if it has one."""
+def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> str | None:
+    """Points the data pipeline at the checkpoint's own tokenizer as it will be copied into ``workdir``, if
+    it has one; returns the file to copy (or None)."""
     src = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(src):
-        return
-    os.makedirs(workdir, exist_ok=True)
-    shutil.copy2(src, os.path.join(workdir, "tokenizer.json"))
-    config.data.tokenizer.path = os.path.abspath(os.path.join(final or workdir, "tokenizer.json"))
+        return None
+    config.data.tokenizer.path = os.path.abspath(os.path.join(workdir, "tokenizer.json"))
     tok_config = os.path.join(hf_dir, "tokenizer_config.json")
     if os.path.isfile(tok_config):
         with open(tok_config) as f:
@@ -202,6 +204,7 @@ def _use_hf_tokenizer(config, hf_dir: str, workdir: str, final: str | None = Non
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str) and eos:
             config.data.tokenizer.eos_token = eos
+    return src
 
 
 def _apply_overrides(config, overrides: Sequence[str], before, mode: str, also_fixed: Sequence[str] = ()) -> None:
