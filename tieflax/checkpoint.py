@@ -336,9 +336,9 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
             manager.reload()
         return step, state
     if bad:
-        steps = ", ".join(f"{b} ({why})" for b, why in bad)
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)} is readable: {steps}. Restore them "
-                              f"from a backup, or move {CHECKPOINT_DIR}/ away to start again from step 0")
+        steps = "; ".join(f"{b} ({why[:120]})" for b, why in bad)
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)} is readable: Restore them from a "
+                              f"backup, or move {CHECKPOINT_DIR}/ away to start again from step 0. Steps: {steps}")
     return None, None
 
 
