@@ -77,8 +77,9 @@ def test_a_stale_lock_is_taken_over_with_a_message(tmp_path, capsys):
 # ------------------------------------------------------------------------------- config and inputs
 
 @pytest.mark.parametrize("override,field", [
-    ("train.eval_batches=-1", "config.train.eval_batches"), ("train.learning_rate=-0.001", "config.train.learning_rate"),
-    ("train.warmup_steps=-5", "config.train.warmup_steps"), ("train.label_smoothing=1.0", "config.train.label_smoothing"),
+    ("train.eval_batches=-1", "config.train.eval_batches"),
+    ("train.learning_rate=-0.001", "config.train.learning_rate"), ("train.warmup_steps=-5", "config.train.warmup_steps"),
+    ("train.label_smoothing=1.0", "config.train.label_smoothing"),
     ("train.loss_token_block=0", "config.train.loss_token_block"),
     ("train.loss_vocab_block=0", "config.train.loss_vocab_block"), ("train.seq_len=0", "config.train.seq_len"),
     ("train.global_batch_size=0", "config.train.global_batch_size"), ("train.adam_b2=1.0", "config.train.adam_b2"),

@@ -7,11 +7,16 @@ A workdir holds::
     checkpoints/<step>/state   {'step', 'params', 'opt_state'}: orbax (tensorstore / OCDBT), per-array sharded
     checkpoints/<step>/data    the grain iterator state, one JSON per process
     initial_params/    optional: parameters a fresh run starts from (see ``save_initial_params``)
+    checkpoints_unreadable/<step>  checkpoints a resume found damaged, set aside (never deleted)
+    tieflax.lock       while a command writes here (see ``tieflax.workdir``)
     metrics.jsonl, tensorboard/   see ``tieflax.metrics``
 
 Checkpoints go through ``orbax.checkpoint.CheckpointManager``: asynchronous, atomic (a step directory
 exists only once complete), ``keep`` most recent kept. Arrays restore onto whatever shardings the
-restoring run asks for, so a run saved on an ``8x1`` mesh resumes on ``2x4``.
+restoring run asks for, so a run saved on an ``8x1`` mesh resumes on ``2x4``. Readers go through a
+manager with the same item handlers as the writer (``read_manager``), which knows the layout: a healthy
+checkpoint reads without a warning. ``restore_newest_readable`` sets damaged checkpoints aside;
+``SaveWatch`` turns a failed background save into an error at the next step.
 
 Contract for converters and notebooks:
 

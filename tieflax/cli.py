@@ -98,10 +98,13 @@ _OS_FIXES = {
 def one_line(e: BaseException) -> str | None:
     """``<what> (<file or field>): <fix>`` for a failure of the input or the environment, or None for a
     failure that is a bug (whose traceback the user should see and report)."""
-    from tieflax.checkpoint import CheckpointError  # noqa: PLC0415
-    from tieflax.data.config import DataError  # noqa: PLC0415
-    from tieflax.model.config import ConfigError  # noqa: PLC0415
-    from tieflax.workdir import WorkdirError  # noqa: PLC0415
+    try:
+        from tieflax.checkpoint import CheckpointError  # noqa: PLC0415
+        from tieflax.data.config import DataError  # noqa: PLC0415
+        from tieflax.model.config import ConfigError  # noqa: PLC0415
+        from tieflax.workdir import WorkdirError  # noqa: PLC0415
+    except ImportError:  # a broken installation: the original traceback says more
+        return None
 
     project = (ConfigError, DataError, CheckpointError, WorkdirError)
     project += tuple(_optional_error_types())

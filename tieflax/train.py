@@ -514,7 +514,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             buffer = []
             health_check(summary, at_step)
             # `interval_steps`: how many steps the row averages, so the final loss can span a restart
-            writer.write(at_step, {**{k: v for k, v in summary.items() if k != "tokens"}, "interval_steps": len(rows)})
+            row = {k: v for k, v in summary.items() if k != "tokens"}
+            writer.write(at_step, {**row, "interval_steps": len(rows)})
             bar.set_postfix(loss=f"{summary['loss']:.3f}")
             return summary
 
@@ -556,8 +557,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             val = run_eval(eval_step, state["params"], prepared, config, mesh)
 
     if os.path.isfile(writer.path):  # the last interval's loss across restarts, from the logged rows
-        last = {**last, "ce_loss": final_interval_loss(read_metrics(writer.path, "train"), step, t.log_every,
-                                                        fallback=last["ce_loss"])}
+        logged = read_metrics(writer.path, "train")
+        fallback = logged[-1]["ce_loss"] if step == start and logged else last["ce_loss"]
+        last = {**last, "ce_loss": final_interval_loss(logged, step, t.log_every, fallback=fallback)}
     tokens_per_second = timing["tokens"] / timing["seconds"] if timing["seconds"] else float("nan")
     return {
         "step": step,
@@ -576,8 +578,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 def final_interval_loss(rows: list[dict], step: int, log_every: int, *, fallback: float) -> float:
     """Mean cross-entropy over the steps of the last log interval ending at ``step``, from the logged
     rows: a run stopped (SIGTERM) and resumed inside that interval logged it as several rows, each with
-    ``interval_steps``, and their step-weighted mean is the loss an uninterrupted run reports. Rows are followed
-    back from ``step`` so that rows of an abandoned attempt (killed before its checkpoint) are skipped."""
+    ``interval_steps``, and their step-weighted mean is the loss an uninterrupted run reports. Rows are
+    followed back from ``step``, so rows of an abandoned attempt (killed before its checkpoint) are
+    skipped."""
     by_step = {r["step"]: r for r in rows}
     boundary = ((step - 1) // log_every) * log_every
     total = count = 0.0
