@@ -173,8 +173,11 @@ def test_an_interrupted_import_is_refused_by_train(chain, tmp_path, capsys):
                  "did not finish")
     assert ".run.partial-4242" in err and not target.exists()
     shutil.copytree(chain["imported"], target)
+    _fails(capsys, ["train", "--workdir", str(target)], r"\.run\.partial-4242")
+    shutil.rmtree(target)  # rerunning the import clears what the interrupted one left
+    assert main(["convert", "--from-hf", chain["hf"], "--workdir", str(target)]) == 0
+    assert not (tmp_path / ".run.partial-4242").exists() and _params(str(target))[2] == 0
     (target / "initial_params.orbax-checkpoint-tmp-17").mkdir()  # orbax's own temporary name
-    shutil.rmtree(tmp_path / ".run.partial-4242")
     _fails(capsys, ["train", "--workdir", str(target)], r"initial_params\.orbax-checkpoint-tmp-17")
 
 

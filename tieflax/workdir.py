@@ -143,6 +143,19 @@ def partial_folder(workdir: str) -> str:
     return os.path.join(os.path.dirname(workdir), f".{os.path.basename(workdir)}{PARTIAL_TAG}{os.getpid()}")
 
 
+def fresh_partial_folder(workdir: str) -> str:
+    """An empty ``partial_folder``, after removing what interrupted imports into ``workdir`` left (call it
+    holding the workdir's lock, so no other import is writing one)."""
+    import shutil  # noqa: PLC0415
+
+    for leftover in partial_imports(workdir):
+        if PARTIAL_TAG in os.path.basename(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+    path = partial_folder(workdir)
+    os.makedirs(path)
+    return path
+
+
 def partial_imports(workdir: str) -> list[str]:
     workdir = os.path.abspath(workdir)
     pattern = os.path.join(os.path.dirname(workdir), f".{glob.escape(os.path.basename(workdir))}{PARTIAL_TAG}*")

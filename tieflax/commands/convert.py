@@ -75,7 +75,7 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     from tieflax.interop.hf_weights import params_from_state
 
     from tieflax.config import validate_config
-    from tieflax.workdir import check_destination, partial_folder, publish, workdir_lock
+    from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
 
     check_destination(workdir, overwrite=overwrite)
     imported = config_from_hf(read_hf_config(hf_dir))
@@ -87,9 +87,7 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     mc = model_config(config)
     weights = read_safetensors(hf_dir)
     with workdir_lock(workdir, "convert"):
-        partial = partial_folder(workdir)
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
+        partial = fresh_partial_folder(workdir)
         if tokenizer:
             shutil.copy2(tokenizer, os.path.join(partial, "tokenizer.json"))
         params = params_from_state(weights, mc)
@@ -153,7 +151,7 @@ def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = 
 def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool) -> dict:
     from tieflax import checkpoint as ckpt
     from tieflax.config import model_config, validate_config
-    from tieflax.workdir import check_destination, partial_folder, publish, workdir_lock
+    from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
 
     if os.path.abspath(out) == os.path.abspath(workdir):
         raise SystemExit("tieflax convert: --out must be a new workdir, not --workdir itself (the run "
@@ -167,8 +165,7 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     _repoint_tokenizer(config, workdir, out)
     report = dict(action=action, workdir=os.path.abspath(workdir), step=step, out=os.path.abspath(out), **report)
     with workdir_lock(out, "convert"):
-        partial = partial_folder(out)
-        shutil.rmtree(partial, ignore_errors=True)
+        partial = fresh_partial_folder(out)
         ckpt.save_initial_params(partial, config, params)
         for name in ("tokenizer.json", HF_FILES_DIR):
             src = os.path.join(workdir, name)
