@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 
 # name -> module; order is the order of `tieflax --help`.
@@ -73,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         line = None if debug else one_line(e)
         if line is None:
             raise
-        prefix = f"tieflax {args.command}: "
-        print(prefix + line.removeprefix(prefix), file=sys.stderr, flush=True)
+        # Messages raised as "tieflax convert --from-hf: ..." keep their detail without a doubled prefix.
+        line = re.sub(rf"^tieflax {args.command}( [^:]*)?: ", lambda m: (m.group(1) or "").strip() + ": "
+                      if m.group(1) else "", line)
+        print(f"tieflax {args.command}: {line}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, SystemExit) else 1
 
 
