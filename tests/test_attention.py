@@ -56,14 +56,17 @@ def test_splash_matches_xla_values_and_gradients(case):
     cotangent = jax.random.normal(jax.random.key(7), q.shape)
 
     def vjp(fn):
-        out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, seg, **opts), q, k, v)
-        return out, pullback(cotangent)
+        # The arrays are arguments, not closed-over constants, which XLA would fold at compile time.
+        @jax.jit
+        def run(q, k, v, seg, cotangent):
+            out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, seg, **opts), q, k, v)
+            return out, pullback(cotangent)
+        return run(q, k, v, seg, cotangent)
 
     from tieflax.ops.splash_attention import splash_attention
 
-    out, grads = jax.jit(lambda: vjp(lambda *a, **kw: splash_attention(*a, **kw, interpret=True,
-                                                                       block=p.get("block", 512))))()
-    ref_out, ref_grads = jax.jit(lambda: vjp(xla_attention))()
+    out, grads = vjp(lambda *a, **kw: splash_attention(*a, **kw, interpret=True, block=p.get("block", 512)))
+    ref_out, ref_grads = vjp(xla_attention)
     np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
     for name, g, ref in zip("qkv", grads, ref_grads):
         assert float(jnp.abs(ref).max()) > 1e-2, name  # the check below is not vacuous
@@ -170,8 +173,7 @@ def test_explicit_kernels_refuse_what_they_cannot_run():
         _lm_config(attention="cudnn", dtype="bfloat16")  # attn_softcap=20
     with pytest.raises(ConfigError, match=r"config.model.attention.*config.model.dtype"):
         _lm_config(attention="cudnn", attn_softcap=0.0)  # float32
-    q, k, v = qkv(1, 8, 2, 2, 8)
+    x = np.zeros((1, 8, 2, 8), jnp.bfloat16)
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="CUDA GPUs only.*'cpu'"):
-        attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-                  jnp.zeros((1, 8), jnp.int32), scale=1.0, implementation="cudnn", mesh=mesh)
+        attention(x, x, x, np.zeros((1, 8), np.int32), scale=1.0, implementation="cudnn", mesh=mesh)

@@ -105,8 +105,8 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float,
                          "(set config.model.attention)")
     options = dict(scale=scale, softcap=softcap, window=window)
     dtype, head_dim = jnp.dtype(q.dtype).name, q.shape[-1]
+    reason = cudnn_lib.unsupported_reason(dtype=dtype, head_dim=head_dim, softcap=softcap)
     if implementation == "cudnn":
-        reason = cudnn_lib.unsupported_reason(dtype=dtype, head_dim=head_dim, softcap=softcap)
         if reason:
             raise ValueError(f"config.model.attention='cudnn': {reason[1]} (config.model.{reason[0]}); "
                              "use 'auto' or 'xla'")
@@ -116,24 +116,21 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float,
             implementation = auto_choice(platform, dtype=dtype, head_dim=head_dim, softcap=softcap)
         return _run(implementation, platform, options, mesh, q, k, v, segment_ids)
 
-    # No mesh: the platform is known only when lowering; platform_dependent keeps the branch of the
-    # platform the program is lowered for and drops the others.
     if implementation == "xla":
         return xla_attention(q, k, v, segment_ids, **options)
-    branches: dict[str, Callable] = {}
-    if implementation in ("auto", "splash"):
-        branches["tpu"] = functools.partial(_run, "splash", "tpu", options, None)
-    if implementation == "splash":
-        # Off a TPU, explicit splash runs in interpret mode (the tests' way to check it on a CPU).
-        default = functools.partial(_run, "splash", "cpu", options, None)
-    else:
-        default = functools.partial(_run, "xla", "cpu", options, None)
-    cudnn_ok = cudnn_lib.unsupported_reason(dtype=dtype, head_dim=head_dim, softcap=softcap) is None
-    if implementation in ("auto", "cudnn") and cudnn_ok and cudnn_lib.cudnn_available():
+    if implementation == "cudnn":
+        if not cudnn_lib.cudnn_available():
+            raise ValueError("config.model.attention='cudnn' needs the CUDA plugin with cuDNN "
+                             "(pip install 'jax[cuda12]'); use 'auto' or 'xla'")
+        return _run("cudnn", "cuda", options, None, q, k, v, segment_ids)
+    # No mesh: the platform is known only when lowering; platform_dependent keeps the branch of the
+    # platform the program is lowered for.
+    branches: dict[str, Callable] = {"tpu": functools.partial(_run, "splash", "tpu", options, None)}
+    if implementation == "auto" and reason is None and cudnn_lib.cudnn_available():
         branches["cuda"] = functools.partial(_run, "cudnn", "cuda", options, None)
-    if implementation == "cudnn" and "cuda" not in branches:
-        raise ValueError("config.model.attention='cudnn' needs the CUDA plugin with cuDNN "
-                         "(pip install 'jax[cuda12]'); use 'auto' or 'xla'")
+    # Elsewhere: explicit splash runs in Pallas interpret mode (how the tests check it on a CPU).
+    default = functools.partial(_run, implementation if implementation == "splash" else "xla", "cpu",
+                                options, None)
     return jax.lax.platform_dependent(q, k, v, segment_ids, default=default, **branches)
 
 
