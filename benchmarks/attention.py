@@ -12,6 +12,9 @@ bfloat16 with float32 parameters, on one sequence of ``--seq-len`` tokens, causa
 and the input, compiled with ``jax.jit(...).lower(...).compile()`` for one abstract chip of the
 target; ``memory_analysis().temp_size_in_bytes`` is XLA's own figure for the chip (nothing runs).
 Prints a Markdown table and one JSON line.
+
+``--train-step v5e:2x4`` instead compiles the whole ``tieflax.train`` step of the config for that TPU
+topology (fsdp over all its chips, one sequence per chip, remat, bf16 compute) per attention kernel.
 """
 
 from __future__ import annotations
@@ -74,26 +77,61 @@ def measure(mc: ModelConfig, impl: str, seq_len: int, device) -> dict:
             "argument_bytes": int(mem.argument_size_in_bytes), "compile_s": round(seconds, 1)}
 
 
+def measure_train_step(config_path: str, impl: str, seq_len: int, topology: str) -> dict:
+    """Temporaries of the real train step on ``topology`` (fsdp = chips, one sequence per chip)."""
+    import flax.linen as nn  # noqa: PLC0415
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    from tieflax.train import BATCH_KEYS, build, make_train_step  # noqa: PLC0415
+
+    chips = list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    mesh = shd.make_mesh(1, len(chips), 1, devices=chips)
+    config = load_config(config_path, [f"model.attention='{impl}'", "model.remat=True", "model.dtype='bfloat16'",
+                                       f"train.seq_len={seq_len}", f"train.global_batch_size={len(chips)}",
+                                       "mesh.data=1", f"mesh.fsdp={len(chips)}"])
+    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+        s = build(config, mesh)  # outside the mesh context: building evaluates a PRNG key on the host
+        step = make_train_step(config, s)
+    batch = {k: jax.ShapeDtypeStruct((len(chips), seq_len), jnp.int32, sharding=shd.batch_sharding(mesh))
+             for k in BATCH_KEYS}
+    with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+        t0 = time.perf_counter()
+        compiled = step.lower(s.abstract_state, batch).compile()
+        seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    return {"attention": impl, "seq_len": seq_len, "temp_bytes": int(mem.temp_size_in_bytes),
+            "argument_bytes": int(mem.argument_size_in_bytes), "compile_s": round(seconds, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="v5e", choices=sorted(TPU_TOPOLOGIES) + sorted(GPU_TARGETS))
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "models", "llama3_2_1b.py"))
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--impls", default="", help="comma-separated; default: xla and the target's kernel")
+    parser.add_argument("--train-step", default="", metavar="TOPOLOGY",
+                        help="compile the whole train step for this TPU topology (e.g. v5e:2x4) instead")
     args = parser.parse_args()
     mc = ModelConfig.from_dict(load_config(args.config, []).model)
-    kernel = "splash" if args.target in TPU_TOPOLOGIES else "cudnn"
+    kernel = "splash" if args.target in TPU_TOPOLOGIES or args.train_step else "cudnn"
     impls = args.impls.split(",") if args.impls else ["xla", kernel, "auto"]
-    device = one_chip(args.target)
-    rows = [measure(mc, impl, args.seq_len, device) for impl in impls]
-    print(f"one attention layer, forward + backward, T={args.seq_len}, heads {mc.n_heads}/{mc.kv_heads}, "
-          f"head_dim {mc.dim_per_head}, bf16, one {args.target} ({device.device_kind})\n")
+    if args.train_step:
+        rows = [measure_train_step(args.config, impl, args.seq_len, args.train_step) for impl in impls]
+        print(f"train step of {os.path.basename(args.config)}, T={args.seq_len}, one sequence per chip, "
+              f"fsdp over {args.train_step}, remat, bf16; per chip\n")
+        target, kind = args.train_step, "TPU"
+    else:
+        device = one_chip(args.target)
+        rows = [measure(mc, impl, args.seq_len, device) for impl in impls]
+        print(f"one attention layer, forward + backward, T={args.seq_len}, heads {mc.n_heads}/{mc.kv_heads}, "
+              f"head_dim {mc.dim_per_head}, bf16, one {args.target} ({device.device_kind})\n")
+        target, kind = args.target, device.device_kind
     print("| attention | temporaries GiB | arguments GiB | compile s |")
     print("|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['attention']} | {r['temp_bytes'] / 2**30:.3f} | {r['argument_bytes'] / 2**30:.3f} "
               f"| {r['compile_s']} |")
-    print(json.dumps({"target": args.target, "device_kind": device.device_kind, "rows": rows}))
+    print(json.dumps({"target": target, "device_kind": kind, "rows": rows}))
 
 
 if __name__ == "__main__":
