@@ -17,6 +17,7 @@ from tieflax.model import ModelConfig, TransformerLM
 from tieflax.model.config import ConfigError
 from tieflax.model.layers import Attention
 from tieflax.ops.attention import attention, xla_attention
+from tieflax.ops.splash_attention import splash_attention
 
 H100_TARGET = os.path.join(os.path.dirname(__file__), "data", "h100.txtpb")
 
@@ -62,8 +63,6 @@ def test_splash_matches_xla_values_and_gradients(case):
             out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, seg, **opts), q, k, v)
             return out, pullback(cotangent)
         return run(q, k, v, seg, cotangent)
-
-    from tieflax.ops.splash_attention import splash_attention
 
     out, grads = vjp(lambda *a, **kw: splash_attention(*a, **kw, interpret=True, block=p.get("block", 512)))
     ref_out, ref_grads = vjp(xla_attention)
