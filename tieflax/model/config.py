@@ -20,6 +20,7 @@ MLPS = ("gelu", "swiglu", "geglu")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "bfloat16", "float16")
 HEAD_INITS = ("normal", "copy_embed")
+ATTENTIONS = ("auto", "xla", "splash", "cudnn")  # tieflax.ops.attention.IMPLEMENTATIONS
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,7 @@ class ModelConfig:
     dtype: str = "float32"                # activations / compute
     param_dtype: str = "float32"
     remat: bool = False                   # rematerialise each block in the backward pass
+    attention: str = "auto"               # kernel: 'xla' (einsum), 'splash' (TPU), 'cudnn' (GPU), 'auto'
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
@@ -161,6 +163,15 @@ def _validate(c: ModelConfig):
     _check(c.head_init in HEAD_INITS, "head_init", f"unknown {c.head_init!r}; choose {HEAD_INITS}")
     _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose {DTYPES}")
     _check(c.param_dtype in DTYPES, "param_dtype", f"unknown dtype {c.param_dtype!r}; choose {DTYPES}")
+    _check(c.attention in ATTENTIONS, "attention", f"unknown {c.attention!r}; choose one of {ATTENTIONS}")
+    if c.attention == "cudnn":
+        from tieflax.ops.cudnn_attention import unsupported_reason  # noqa: PLC0415 (imports jax)
+
+        reason = unsupported_reason(dtype=c.dtype, head_dim=c.dim_per_head, softcap=c.attn_softcap)
+        if reason:
+            field, why = reason
+            raise ConfigError(f"config.model.attention: 'cudnn' cannot run this model: {why} "
+                              f"(config.model.{field}); use 'auto' (picks cuDNN where it can) or 'xla'")
     if c.tie_embeddings:
         # These only describe an untied head's own matrix; silently ignoring them would hide a typo'd run.
         _check(not c.head_init_std, "head_init_std",

@@ -33,7 +33,8 @@ class TransformerLM(nn.Module):
 
     Attributes:
       config: shapes and switches (``ModelConfig``).
-      mesh: when given, the input lookup and the fused loss run vocab-parallel over its 'tensor' axis.
+      mesh: when given, the input lookup and the fused loss run vocab-parallel over its 'tensor' axis,
+        and the attention kernel is chosen for its devices' platform and sharded over it.
     """
 
     config: ModelConfig
@@ -48,7 +49,7 @@ class TransformerLM(nn.Module):
                 nn.with_logical_partitioning(nn.initializers.normal(c.embed_init_std), ("length", "embed")),
                 (c.max_seq_len, c.d_model), dtype_of(c.param_dtype))
         block = nn.remat(Block) if c.remat else Block
-        self.blocks = [block(c, layer=i, name=f"block_{i}") for i in range(c.n_layers)]
+        self.blocks = [block(c, layer=i, mesh=self.mesh, name=f"block_{i}") for i in range(c.n_layers)]
         self.final_norm = Norm(c)
         self.lm_head = LMHead(c, embed=self.embed)
         if c.head_bias:
