@@ -42,6 +42,14 @@ def test_counts_equal_published_totals(name):
     assert config.padded_vocab % 128 == 0 and config.padded_vocab >= config.vocab_size
 
 
+def test_published_configs_default_to_scanned_layers_with_remat():
+    """What a pod run should use, with no flag: scanned layers and a remat policy. (The counts above are
+    of these scanned models; tests/test_scan.py checks that unrolled ones count the same.)"""
+    for name in PUBLISHED:
+        config = model_config(load_config(os.path.join(REPO, f"configs/models/{name}.py")))
+        assert config.scan_layers and config.remat == "full", name
+
+
 def test_padding_is_not_counted():
     config = model_config(load_config(os.path.join(REPO, "configs/models/gpt2.py")))
     assert config.padded_vocab == 50304  # 50257 padded; 47 rows x 768 exist but are not parameters
