@@ -117,8 +117,8 @@ def _check_against_oracle(d, mode, mesh_name, feats, rel):
 # the meshes that shard batch and vocab at once, to keep the suite's compile time down; the Pallas
 # kernels (slow to interpret) on one device and on the mesh that also shards W's d.
 @pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES if m not in ("8dev_1x8", "4dev_2x2")]
-                         + [("fused", "1dev"), ("fused", "8dev_2x4"), ("pallas", "1dev"),
-                            ("pallas", "8dev_f2x4")])
+                         + [("fused", "1dev"), ("fused", "8dev_2x4"), ("fused", "8dev_f2x4"),
+                            ("pallas", "1dev"), ("pallas", "8dev_f2x4")])
 def test_matches_float64_oracle_all_features(mode, mesh_name):
     _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
 
