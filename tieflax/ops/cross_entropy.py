@@ -35,7 +35,8 @@ W sharded over d (``weight_embed_axis``, default ``'fsdp'``, the model's ``P('te
     Inside the map each device holds ``[V_local, d / fsdp]``; each ``[bv, d_local]`` block is
     all-gathered over that axis when the loop reaches it, and each finished dW block is
     reduce-scattered back over it (``psum_scatter``) and summed over the other batch axes, so dW leaves
-    in the parameter's own layout and neither W nor dW is ever whole on a device.
+    in the parameter's own layout and, in recompute mode, neither W nor dW is ever whole on a device
+    (fused mode gathers the local shard whole: it holds weight-sized buffers anyway).
 
 Implementations (``impl``)
     ``'xla'``: the loops above. On TPU with bf16 hidden states and an fp32 W, each W block is rounded
@@ -80,8 +81,9 @@ DEFAULT_VOCAB_BLOCK = 256
 DEFAULT_FUSED_TOKEN_BLOCK = 512
 MODES = ("recompute", "fused")
 IMPLS = ("auto", "xla", "pallas")
-# Pallas path on a mesh whose 'fsdp' axis shards W's d: rows of W gathered (and of dW reduce-scattered)
-# per chunk; one fp32 [rows, d] chunk is about this many bytes. Larger chunks re-read the fp32 dH
+# Pallas path on a mesh: rows of W gathered over the axis that shards d, and of dW reduced over the
+# batch axes, one chunk at a time (an XLA loop around the kernels); one fp32 [rows, d] chunk is about
+# this many bytes. Larger chunks re-read the fp32 dH
 # accumulator fewer times (it is read and written once per chunk) at the cost of memory.
 PALLAS_CHUNK_BYTES = 4 * 2**20
 
