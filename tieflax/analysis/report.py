@@ -16,6 +16,7 @@ from collections import defaultdict
 import numpy as np
 
 from tieflax.analysis import plots
+from tieflax.analysis.jsonable import to_jsonable
 
 REPORT = "report.md"
 SUMMARY = "summary.json"
@@ -380,8 +381,6 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
 
 def write_report(summary: dict, out_dir: str) -> str:
     """Writes ``summary.json``, the PNGs, ``report.md`` (and ``report.html`` if cheap); returns the .md path."""
-    from tieflax.analysis.study import to_jsonable
-
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, SUMMARY), "w", encoding="utf-8") as f:
         json.dump(to_jsonable(summary), f, default=float)

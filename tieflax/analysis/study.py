@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import time
-from typing import Any
 
 import ml_collections
 
@@ -252,13 +251,3 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
     summary["report"] = write_report(summary, workdir) if is_main else None
     return summary
 
-
-def to_jsonable(x: Any) -> Any:
-    """Tuples -> lists and NumPy scalars -> floats, recursively (for summary.json)."""
-    if isinstance(x, dict):
-        return {k: to_jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [to_jsonable(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
-        return x.item()
-    return x
