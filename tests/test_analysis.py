@@ -356,3 +356,20 @@ def test_bootstrap_intervals_known_answers():
     assert out["mean"] == pytest.approx(0.05, abs=1e-9)
     assert out["doc_hi"] - out["doc_lo"] < 0.01 < out["hi"] - out["lo"]
     assert out["seed_lo"] <= out["mean"] <= out["seed_hi"]
+
+
+def test_decoupled_embed_dim_split_gradient_sums_to_tied(tiny_tied):
+    _, tokens = tiny_tied
+    config = TINY.replace(embed_dim=8)
+    params = jax.jit(TransformerLM(config).init)(jax.random.key(0), tokens)["params"]
+    params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+    assert params["embed"]["embedding"].shape == (256, 8) and params["embed"]["out_proj"].shape == (8, 32)
+    batch = dict(inputs=tokens, targets=jnp.roll(tokens, -1, axis=1))
+    lookup, head = analysis.split_embedding_gradients(config, params, batch)
+    model = TransformerLM(config)
+    tied = jax.grad(lambda p: model.apply({"params": p}, tokens, batch["targets"], method=TransformerLM.loss)[0].mean())(
+        params)["embed"]["embedding"]
+    np.testing.assert_allclose(np.asarray(lookup) + np.asarray(head), tied, rtol=1e-5, atol=1e-8)
+    from tieflax.analysis.params import param_report
+    report = param_report(config)
+    assert report.total_untied - report.total_tied == V * 8  # only the [V, E] matrix is duplicated
