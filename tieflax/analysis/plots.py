@@ -170,3 +170,115 @@ def diagnostics_over_training(rows: dict[str, list[dict]], keys: list[tuple[str,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------- study (compare)
+def _err(ci: dict) -> tuple[float, float]:
+    """(below, above) error-bar lengths of a CI dict; 0 where there is no interval."""
+    if not (math.isfinite(ci.get("lo", float("nan"))) and math.isfinite(ci.get("hi", float("nan")))):
+        return 0.0, 0.0
+    return ci["mean"] - ci["lo"], ci["hi"] - ci["mean"]
+
+
+def loss_curves_seeds(curves: dict[str, dict[str, list]], path: str) -> str:
+    """Mean train (thin) and validation (markers) loss over seeds per variant, min-max band over seeds.
+    ``curves[variant] = {'train': [[(step, loss)] per seed], 'val': [...]}``."""
+    fig = Figure(figsize=(8, 4.4))
+    ax = fig.subplots()
+    finite = []
+    n = 0
+    for i, (label, c) in enumerate(curves.items()):
+        color = _color(label, i)
+        for key, style in (("train", dict(lw=1)), ("val", dict(marker="o", ms=4, lw=1.5, ls="--"))):
+            seeds = [dict(s) for s in c.get(key, []) if s]
+            if not seeds:
+                continue
+            n = max(n, len(seeds))
+            steps = sorted(set.intersection(*[set(s) for s in seeds]))
+            if not steps:
+                continue
+            vals = np.array([[s[t] for t in steps] for s in seeds])
+            ax.plot(steps, vals.mean(0), color=color, label=f"{label} {key}", **style)
+            if len(seeds) > 1:
+                ax.fill_between(steps, vals.min(0), vals.max(0), color=color, alpha=0.15, lw=0)
+            finite += [v for v in vals.ravel() if math.isfinite(v)]
+    if finite:  # the first steps sit near ln(V); show the part where the runs differ
+        lo, hi = min(finite), np.percentile(finite, 90)
+        ax.set_ylim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"loss, mean over seeds (band: min-max, n={n} seeds per variant)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def interval_bars(cis: dict[str, dict], path: str, *, ylabel: str, title: str) -> str:
+    """One bar per label at its CI mean, error bars = the 95% interval, a line at 0."""
+    fig = Figure(figsize=(max(5, 1.6 * len(cis)), 3.8))
+    ax = fig.subplots()
+    labels = list(cis)
+    means = [cis[k]["mean"] for k in labels]
+    errs = np.array([_err(cis[k]) for k in labels]).T
+    ax.bar(range(len(labels)), means, yerr=errs, capsize=5, color=[_color(k, i) for i, k in enumerate(labels)])
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+LINESTYLES = {"W": "-", "W_in": "-.", "W_out": "-"}
+MARKERS = {"W": "o", "W_in": "s", "W_out": "^"}
+
+
+def profile_lines(series: dict[str, tuple], path: str, *, ylabel: str, title: str) -> str:
+    """Per-bin curves against mean log10 frequency: ``series[label] = (x [B], values [S, B], init [S, B] or
+    None)``; points at the seed mean, error bars min-max over the S seeds, init dashed. One shared axis
+    (so matrices compare directly); every matrix its own colour and marker."""
+    fig = Figure(figsize=(8, 4.6))
+    ax = fig.subplots()
+    n = 0
+    for i, (label, (x, vals, init)) in enumerate(series.items()):
+        vals = np.atleast_2d(np.asarray(vals, np.float64))
+        n = max(n, len(vals))
+        kind = label.split(": ")[-1]
+        color = f"C{i}"
+        mean = np.nanmean(vals, 0)
+        err = np.stack([mean - np.nanmin(vals, 0), np.nanmax(vals, 0) - mean])
+        ax.errorbar(x, mean, yerr=err, color=color, marker=MARKERS.get(kind, "o"), ms=4, capsize=3,
+                    ls=LINESTYLES.get(kind, "-"), label=label)
+        if init is not None:
+            ax.plot(x, np.nanmean(np.atleast_2d(init), 0), color=color, ls=":", lw=1)
+    ax.set_xlabel("mean log10 relative frequency of the bin (equal token mass per bin)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}; n={n} seeds", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def metric_panels(panels: dict[str, dict[str, tuple]], path: str, *, title: str,
+                  reference: float | None = None) -> str:
+    """One panel per metric, one bar per label: ``panels[metric][label] = (ci dict, init value or NaN)``;
+    bars at the CI mean with its 95% interval, an ``x`` at the init value. Labels are spread on the x axis,
+    so no bar hides another."""
+    fig = Figure(figsize=(4.6 * len(panels), 4.4))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (metric, bars) in zip(axes, panels.items()):
+        labels = list(bars)
+        ns = {c.get("n", 0) for c, _ in bars.values()}
+        for i, label in enumerate(labels):
+            ci, init = bars[label]
+            ax.bar(i, ci["mean"], yerr=np.array(_err(ci))[:, None], capsize=4, color=f"C{i}",
+                   alpha=0.5 if "shuffled" in label else 1.0)
+            if math.isfinite(init):
+                ax.plot(i, init, "kx", ms=7)
+        if reference is not None:
+            ax.axhline(reference, color="gray", lw=0.8)
+        ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=7)
+        ax.set_title(f"{metric} (n={'/'.join(str(n) for n in sorted(ns))} seeds)", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
