@@ -39,7 +39,7 @@ ABLATIONS = {  # name -> (tied?, config changes): one mechanism switched on top 
     "untied_head_bias": (False, {"model.head_bias": True}),
 }
 VARIANTS = ("tied", "untied", *MATCHED, *ABLATIONS)
-DEFAULT_VARIANTS = ("tied", "untied", "untied_matched", "untied_width")
+DEFAULT_VARIANTS = ("tied", "untied", "untied_matched")
 MATCH_STRATEGIES = ("embed_dim", "width", "depth")
 
 
@@ -90,8 +90,9 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
     """(untied ModelConfig with total params ~= the tied model's, match info dict).
 
     ``embed_dim`` (Chung et al.): the body is unchanged; the untied matrices get the width E whose total
-    (two V x E matrices and the two E x d projections) comes closest to the tied total without exceeding
-    it. Totals are affine in E, so E is solved from two exact counts.
+    (two V x E matrices and the two E x d projections) comes closest to the tied total. Totals are affine
+    in E, so E is solved from two exact counts; one step of E is 2 (V + d) parameters, so the match is
+    within half of that.
 
     ``width``: the largest d_model (a multiple of 2 x n_heads, so RoPE's head dimension stays even; d_ff
     scaled in proportion) whose untied total does not exceed the tied total, then d_ff solved exactly for
@@ -105,7 +106,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
     untied = base.replace(tie_embeddings=False)
     if strategy == "embed_dim":
         t1, t2 = _untied_total(untied.replace(embed_dim=1)), _untied_total(untied.replace(embed_dim=2))
-        e = (target - t1) // max(t2 - t1, 1) + 1
+        e = round((target - t1) / max(t2 - t1, 1)) + 1  # the nearest total (E is coarse: 2 (V + d) a step)
         if e < 1:
             raise ValueError(f"no embedding width fits the untied model in {target:,} parameters")
         matched = untied.replace(embed_dim=int(e))
