@@ -13,7 +13,8 @@ import numpy as np
 # window nor changes the backend of a notebook that imports it.
 from matplotlib.figure import Figure
 
-COLORS = {"tied": "tab:blue", "untied": "tab:orange", "untied_matched": "tab:green"}
+COLORS = {"tied": "tab:blue", "untied": "tab:orange", "untied_matched": "tab:green", "untied_width": "tab:red",
+          "untied_depth": "tab:purple"}
 
 
 def _color(label: str, i: int) -> str:
@@ -281,4 +282,24 @@ def metric_panels(panels: dict[str, dict[str, tuple]], path: str, *, title: str,
         ax.set_title(f"{metric} (n={'/'.join(str(n) for n in sorted(ns))} seeds)", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def loss_vs_params(series: dict[str, list[tuple[float, dict]]], path: str, *, xlabel: str, title: str) -> str:
+    """Validation loss against a parameter count (log x), one line per variant, CI error bars.
+    ``series[variant] = [(params, ci dict), ...]``."""
+    fig = Figure(figsize=(7.5, 4.6))
+    ax = fig.subplots()
+    for i, (label, pts) in enumerate(series.items()):
+        pts = sorted(pts, key=lambda p: p[0])
+        x = [p for p, _ in pts]
+        y = [c["mean"] for _, c in pts]
+        err = np.array([_err(c) for _, c in pts]).T
+        ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=3, color=_color(label, i), label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{xlabel} (log scale)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
     return _save(fig, path)

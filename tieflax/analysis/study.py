@@ -178,6 +178,12 @@ def variant_configs(config: ml_collections.ConfigDict) -> tuple[dict[str, ml_col
     return out, infos
 
 
+@functools.lru_cache(maxsize=256)
+def _counts(mc) -> tuple[int, int]:
+    report = param_report(mc)
+    return report.total_tied, report.total_untied
+
+
 def param_counts(mc) -> dict:
     """``{'total', 'embedding', 'non_embedding'}`` of a config as configured (exact, from the param tree).
 
@@ -185,8 +191,8 @@ def param_counts(mc) -> dict:
     E x d projections of a decoupled width; everything else (the body, norms, a head bias) is
     non-embedding, so ``tied`` and ``untied_matched`` share their non-embedding count.
     """
-    report = param_report(mc)
-    total = report.total_tied if mc.tie_embeddings else report.total_untied
+    total_tied, total_untied = _counts(mc.replace(tie_embeddings=True, head_init="normal", head_init_std=0.0))
+    total = total_tied if mc.tie_embeddings else total_untied
     width = mc.embed_dim or mc.d_model
     emb = (1 if mc.tie_embeddings else 2) * mc.vocab_size * width + (2 * mc.embed_dim * mc.d_model if mc.embed_dim else 0)
     return dict(total=total, embedding=emb, non_embedding=total - emb)
