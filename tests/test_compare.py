@@ -205,3 +205,23 @@ def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):
         sweep.run_sweep(config, str(tmp_path), train=fake_train)
     sweep.run_sweep(config, str(tmp_path), train=fake_train, resume=True, log=lambda _: None)
     assert len(calls) == n_calls  # every run was finished: nothing retrained
+
+
+def test_embedding_sgd_ablation_steps_embeddings_by_their_gradient():
+    import jax.numpy as jnp
+
+    from tieflax.optim import make_optimizer
+    from tieflax.train_config import default_train_config
+
+    c = default_train_config()
+    c.update(embedding_optimizer="sgd", embedding_sgd_lr=0.5, learning_rate=1e-3, warmup_steps=0,
+             min_lr_ratio=1.0, grad_clip_norm=0.0, weight_decay=0.0)
+    params = {"embed": {"embedding": jnp.ones((4, 2))}, "block": {"kernel": jnp.ones((2, 2))}}
+    grads = {"embed": {"embedding": jnp.full((4, 2), 1e-4).at[0].set(1e-1)}, "block": {"kernel": jnp.full((2, 2), 1e-4)}}
+    tx, _ = make_optimizer(c)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["embed"]["embedding"], -0.5 * grads["embed"]["embedding"], rtol=1e-6)
+    np.testing.assert_allclose(updates["block"]["kernel"], -1e-3, rtol=1e-3)  # Adam: ~lr whatever the size
+    c.embedding_optimizer = "adagrad"
+    with pytest.raises(ValueError, match="config.train.embedding_optimizer"):
+        make_optimizer(c)

@@ -288,7 +288,8 @@ def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[s
                    "per token; negative favours the variant):\n  - " + "\n  - ".join(lines))
     ablation = [(v, base) for v, base in (("tied_embed_decay", "tied"), ("untied_embed_decay", "untied"),
                                           ("tied_rsqrt_logits", "tied"), ("untied_rsqrt_logits", "untied"),
-                                          ("tied_head_bias", "tied"), ("untied_head_bias", "untied"))
+                                          ("tied_head_bias", "tied"), ("untied_head_bias", "untied"),
+                                          ("tied_embed_sgd", "tied"), ("untied_embed_sgd", "untied"))
                 if has(v, base)]
     if ablation:
         lines = []

@@ -12,8 +12,9 @@ given seed every variant sees the same batches in the same order and draws its i
 - ``untied_width`` / ``untied_depth``: untied at the tied total by narrowing d_model (and d_ff) or by
   dropping layers: the body shrinks, so these confound tying with capacity; reported separately.
 - Mechanism ablations, each one switch on top of ``tied`` or ``untied``: ``*_embed_decay`` (weight
-  decay on the embedding matrices), ``*_rsqrt_logits`` (logits x 1/sqrt(d)) and ``*_head_bias`` (a
-  logit bias).
+  decay on the embedding matrices), ``*_rsqrt_logits`` (logits x 1/sqrt(d)), ``*_head_bias`` (a
+  logit bias) and ``*_embed_sgd`` (embedding matrices trained by SGD with momentum instead of Adam:
+  ``config.train.embedding_optimizer``; its rate ``embedding_sgd_lr`` is not tuned here).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ ABLATIONS = {  # name -> (tied?, config changes): one mechanism switched on top 
     "untied_rsqrt_logits": (False, {"model.logit_scale_rsqrt_d": True}),
     "tied_head_bias": (True, {"model.head_bias": True}),
     "untied_head_bias": (False, {"model.head_bias": True}),
+    "tied_embed_sgd": (True, {"train.embedding_optimizer": "sgd"}),
+    "untied_embed_sgd": (False, {"train.embedding_optimizer": "sgd"}),
 }
 VARIANTS = ("tied", "untied", *MATCHED, *ABLATIONS)
 DEFAULT_VARIANTS = ("tied", "untied", "untied_matched")
