@@ -47,7 +47,7 @@ def test_matched_untied_has_the_tied_total(strategy, shape):
 def test_depth_match_impossible_is_a_clear_error():
     mc = ModelConfig(family="llama", vocab_size=4000, d_model=32, n_layers=1, n_heads=2, d_ff=64,
                      tie_embeddings=True)
-    with pytest.raises(ValueError, match="match='width'"):
+    with pytest.raises(ValueError, match="'untied_width'"):
         study.matched_untied_config(mc, "depth")
 
 

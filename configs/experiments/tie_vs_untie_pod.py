@@ -46,7 +46,7 @@ def get_config(arg: str = ""):
     config.compare = default_compare_config()
     config.compare.seeds = (0, 1, 2)
     config.compare.analysis_points = 10
-    config.compare.val_batches = 4
+    config.compare.val_batches = 0   # the whole held-out split
     config.compare.max_rows = 4096
     if arg == "runlocal":
         config.model.update(vocab_size=8192, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -129,7 +129,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
             d -= step
         if d <= 0:
             raise ValueError(f"no untied width of this model fits in {target:,} parameters (the two V x d "
-                             "matrices alone exceed it); use config.compare.match='depth' or a larger body")
+                             "matrices alone exceed it); use the 'untied_depth' variant or a larger body")
     else:
         layers = mc.n_layers
         cand = untied
@@ -139,7 +139,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
             raise ValueError(
                 f"an untied model needs {mc.vocab_size * mc.d_model:,} more parameters than the tied one, "
                 f"more than {mc.n_layers} layers hold: even one layer exceeds the tied total {target:,}. "
-                "Use config.compare.match='width'.")
+                "Use the 'untied_width' or 'untied_matched' variant.")
     # Total parameters are affine in d_ff: solve for the d_ff that closes the gap.
     t0 = _untied_total(cand)
     t1 = _untied_total(cand.replace(d_ff=cand.d_ff + 1))
