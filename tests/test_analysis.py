@@ -367,9 +367,7 @@ def test_decoupled_embed_dim_split_gradient_sums_to_tied(tiny_tied):
     batch = dict(inputs=tokens, targets=jnp.roll(tokens, -1, axis=1))
     lookup, head = analysis.split_embedding_gradients(config, params, batch)
     model = TransformerLM(config)
-    tied = jax.grad(lambda p: model.apply({"params": p}, tokens, batch["targets"], method=TransformerLM.loss)[0].mean())(
-        params)["embed"]["embedding"]
-    np.testing.assert_allclose(np.asarray(lookup) + np.asarray(head), tied, rtol=1e-5, atol=1e-8)
-    from tieflax.analysis.params import param_report
-    report = param_report(config)
-    assert report.total_untied - report.total_tied == V * 8  # only the [V, E] matrix is duplicated
+    tied = jax.jit(jax.grad(lambda p: model.apply({"params": p}, tokens, batch["targets"],
+                                                  method=TransformerLM.loss)[0].mean()))(params)
+    np.testing.assert_allclose(np.asarray(lookup) + np.asarray(head), tied["embed"]["embedding"], rtol=1e-5,
+                               atol=1e-8)

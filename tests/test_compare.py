@@ -54,16 +54,16 @@ def test_depth_match_impossible_is_a_clear_error():
 def test_variants_matched_on_non_embedding_and_on_total_parameters():
     from tieflax.config import model_config
 
-    config = load_config(CONFIG, ["compare.variants=('tied', 'untied', 'untied_matched', 'untied_width', "
-                                  "'tied_embed_decay', 'untied_head_bias')"])
+    config = load_config(CONFIG, ["compare.variants=('tied', 'untied', 'untied_matched', 'tied_embed_decay', "
+                                  "'untied_head_bias', 'tied_embed_sgd')"])
     variants, infos = study.variant_configs(config)
-    p = {v: study.param_counts(model_config(c)) for v, c in variants.items()}
+    p = {v: study.param_counts(model_config(c)) for v, c in variants.items() if v in ("tied", "untied", "untied_matched")}
     assert p["untied_matched"]["non_embedding"] == p["tied"]["non_embedding"] == p["untied"]["non_embedding"]
     assert abs(p["untied_matched"]["total"] - p["tied"]["total"]) / p["tied"]["total"] < 0.01
-    assert variants["untied_width"].model.d_model < variants["tied"].model.d_model  # the body narrows instead
+    assert variants["tied_embed_sgd"].train.embedding_optimizer == "sgd"
     assert variants["tied_embed_decay"].train.decay_embeddings and variants["tied_embed_decay"].model.tie_embeddings
     assert variants["untied_head_bias"].model.head_bias and not variants["untied_head_bias"].model.tie_embeddings
-    assert set(infos) == {"untied_matched", "untied_width"}
+    assert set(infos) == {"untied_matched"} and infos["untied_matched"]["matched_shape"]["embed_dim"] == 32
 
 
 def test_compare_config_errors_name_the_field():
