@@ -4,8 +4,8 @@
 
 Trains, for seeds 0, 1 and 2 (a seed fixes the init key and the data order of every variant):
 ``tied``; ``untied`` (same body, its own 8,192 x 64 head: +524,288 parameters, equal non-embedding
-parameters); ``untied_matched`` (Chung et al.: the same body, untied embeddings of width E = 31 with
-projections to and from d_model, at the tied model's total within 0.5%). Each run is 250 steps x 16 x 128
+parameters); ``untied_matched`` (Chung et al.: the same body, untied embeddings of width E = 32 with
+projections to and from d_model, at the tied model's total +0.6%). Each run is 250 steps x 16 x 128
 tokens (512,000 tokens, 0.55 epochs of the train split). Then it measures every run against its
 initialisation and writes ``runs/compare/report.md`` (+ ``report.html`` and PNGs) with paired 95%
 bootstrap intervals. See README.md ("The study") for the measured time. Rerunning resumes;
