@@ -57,7 +57,7 @@ def test_variants_matched_on_non_embedding_and_on_total_parameters():
     config = load_config(CONFIG, ["compare.variants=('tied', 'untied', 'untied_matched', 'tied_embed_decay', "
                                   "'untied_head_bias', 'tied_embed_sgd')"])
     variants, infos = study.variant_configs(config)
-    p = {v: study.param_counts(model_config(c)) for v, c in variants.items() if v in ("tied", "untied", "untied_matched")}
+    p = {v: study.param_counts(model_config(variants[v])) for v in ("tied", "untied", "untied_matched")}
     assert p["untied_matched"]["non_embedding"] == p["tied"]["non_embedding"] == p["untied"]["non_embedding"]
     assert abs(p["untied_matched"]["total"] - p["tied"]["total"]) / p["tied"]["total"] < 0.01
     assert variants["tied_embed_sgd"].train.embedding_optimizer == "sgd"
@@ -217,7 +217,8 @@ def test_embedding_sgd_ablation_steps_embeddings_by_their_gradient():
     c.update(embedding_optimizer="sgd", embedding_sgd_lr=0.5, learning_rate=1e-3, warmup_steps=0,
              min_lr_ratio=1.0, grad_clip_norm=0.0, weight_decay=0.0)
     params = {"embed": {"embedding": jnp.ones((4, 2))}, "block": {"kernel": jnp.ones((2, 2))}}
-    grads = {"embed": {"embedding": jnp.full((4, 2), 1e-4).at[0].set(1e-1)}, "block": {"kernel": jnp.full((2, 2), 1e-4)}}
+    grads = {"embed": {"embedding": jnp.full((4, 2), 1e-4).at[0].set(1e-1)},
+             "block": {"kernel": jnp.full((2, 2), 1e-4)}}
     tx, _ = make_optimizer(c)
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["embed"]["embedding"], -0.5 * grads["embed"]["embedding"], rtol=1e-6)

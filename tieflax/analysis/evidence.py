@@ -74,7 +74,8 @@ def validation(model_config, params: dict, batches: list[dict], doc_ids: list[np
         doc_tokens += np.bincount(ids[keep], minlength=n_docs)
         usum, sq, n = usum + np.asarray(u, np.float64), sq + float(s), n + float(k)
     out = dict(doc_loss=doc_loss.tolist(), doc_tokens=doc_tokens.tolist(),
-               loss=float(doc_loss.sum() / doc_tokens.sum()), context_cos=measures.mean_cosine_from_sum(usum, sq, int(n)))
+               loss=float(doc_loss.sum() / doc_tokens.sum()),
+               context_cos=measures.mean_cosine_from_sum(usum, sq, int(n)))
     if init_params is not None:
         usum, sq, n = 0.0, 0.0, 0.0
         for batch in batches[:init_batches]:

@@ -156,9 +156,9 @@ def diagnostics_table(groups: dict[str, list[dict]]) -> str:
                          _ci_cell(paired(groups, v, fin, v, ini), digits)])
     for name, v, side in matrices_of(groups):
         rows.append([f"movement from init, commonest bin / rarest bin: {name}",
-                     _ci_cell(ci_of(groups, v, _a(lambda a, s=side: a["matrices"][s]["movement"]["move_ratio_top_bottom"]))),
+                     _ci_cell(ci_of(groups, v, _a(lambda a, s=side: _moved(a, s, "movement")))),
                      "(0 moved)",
-                     _num(ci_of(groups, v, _a(lambda a, s=side: a["matrices"][s]["movement_shuffled"]["move_ratio_top_bottom"]))["mean"]),
+                     _num(ci_of(groups, v, _a(lambda a, s=side: _moved(a, s, "movement_shuffled")))["mean"]),
                      ""])
     for v in groups:
         rows.append([f"contextual anisotropy (hidden states): {v}",
@@ -192,13 +192,22 @@ def gradient_table(groups: dict[str, list[dict]]) -> str:
                      _num(ci_of(groups, v, _a(lambda a: a["gradient"]["init"]["updated"]["frac_0.01"]))["mean"]), ""])
         rows.append([f"same, rarest bin: {v}",
                      _ci_cell(ci_of(groups, v, _a(lambda a: a["gradient"]["final"]["updated"]["bin_frac_0.01"][0]))),
-                     _num(ci_of(groups, v, _a(lambda a: a["gradient"]["init"]["updated"]["bin_frac_0.01"][0]))["mean"]), ""])
+                     _num(ci_of(groups, v, _a(lambda a: a["gradient"]["init"]["updated"]["bin_frac_0.01"][0]))["mean"]),
+                     ""])
     return _table(["measure: variant", "final [95% CI]", "init", "row-shuffled control"], rows)
 
 
 # ---------------------------------------------------------------------------------------------- claims
-def _line(label: str, ci: dict, digits: int = 3) -> str:
-    return f"{label} {st.fmt_ci(ci, digits)}"
+# Verdict wording: (interval above 0, interval below 0).
+V_RHO = ("seen: the head norms rise with frequency where the text is",
+         "the opposite is seen: norms fall with frequency")
+V_INPUT = ("the tied input carries more of the profile", "the tied input carries less of it")
+V_ANISO = ("tying adds anisotropy beyond the head role", "the tied matrix is less anisotropic than a head")
+V_GRAD = ("the paths help each other", "interference: the paths cost each other")
+
+
+def _moved(a: dict, side: str, key: str) -> float:
+    return a["matrices"][side][key]["move_ratio_top_bottom"]
 
 
 def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[str]:
@@ -211,7 +220,7 @@ def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[s
         out.append(
             "**Output-head row norms grow with token frequency.** Spearman rho of row norm against count "
             "within the frequent half of the token mass (untied W_out), final minus init: "
-            f"{st.fmt_ci(ci)}; {st.verdict(ci, 'seen: the head norms rise with frequency where the text is', 'the opposite is seen: norms fall with frequency')}. "
+            f"{st.fmt_ci(ci)}; {st.verdict(ci, *V_RHO)}. "
             "(One rho over all rows is decided by the rare tail; `norm_vs_frequency.png` shows every bin.)")
     if has("tied", "untied"):
         d_in = paired(groups, "tied", rho("input"), "untied", rho("input"))
@@ -222,7 +231,7 @@ def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[s
                                 "rare rows moved more" if st.excludes_zero(ci) else "no resolved direction")
         out.append(
             "**When tied, the head's frequency profile reaches the input.** rho (frequent half): tied minus "
-            f"untied W_in {st.fmt_ci(d_in)} ({st.verdict(d_in, 'the tied input carries more of the profile', 'the tied input carries less of it')}); "
+            f"untied W_in {st.fmt_ci(d_in)} ({st.verdict(d_in, *V_INPUT)}); "
             f"tied minus untied W_out {st.fmt_ci(d_out)}. Which rows move, log(movement of the commonest bin / "
             f"the rarest): tied {st.fmt_ci(m_t)} ({direction(m_t)}), untied W_in {st.fmt_ci(m_u)} "
             f"({direction(m_u)}). The sign matters: the claim is about frequent rows growing.")
@@ -233,11 +242,12 @@ def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[s
         moved_in = paired(groups, "untied", cos("input"), "untied", mat("input", "init", "aniso", "mean_cosine"))
         freq = paired(groups, "tied", mat("input", "final", "aniso", "mean_cosine_freq"),
                       "untied", mat("output", "final", "aniso", "mean_cosine_freq"))
-        ctx = paired(groups, "tied", _a(lambda a: a["val"]["context_cos"]), "untied", _a(lambda a: a["val"]["context_cos"]))
+        context = _a(lambda a: a["val"]["context_cos"])
+        ctx = paired(groups, "tied", context, "untied", context)
         out.append(
             "**Tying magnifies anisotropy.** Mean cosine of unit rows, tied minus untied W_out (the decisive "
             f"comparison: anisotropy beyond what a head has on its own) {st.fmt_ci(beyond)}: "
-            f"{st.verdict(beyond, 'tying adds anisotropy beyond the head role', 'the tied matrix is less anisotropic than a head')}. "
+            f"{st.verdict(beyond, *V_ANISO)}. "
             f"Tied minus untied W_in {st.fmt_ci(vs_in)}, but read it with how far W_in moved from its init "
             f"(its final minus init: {st.fmt_ci(moved_in)}): an untrained matrix is isotropic, not 'untied'. "
             f"Unigram-weighted, tied minus untied W_out {st.fmt_ci(freq)}; contextual anisotropy of hidden "
@@ -263,7 +273,7 @@ def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[s
                 c = paired(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]),
                            "untied", _a(lambda a, k=key: a["gradient"]["final"][k]))
                 ctl = f", minus the untied control {st.fmt_ci(c)}"
-            parts.append(f"{label} {st.fmt_ci(ci)} ({st.verdict(ci, 'the paths help each other', 'interference: the paths cost each other')}{ctl})")
+            parts.append(f"{label} {st.fmt_ci(ci)} ({st.verdict(ci, *V_GRAD)}{ctl})")
         k = groups["tied"][0]["analysis"]["gradient"]["final"].get("batches", "?")
         out.append(
             "**The tied gradient's dense output signal and sparse input signal interfere.** On gradients "
@@ -385,8 +395,8 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None
     paths["gradient_interference"] = plots.metric_panels(
         grad, os.path.join(out_dir, "gradient_interference.png"), reference=0.0,
         title="gradient interference on K held-out batches, 95% CI over seeds (x: at init)")
-    upd = {v: np.array([r["analysis"]["gradient"]["final"]["updated"]["bin_frac_0.01"] for r in rs if r.get("analysis")])
-           for v, rs in groups.items()}
+    upd = {v: np.array([r["analysis"]["gradient"]["final"]["updated"]["bin_frac_0.01"]
+                        for r in rs if r.get("analysis")]) for v, rs in groups.items()}
     x0 = next(iter(profiles.values()))["x"] if profiles else None
     if x0 is not None:
         paths["updated_by_bin"] = plots.profile_lines(

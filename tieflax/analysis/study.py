@@ -197,7 +197,7 @@ def param_counts(mc) -> dict:
     total_tied, total_untied = _counts(mc.replace(tie_embeddings=True, head_init="normal", head_init_std=0.0))
     total = total_tied if mc.tie_embeddings else total_untied
     width = mc.embed_dim or mc.d_model
-    emb = (1 if mc.tie_embeddings else 2) * mc.vocab_size * width + (2 * mc.embed_dim * mc.d_model if mc.embed_dim else 0)
+    emb = (1 if mc.tie_embeddings else 2) * mc.vocab_size * width + 2 * mc.embed_dim * mc.d_model
     return dict(total=total, embedding=emb, non_embedding=total - emb)
 
 

@@ -65,7 +65,8 @@ def sweep_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     if not c.seeds or not c.lrs:
         raise ValueError("config.sweep.seeds and config.sweep.lrs must be non-empty")
     if not 0 <= c.lr_size < len(c.sizes):
-        raise ValueError(f"config.sweep.lr_size = {c.lr_size}: an index into config.sweep.sizes (0..{len(c.sizes) - 1})")
+        raise ValueError(f"config.sweep.lr_size = {c.lr_size}: an index into config.sweep.sizes "
+                         f"(0..{len(c.sizes) - 1})")
     return c
 
 
@@ -118,7 +119,8 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
     sc = sweep_config(config)
     workdir = os.path.abspath(workdir)
     if os.path.isdir(os.path.join(workdir, "runs")) and not resume:
-        raise FileExistsError(f"{workdir!r} already holds a sweep; pass --resume to continue it, or use a new --workdir")
+        raise FileExistsError(f"{workdir!r} already holds a sweep; pass --resume to continue it, "
+                              "or use a new --workdir")
     os.makedirs(workdir, exist_ok=True)
     tokenizer = shared_tokenizer(config, workdir)
     runs = plan(config, sc)
@@ -215,7 +217,8 @@ def crossover(tied: list[dict], other: list[dict], x_key: str = "total", n_boot:
     o = {p["size"]: p for p in other}
     seeds = sorted(set.intersection(*[set(t[s]["losses"]) & set(o[s]["losses"]) for s in sizes])) if sizes else []
     if len(sizes) < 2 or not seeds:
-        return dict(sizes=sizes, mean_diff=[], x=[], crossing=None, share=float("nan"), lo=float("nan"), hi=float("nan"))
+        nan = float("nan")
+        return dict(sizes=sizes, mean_diff=[], x=[], crossing=None, share=nan, lo=nan, hi=nan)
     diff = np.array([[o[s]["losses"][k] - t[s]["losses"][k] for s in sizes] for k in seeds])  # [S, sizes]
     x = np.log10([t[s][x_key] for s in sizes])
 
@@ -260,7 +263,8 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
             ci = p["ci"]
             cell = (f"{ci['mean']:.4f} [{ci['lo']:.4f}, {ci['hi']:.4f}] ({ci['n']})" if math.isfinite(ci["lo"])
                     else f"{ci['mean']:.4f} ({ci['n']})")
-            lines.append(f"| {v} | {p['size']} | {tuple(sizes[p['size']])} | {p['total']:,} | {p['non_embedding']:,} | {cell} |")
+            lines.append(f"| {v} | {p['size']} | {tuple(sizes[p['size']])} | {p['total']:,} "
+                         f"| {p['non_embedding']:,} | {cell} |")
     lines += ["", "## Crossover", ""]
     n_boot = summary["sweep"].get("bootstrap", st.N_BOOT)
     for v, x_key, what in (("untied_matched", "total", "at equal total parameters, same body (Chung et al.)"),
