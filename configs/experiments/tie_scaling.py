@@ -6,7 +6,9 @@ Four sizes (d_model 32-96, 1-3 layers, vocabulary 8,192: the embedding share fal
 tied model), variants ``tied``, ``untied`` (same body), ``untied_matched`` (same body, narrower untied
 embeddings, equal total) and ``untied_width`` (narrower body, equal total), 2 seeds each, 150 steps x 16 x
 128 tokens per run. Each variant's learning rate is the best of (1e-3, 3e-3, 1e-2) at size 1 (seed 0).
-See README.md ("The study") for the measured time. ``:smoke`` is a seconds-long shape check.
+See README.md ("The study") for the measured time. ``:smoke`` is a minutes-long shape check of the whole
+command (2 tiny sizes, 4 steps). ``:pod`` is the top of the curve: three sizes up to the Llama-3.2-1B
+shape on the pod study's data and mesh (``tie_vs_untie_pod.py``; pass its data paths the same way).
 """
 
 import os
@@ -16,7 +18,15 @@ from tieflax.config import load_config
 
 
 def get_config(arg: str = ""):
-    config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if arg == "pod":
+        config = load_config(os.path.join(here, "tie_vs_untie_pod.py"))
+        config.train.update(num_steps=5_000, warmup_steps=500, eval_batches=32)
+        config.sweep = default_sweep_config()
+        config.sweep.update(sizes=((512, 8, 2048, 8), (1024, 12, 4096, 16), (2048, 16, 8192, 32)),
+                            seeds=(0, 1, 2), lrs=(1e-4, 3e-4, 1e-3), lr_size=0)
+        return config
+    config = load_config(os.path.join(here, "tiny.py"))
     t = config.train
     t.num_steps = 150
     t.warmup_steps = 15

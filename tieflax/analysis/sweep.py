@@ -287,7 +287,7 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
               "## Caveats", "",
               f"- {len(summary['sweep']['seeds'])} seeds per point: intervals over so few seeds under-cover.",
               "- The learning rate is tuned at one size and reused at the others.",
-              "- The sizes here are small (CPU); the same config's pod variant extends the curve upward.", ""]
+              "- On a CPU the sizes are small; `tie_scaling.py:pod` extends the curve to a 1B-parameter model.", ""]
     path = os.path.join(out_dir, "sweep_report.md")
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
