@@ -1,7 +1,8 @@
-"""PNG plots for ``tieflax analyze`` and the compare report (matplotlib, Agg backend: no display needed).
+"""PNG plots for ``tieflax analyze``, the compare report and the sweep (matplotlib on ``Figure`` objects).
 
-Every function takes ``{label: result}`` where a result is the dict :func:`analyze_params` returns
-(with ``arrays``) or, for curves, rows of ``metrics.jsonl``; it writes one PNG and returns its path.
+``norm_vs_frequency`` and ``cosine_histograms`` take ``{label: result}`` of :func:`analyze_params` (with
+``arrays``); the study's plots take seed-level values or interval dicts and draw n and error bars. Each
+function writes one PNG and returns its path.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def norm_vs_frequency(results: dict[str, dict], path: str) -> str:
     """One row per run, columns W_in and W_out: row norm against log10 count, binned means on top."""
     n = len(results)
     fig = Figure(figsize=(10, 3.2 * n))
-    axes = fig.subplots(n, 2, squeeze=False, sharex=True)
+    axes = fig.subplots(n, 2, squeeze=False, sharex=True, sharey=True)  # one scale: W_in vs W_out
     for row, (label, res) in enumerate(results.items()):
         a = res["arrays"]
         counts = np.asarray(a["counts"], np.float64)
@@ -77,103 +78,6 @@ def cosine_histograms(results: dict[str, dict], path: str) -> str:
     return _save(fig, path)
 
 
-def loss_curves(curves: dict[str, dict[str, list]], path: str) -> str:
-    """Train (thin) and validation (markers) loss against step. ``curves[label] = {'train': [(step,
-    loss)], 'val': [(step, loss)]}``; several seeds of one variant may share a colour via the label
-    prefix."""
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    for i, (label, c) in enumerate(curves.items()):
-        color = _color(label, i)
-        if c.get("train"):
-            s, l_ = zip(*c["train"])
-            ax.plot(s, l_, color=color, lw=1, alpha=0.8, label=f"{label} train")
-        if c.get("val"):
-            s, l_ = zip(*c["val"])
-            ax.plot(s, l_, color=color, marker="o", ms=4, lw=1.5, ls="--", label=f"{label} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    finite = [v for c in curves.values() for key in ("train", "val") for _, v in c.get(key, [])
-              if math.isfinite(v)]
-    if finite:  # the first steps sit near ln(V); show the part where the runs differ
-        lo, hi = min(finite), np.percentile(finite, 90)
-        ax.set_ylim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
-
-
-def gradient_interference(series: dict[str, list[tuple[int, dict]]], path: str) -> str:
-    """Over training, from checkpoint analyses: per-row cosine of the lookup and head gradients, the
-    head's share of the squared gradient norm, and the fraction of rows each path updates.
-    ``series[label] = [(step, gradient_dict), ...]``."""
-    fig = Figure(figsize=(13, 3.6))
-    axes = fig.subplots(1, 3)
-    for i, (label, points) in enumerate(series.items()):
-        if not points:
-            continue
-        steps = [s for s, _ in points]
-        color = _color(label, i)
-        axes[0].plot(steps, [g["cosine_mean"] for _, g in points], marker="o", color=color, label=label)
-        axes[1].plot(steps, [g["head_share"] for _, g in points], marker="o", color=color, label=label)
-        axes[2].plot(steps, [g["rows_lookup"] for _, g in points], marker="o", color=color,
-                     label=f"{label} lookup")
-        axes[2].plot(steps, [g["rows_head"] for _, g in points], marker="s", ls=":", color=color,
-                     label=f"{label} head")
-    axes[0].axhline(0, color="gray", lw=0.8)
-    axes[0].set_title("mean cosine(g_lookup[i], g_head[i])\nover rows both paths update", fontsize=9)
-    axes[1].set_title("head share of squared gradient norm", fontsize=9)
-    axes[2].set_title("fraction of vocabulary rows updated (one batch)", fontsize=9)
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    return _save(fig, path)
-
-
-def by_bucket(values: dict[str, list[float]], path: str, *, title: str, ylabel: str,
-              reference: float | None = None, log: bool = False) -> str:
-    """Grouped bars: one group per frequency bucket (rarest first), one bar per run."""
-    fig = Figure(figsize=(7, 3.6))
-    ax = fig.subplots()
-    labels = list(values)
-    n_buckets = max(len(v) for v in values.values())
-    width = 0.8 / max(len(labels), 1)
-    for i, label in enumerate(labels):
-        xs = np.arange(n_buckets) + (i - (len(labels) - 1) / 2) * width
-        ax.bar(xs, values[label], width=width, color=_color(label, i), label=label)
-    if reference is not None:
-        ax.axhline(reference, color="gray", lw=0.8)
-    if log:
-        ax.set_yscale("log")
-    ax.set_xticks(range(n_buckets), [f"bucket {b}" + (" (rarest)" if b == 0 else "") +
-                                     (" (commonest)" if b == n_buckets - 1 else "")
-                                     for b in range(n_buckets)], fontsize=8)
-    ax.set_title(title, fontsize=9)
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
-def diagnostics_over_training(rows: dict[str, list[dict]], keys: list[tuple[str, str]], path: str) -> str:
-    """Logged ``diag/*`` scalars (``metrics.jsonl`` rows of split 'diag') against step, one panel a key."""
-    fig = Figure(figsize=(4.3 * len(keys), 3.4))
-    axes = fig.subplots(1, len(keys), squeeze=False)
-    for col, (key, title) in enumerate(keys):
-        ax = axes[0, col]
-        for i, (label, rs) in enumerate(rows.items()):
-            pts = [(r["step"], float(r[key])) for r in rs if key in r]
-            if pts:
-                s, v = zip(*pts)
-                ax.plot(s, v, marker=".", color=_color(label, i), label=label)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
-# ---------------------------------------------------------------------------------- study (compare)
 def _err(ci: dict) -> tuple[float, float]:
     """(below, above) error-bar lengths of a CI dict; 0 where there is no interval."""
     if not (math.isfinite(ci.get("lo", float("nan"))) and math.isfinite(ci.get("hi", float("nan")))):
