@@ -461,6 +461,11 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
         "## The claims, checked against these numbers", "",
         *[f"- {c}" for c in claims(groups, summary)], "",
         "## Geometry (final checkpoint against init and a row-shuffled control)", "",
+        "The row-shuffled control permutes which row belongs to which token: measures that depend on token "
+        "frequency (rho, bin ratios, unigram-weighted cosine, movement by bin) fall to their null there, while "
+        "order-free ones (plain cosine, rank, isotropy) equal the final value up to the row sample. The init "
+        "column is the same matrix before training: a measure that barely moved from it describes the "
+        "initialisation, not tying.", "",
         diagnostics_table(groups), "",
         "## Gradient interference and updated rows", "",
         "Lookup and head gradients averaged over K held-out batches; for an untied model the same numbers "
