@@ -370,7 +370,7 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None
         paths["norm_vs_frequency"] = plots.profile_lines(
             {k: (p["x"], p["final"], p["init"]) for k, p in profiles.items()},
             os.path.join(out_dir, "norm_vs_frequency.png"), ylabel="mean row L2 norm",
-            title="row norm by equal-token-mass bin (dashed: same matrix at init)")
+            title="row norm by equal-token-mass bin (dotted: same matrix at init)")
         paths["movement_by_bin"] = plots.profile_lines(
             {k: (p["x"], p["move"], None) for k, p in profiles.items()},
             os.path.join(out_dir, "movement_by_bin.png"), ylabel="mean ||W_t[i] - W_0[i]||",
@@ -440,7 +440,7 @@ def _setup_section(summary: dict, groups: dict[str, list[dict]]) -> str:
 CAPTIONS = {
     "loss_differences": "Validation loss of each variant minus tied, paired by seed and document (95% CI).",
     "loss_curves": "Training and validation loss, mean over seeds (band: min-max over seeds).",
-    "norm_vs_frequency": "Row norm by equal-token-mass bin (error bars: min-max over seeds; dashed: init).",
+    "norm_vs_frequency": "Row norm by equal-token-mass bin (error bars: min-max over seeds; dotted: init).",
     "movement_by_bin": "How far rows moved from their initial values, by bin.",
     "anisotropy": "Anisotropy of unit rows per matrix (bars: final with 95% CI; x: init).",
     "gradient_interference": "Interference of the two gradient paths per variant, with the row-shuffled control.",
