@@ -7,9 +7,10 @@ import os
 import numpy as np
 import pytest
 
+from console_support import capture_console, foreign_problems
 from tieflax import cli
 from tieflax.analysis import study
-from tieflax.analysis.params import param_report
+from tieflax.model.params import param_report
 from tieflax.analysis.report import REPORT, claims, load_summary
 from tieflax.config import load_config
 from tieflax.model import ModelConfig
@@ -93,8 +94,10 @@ def compare_run(tmp_path_factory):
         "compare.max_rows=128", "compare.seeds=(0, 1)", "compare.grad_batches=2", "compare.bootstrap=200",
         "compare.n_bins=4", "compare.variants=('tied', 'untied')",
     ]
-    assert cli.main(["compare", "--config", CONFIG, "--workdir", str(workdir),
-                     *[f"--config.{o}" for o in overrides]]) == 0
+    code, console = capture_console(cli.main, ["compare", "--config", CONFIG, "--workdir", str(workdir),
+                                                *[f"--config.{o}" for o in overrides]])
+    assert code == 0, console
+    (workdir / "console.txt").write_text(console)  # what the user saw, for test_compare_prints_no_foreign_warning
     return workdir
 
 
@@ -135,6 +138,14 @@ def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys
     assert len(lines) == 6 and all("[" in line for line in lines)
 
 
+def test_compare_prints_no_foreign_warning(compare_run):
+    """The quick-start command shows progress bars, its summary and nothing else: no warning or error line
+    that tieflax did not write (orbax's "Metadata file does not exist" for healthy checkpoints was one)."""
+    console = (compare_run / "console.txt").read_text()
+    assert "compare finished in" in console and "report: " in console
+    assert foreign_problems(console) == [], console
+
+
 def test_report_only_rewrites_from_the_summary_and_verdicts_follow_the_interval(compare_run, capsys):
     import copy
 
@@ -162,8 +173,9 @@ def test_analyze_command_on_a_compare_run(compare_run, capsys):
     assert cli.main(["analyze", "--workdir", str(run_dir), "--step", "2", "--max-rows", "64"]) == 0
     saved = json.loads((run_dir / "analysis" / "step_2.json").read_text())
     assert saved["step"] == 2 and not saved["tied"] and "cka" in saved["in_out"]
-    with pytest.raises(FileNotFoundError, match="no checkpoint at step 3"):
-        cli.main(["analyze", "--workdir", str(run_dir), "--step", "3"])
+    capsys.readouterr()
+    assert cli.main(["analyze", "--workdir", str(run_dir), "--step", "3"]) == 1
+    assert "tieflax analyze: " in (err := capsys.readouterr().err) and "no checkpoint at step 3" in err
 
 
 def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tieflax.analysis.params import abstract_params, count_params  # noqa: E402
+from tieflax.model.params import abstract_params, count_params  # noqa: E402
 from tieflax.interop import hf_config, hf_weights  # noqa: E402
 from tieflax.interop.hf import (UnsafeCheckpoint, load_hf_checkpoint, read_safetensors,  # noqa: E402
                                 save_hf_checkpoint)
@@ -136,6 +136,21 @@ def test_gemma2_softcaps_are_exercised(imported):
     for field in ("attn_softcap", "final_logit_softcap"):
         off = _tieflax_logits(config.replace(**{field: 0.0}), params)
         assert np.abs(off - ref).max() > 100 * TOL, field
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_import_into_scanned_layers_and_export_back(imported, name):
+    """scan_layers=True: the layers arrive stacked (Gemma 2 as one local/global pair per scan step), the
+    logits still match transformers, and export writes the very tensors of the per-layer model."""
+    _, folder, ref, config, params, _ = imported(name, True)
+    scanned, stacked = load_hf_checkpoint(folder, scan_layers=True)
+    assert set(stacked["layers"]) == ({"block_0", "block_1"} if name == "gemma2" else {"block_0"})
+    assert not any(k.startswith("block_") for k in stacked)
+    np.testing.assert_allclose(_tieflax_logits(scanned, stacked), ref, atol=TOL, rtol=0)
+    mine, theirs = hf_weights.state_from_params(stacked, scanned), hf_weights.state_from_params(params, config)
+    assert mine.keys() == theirs.keys()
+    for key in theirs:
+        np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
 
 
 def test_sharded_checkpoints_both_ways(imported, root):

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tieflax import cli
-from tieflax.analysis.params import param_report
+from tieflax.model.params import param_report
 from tieflax.config import load_config, model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +40,14 @@ def test_counts_equal_published_totals(name):
     # Tying removes exactly one V x d matrix (published V: padding rows are not parameters).
     assert report.total_untied - report.total_tied == config.vocab_size * config.d_model
     assert config.padded_vocab % 128 == 0 and config.padded_vocab >= config.vocab_size
+
+
+def test_published_configs_default_to_scanned_layers_with_remat():
+    """What a pod run should use, with no flag: scanned layers and a remat policy. (The counts above are
+    of these scanned models; tests/test_scan.py checks that unrolled ones count the same.)"""
+    for name in PUBLISHED:
+        config = model_config(load_config(os.path.join(REPO, f"configs/models/{name}.py")))
+        assert config.scan_layers and config.remat == "full", name
 
 
 def test_padding_is_not_counted():

@@ -27,5 +27,7 @@ def get_config():
         attn_out_bias=True,
         position='learned',
         tie_embeddings=True,
+        scan_layers=True,    # pod defaults: one compiled layer, stacked params
+        remat='full',        # the least memory; see benchmarks/README.md for the others
     )
     return config

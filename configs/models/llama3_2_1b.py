@@ -27,5 +27,7 @@ def get_config():
         rope_high_freq_factor=4.0,
         rope_original_max_len=8192,
         tie_embeddings=True,
+        scan_layers=True,    # pod defaults: one compiled layer, stacked params
+        remat='full',        # the least memory; see benchmarks/README.md for the others
     )
     return config

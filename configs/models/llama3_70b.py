@@ -23,5 +23,7 @@ def get_config():
         max_seq_len=8192,
         rope_theta=500000.0,
         tie_embeddings=False,
+        scan_layers=True,    # pod defaults: one compiled layer, stacked params
+        remat='full',        # the least memory; see benchmarks/README.md for the others
     )
     return config

@@ -24,5 +24,7 @@ def get_config():
         rope_theta=10000.0,
         sliding_window=4096,
         tie_embeddings=False,
+        scan_layers=True,    # pod defaults: one compiled layer, stacked params
+        remat='full',        # the least memory; see benchmarks/README.md for the others
     )
     return config

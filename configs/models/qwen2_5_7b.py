@@ -25,5 +25,7 @@ def get_config():
         qkv_bias=True,
         rope_theta=1000000.0,
         tie_embeddings=False,
+        scan_layers=True,    # pod defaults: one compiled layer, stacked params
+        remat='full',        # the least memory; see benchmarks/README.md for the others
     )
     return config

@@ -24,5 +24,7 @@ def get_config():
         norm_eps=1e-05,
         rope_theta=10000.0,
         tie_embeddings=True,
+        scan_layers=True,    # pod defaults: one compiled layer, stacked params
+        remat='full',        # the least memory; see benchmarks/README.md for the others
     )
     return config

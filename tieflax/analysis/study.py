@@ -27,7 +27,7 @@ import time
 
 import ml_collections
 
-from tieflax.analysis.params import param_report
+from tieflax.model.params import param_report
 
 # Variants a user can name; DEFAULT_VARIANTS is what `tieflax compare` trains unless told otherwise.
 MATCHED = ("untied_matched", "untied_width", "untied_depth")

@@ -1,0 +1,139 @@
+"""Scanned layers and remat policies: the same function, parameters and gradients as the unrolled model.
+
+Scanned parameters are the unrolled ones stacked (``tieflax.model.layout``), so every comparison
+initialises the unrolled model, stacks its parameters and checks logits, loss and gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tieflax.config import apply_override, default_config, model_config
+from tieflax.model import ConfigError, ModelConfig, TransformerLM
+from tieflax.model.config import REMAT_POLICIES
+from tieflax.model.layout import LAYERS_AXIS, stack_layers, to_layout, unstack_layers
+from tieflax.model.params import abstract_params, count_params
+
+V, B, T = 100, 2, 8
+BASE = dict(vocab_size=V, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=32)
+FAMILIES = {
+    "llama": ModelConfig(family="llama", **BASE),
+    # Gemma 2: local (window 3) and global layers alternate, so the scan steps over pairs of layers.
+    "gemma2": ModelConfig(family="gemma2", sliding_window=3, sliding_window_every=2, sandwich_norms=True,
+                          attn_softcap=5.0, final_logit_softcap=3.0, norm_unit_offset=True, mlp="geglu", **BASE),
+}
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, V, (B, T)), jnp.int32)
+TARGETS = jnp.roll(TOKENS, -1, axis=1)
+
+
+def _init(c: ModelConfig) -> dict:
+    import flax.linen as nn
+
+    return nn.unbox(TransformerLM(c).init(jax.random.key(0), TOKENS)["params"])
+
+
+def _loss_and_grads(c: ModelConfig, params: dict, with_logits: bool = False):
+    """(loss, grads) of the fused loss, or ((loss, logits), grads): one compile per call."""
+    model = TransformerLM(c)
+
+    def f(p):
+        loss = model.apply({"params": p}, TOKENS, TARGETS, method="loss")[0].mean()
+        return (loss, model.apply({"params": p}, TOKENS)[..., :V]) if with_logits else loss
+    return jax.jit(jax.value_and_grad(f, has_aux=with_logits))(params)
+
+
+def _assert_trees_close(a, b, tol=2e-6):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_scanned_matches_unrolled(family, tied):
+    c = FAMILIES[family].replace(tie_embeddings=tied)
+    cs = c.replace(scan_layers=True)
+    params = _init(c)
+    stacked = stack_layers(params, cs)
+    steps = c.n_layers // cs.layers_per_scan_step
+    assert steps == (2 if family == "gemma2" else 4)
+    assert stacked[LAYERS_AXIS]["block_0"]["attn"]["query"]["kernel"].shape[0] == steps
+    (loss, logits), grads = _loss_and_grads(c, params, with_logits=True)
+    (loss_s, logits_s), grads_s = _loss_and_grads(cs, stacked, with_logits=True)
+    assert float(jnp.abs(logits).max()) > 0.1
+    np.testing.assert_allclose(logits_s, logits, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(loss_s, loss, rtol=1e-6)
+    _assert_trees_close(unstack_layers(grads_s, cs), grads)
+
+
+def test_scanned_gemma2_layers_keep_their_attention_kind():
+    """Swapping the two blocks of each scanned pair changes the logits: local and global differ."""
+    cs = FAMILIES["gemma2"].replace(scan_layers=True)
+    stacked = stack_layers(_init(FAMILIES["gemma2"]), cs)
+    pair = stacked[LAYERS_AXIS]
+    swapped = {**stacked, LAYERS_AXIS: {"block_0": pair["block_1"], "block_1": pair["block_0"]}}
+    apply = jax.jit(TransformerLM(cs).apply)
+    a, b = (apply({"params": p}, TOKENS) for p in (stacked, swapped))
+    assert float(jnp.abs(a - b)[..., :V].max()) > 1e-3
+
+
+@pytest.mark.parametrize("scan,policies", [(True, REMAT_POLICIES[1:]), (False, ("full", "save_qkv_proj"))])
+def test_remat_policies_give_the_gradients_of_none(scan, policies):
+    base = FAMILIES["gemma2" if scan else "llama"].replace(scan_layers=scan, n_layers=2)
+    params = _init(base.replace(scan_layers=False))
+    params = to_layout(params, base)
+    loss, grads = _loss_and_grads(base, params)
+    for policy in policies:
+        loss_p, grads_p = _loss_and_grads(base.replace(remat=policy), params)
+        np.testing.assert_allclose(loss_p, loss, rtol=1e-6, err_msg=policy)
+        _assert_trees_close(grads_p, grads)
+
+
+def test_named_policies_keep_the_tagged_projections(capsys):
+    """The policies find their tensors: 'save_qkv_proj' keeps q/k/v, 'full' keeps none of them."""
+    c = FAMILIES["llama"].replace(n_layers=1)
+    params = _init(c)
+
+    def residuals(policy):
+        f = lambda p: TransformerLM(c.replace(remat=policy)).apply(  # noqa: E731
+            {"params": p}, TOKENS, TARGETS, method="loss")[0].mean()
+        jax.ad_checkpoint.print_saved_residuals(f, params)
+        return capsys.readouterr().out
+
+    saved = residuals("save_qkv_proj")
+    assert all(f"named '{n}_proj'" in saved for n in ("query", "key", "value")) and "'out_proj'" not in saved
+    assert "'out_proj'" in residuals("save_dot_except_mlp")
+    full = residuals("full")
+    assert "named" not in full and len(full.splitlines()) < len(residuals("none").splitlines())
+
+
+def test_layout_round_trip_and_counts():
+    for c in FAMILIES.values():
+        cs = c.replace(scan_layers=True)
+        params = _init(c)
+        back = unstack_layers(stack_layers(params, cs), cs)
+        _assert_trees_close(back, params, tol=0)
+        assert to_layout(params, c) is params
+        with pytest.raises(ValueError, match="already stacked"):
+            stack_layers(stack_layers(params, cs), cs)
+        # Same totals; the stacked axis is the logical 'layers' axis (replicated by the sharding rules).
+        boxed = abstract_params(cs)
+        assert count_params(boxed, cs) == count_params(abstract_params(c), c)
+        assert boxed[LAYERS_AXIS]["block_0"]["mlp"]["up"]["kernel"].names[0] == LAYERS_AXIS
+
+
+def test_config_validation_and_old_remat_switch():
+    with pytest.raises(ConfigError, match=r"config.model.n_layers: 3 layers cannot be scanned in steps of 2"):
+        FAMILIES["gemma2"].replace(n_layers=3, scan_layers=True)
+    FAMILIES["gemma2"].replace(n_layers=3)  # unrolled, any number of layers
+    with pytest.raises(ConfigError, match=r"config.model.remat: unknown policy 'everything'"):
+        ModelConfig(remat="everything")
+    assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
+    config = default_config()
+    apply_override(config, "--config.model.remat=True")       # the old switch, on the command line
+    assert model_config(config).remat == "full"
+    apply_override(config, "--config.model.remat=save_qkv_proj")
+    assert model_config(config).remat == "save_qkv_proj"
