@@ -213,6 +213,7 @@ def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):
     assert c["crossing"] == pytest.approx(c["x"][0] + (c["x"][1] - c["x"][0]) * d[0] / (d[0] - d[1]))
     text = open(summary["report"]).read()
     assert "Crossing: at about 10^" in text and (tmp_path / "loss_vs_total.png").stat().st_size > 1000
+    assert "At the edge of the grid" in text  # a 2-rate grid: every best rate is at an edge
     with pytest.raises(FileExistsError, match="--resume"):
         sweep.run_sweep(config, str(tmp_path), train=fake_train)
     sweep.run_sweep(config, str(tmp_path), train=fake_train, resume=True, log=lambda _: None)

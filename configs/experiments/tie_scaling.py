@@ -5,7 +5,8 @@
 Four sizes (d_model 32-96, 1-3 layers, vocabulary 8,192: the embedding share falls from 89% to 57% of a
 tied model), variants ``tied``, ``untied`` (same body), ``untied_matched`` (same body, narrower untied
 embeddings, equal total) and ``untied_width`` (narrower body, equal total), 2 seeds each, 150 steps x 16 x
-128 tokens per run. Each variant's learning rate is the best of (1e-3, 3e-3, 1e-2) at size 1 (seed 0).
+128 tokens per run. Each variant's learning rate is the best of (3e-3, 1e-2, 3e-2) at size 1 (seed 0): a
+first run with (1e-3, 3e-3, 1e-2) found 1e-2 best for tied, untied and untied_matched, the grid's edge.
 See README.md ("The study") for the measured time. ``:smoke`` is a minutes-long shape check of the whole
 command (2 tiny sizes, 4 steps). ``:pod`` is the top of the curve: three sizes up to the Llama-3.2-1B
 shape on the pod study's data and mesh (``tie_vs_untie_pod.py``; pass its data paths the same way).

@@ -43,7 +43,7 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     c.sizes = ((32, 1, 128, 2), (48, 2, 192, 4), (64, 2, 256, 4), (96, 3, 384, 4))  # d_model, layers, d_ff, heads
     c.variants = ("tied", "untied", "untied_matched", "untied_width")
     c.seeds = (0, 1)
-    c.lrs = (1e-3, 3e-3, 1e-2)
+    c.lrs = (3e-3, 1e-2, 3e-2)
     c.lr_size = 1
     c.bootstrap = 2000
     return c
@@ -239,6 +239,14 @@ def crossover(tied: list[dict], other: list[dict], x_key: str = "total", n_boot:
                 share=float(share), lo=float(lo), hi=float(hi), n_seeds=len(seeds))
 
 
+def _edge_note(summary: dict) -> str:
+    """A warning when a variant's best rate is the grid's smallest or largest (its optimum may lie beyond)."""
+    lrs = sorted(summary["sweep"]["lrs"])
+    edge = [v for v, lr in summary["best_lr"].items() if len(lrs) > 1 and lr in (lrs[0], lrs[-1])]
+    return (f" **At the edge of the grid:** {', '.join(f'`{v}`' for v in edge)}; widen `config.sweep.lrs`."
+            if edge else "")
+
+
 def write_sweep_report(summary: dict, out_dir: str) -> str:
     from tieflax.analysis import plots
 
@@ -253,7 +261,7 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
              f"Produced by `tieflax sweep` in {summary['wall_seconds'] / 60:.1f} minutes. Every variant trained "
              f"at its own best learning rate (from {tuple(summary['sweep']['lrs'])} at size "
              f"{summary['sweep']['lr_size']}, seed {summary['sweep']['seeds'][0]}): "
-             + ", ".join(f"`{v}` {lr:g}" for v, lr in summary["best_lr"].items()) + ".", "",
+             + ", ".join(f"`{v}` {lr:g}" for v, lr in summary["best_lr"].items()) + "." + _edge_note(summary), "",
              "## Loss by size", "",
              "| variant | size | d_model, layers, d_ff, heads | total params | non-embedding | val loss [95% CI] (n) |",
              "|---|---:|---|---:|---:|---:|"]
