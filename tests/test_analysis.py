@@ -224,3 +224,150 @@ def test_training_diagnostics_flat_keys_tied_and_untied():
         analysis.training_diagnostics({"embed": {"embedding": w}}, counts, lookup_grad=w)
     with pytest.raises(ValueError, match="embed/embedding"):
         analysis.training_diagnostics({"params": {}}, counts)
+
+
+# Corrected measures: planted answers ----------------------------------------------------------------
+from tieflax.analysis import measures, stats as st  # noqa: E402
+
+
+def _zipf_counts(v=2000, seed=1):
+    return np.random.default_rng(seed).permutation((1e5 / np.arange(1, v + 1)).astype(np.int64))
+
+
+def test_mass_bins_hold_equal_token_mass_and_strata_recover_a_planted_profile():
+    counts = _zipf_counts()
+    bins = measures.mass_bins(counts, 8)
+    mass = np.array([counts[bins == b].sum() for b in range(8)]) / counts.sum()
+    assert np.all(np.abs(mass - 1 / 8) < 0.07) and bins[np.argmax(counts)] == 7 and bins[np.argmin(counts)] == 0
+    rng = np.random.default_rng(2)
+    d = 16
+    u = measures._unit(rng.normal(size=(counts.size, d)))
+    # Planted: norms fall with frequency over the rare half of the mass, rise over the frequent half
+    # (the U shape): one rho over all rows hides it, the strata show it.
+    lf = np.log(counts)
+    split = np.median(lf[bins >= 4])
+    norms = np.where(bins >= 4, 1 + (lf - split), 1 + 0.5 * (lf.max() - lf) / lf.max())
+    out = measures.frequency_profile(_pad(u * norms[:, None]), counts, 8)
+    assert out["rho_head"] == pytest.approx(1.0)
+    assert all(r == pytest.approx(1.0) for r, b in zip(out["rho"], range(8)) if b >= 4 and np.isfinite(r))
+    assert all(r == pytest.approx(-1.0, abs=1e-3) for r, b in zip(out["rho"], range(8)) if b < 4 and np.isfinite(r))
+    assert sum(out["rows"]) == counts.size and sum(out["mass"]) == pytest.approx(1.0)
+    np.testing.assert_allclose(out["norm"], [norms[bins == b].mean() for b in range(8)])
+    shuffled = measures.frequency_profile(measures.shuffled_rows(u * norms[:, None], counts.size), counts, 8)
+    assert abs(shuffled["rho_head"]) < 0.2  # the control loses the planted relation
+
+
+def test_row_movement_by_bin():
+    counts = _zipf_counts(500)
+    bins = measures.mass_bins(counts, 4)
+    w0 = RNG.normal(size=(500, 8))
+    step = np.where(bins == 3, 2.0, 0.5)[:, None] * measures._unit(RNG.normal(size=(500, 8)))
+    out = measures.row_movement(_pad(w0 + step), _pad(w0), counts, 4)
+    np.testing.assert_allclose(out["bin_move"], [0.5, 0.5, 0.5, 2.0])
+    assert out["move_ratio_top_bottom"] == pytest.approx(4.0)
+    np.testing.assert_allclose(out["bin_rel"][3], (2.0 / np.linalg.norm(w0, axis=1))[bins == 3].mean())
+
+
+def test_unit_anisotropy_planted_common_direction_and_rank():
+    v, d = 2000, 32
+    counts = np.ones(v, np.int64)
+    e1 = np.eye(d)[0]
+    noise = RNG.normal(size=(v, d))
+    noise[:, 0] = 0
+    theta = np.deg2rad(60)  # u = cos(theta) e1 + sin(theta) n: expected pairwise cosine cos^2 = 0.25
+    u = np.cos(theta) * e1 + np.sin(theta) * measures._unit(noise)
+    out = measures.unit_anisotropy(_pad(7.0 * u), counts, max_rows=None)  # a row scale changes nothing
+    assert out["mean_cosine"] == pytest.approx(0.25, abs=0.01)
+    assert out["effective_rank_frac"] > 0.9  # centring removes the common direction
+    iso = measures.unit_anisotropy(measures._unit(RNG.normal(size=(v, d))), counts, max_rows=None)
+    assert abs(iso["mean_cosine"]) < 0.01 and iso["isotropy_centered"] > 0.5
+    # Rows on +-e_k for k < 4, equally often: exactly 4 equal singular values after centring.
+    flat = np.concatenate([np.eye(d)[:4], -np.eye(d)[:4]] * 50)
+    out = measures.unit_anisotropy(flat, np.ones(400, np.int64), max_rows=None)
+    assert out["effective_rank_frac"] == pytest.approx(4 / d)
+    # Frequency-weighted: the frequent tokens share a direction, the rare ones do not.
+    counts = np.r_[np.full(100, 1000), np.ones(v - 100)].astype(np.int64)
+    w = measures._unit(RNG.normal(size=(v, d)))
+    w[:100] = e1
+    out = measures.unit_anisotropy(w, counts, max_rows=None)
+    p = counts / counts.sum()
+    expected = (np.sum(p[:100]) ** 2 - np.sum(p[:100] ** 2)) / (1 - np.sum(p ** 2))  # ~ share^2
+    assert out["mean_cosine_freq"] == pytest.approx(expected, abs=0.02) and out["mean_cosine"] < 0.01
+    # All-but-the-top removes one dominant direction from the centred rows.
+    spiky = RNG.normal(size=(v, d)) + np.outer(RNG.normal(size=v) * 6, np.eye(d)[1])
+    out = measures.unit_anisotropy(spiky, np.ones(v, np.int64), max_rows=None, n_top=1)
+    assert out["isotropy_abtt"] > out["isotropy_centered"] + 0.1 and out["top_pc_share"] > 0.3
+    assert iso["top_pc_share"] == pytest.approx(1 / d, rel=0.3)
+
+
+def test_mean_cosine_from_sum_matches_pairs():
+    u = measures._unit(RNG.normal(size=(50, 6)) + 1.0)
+    gram = u @ u.T
+    expected = gram[np.triu_indices(50, 1)].mean()
+    assert measures.mean_cosine_from_sum(u.sum(0), 50.0, 50) == pytest.approx(expected)
+
+
+def test_accumulated_interference_planted_alignment():
+    v, d = 300, 8
+    counts = _zipf_counts(v)
+    a, b = RNG.normal(size=(v, d)), RNG.normal(size=(v, d))
+    b -= a * (a * b).sum() / (a * a).sum()  # b orthogonal to a
+    a, b = a / np.linalg.norm(a), b / np.linalg.norm(b)
+    for c in (-0.6, 0.0, 0.8):
+        head = c * a + np.sqrt(1 - c ** 2) * b
+        out = measures.accumulated_interference(_pad(a), _pad(head), np.ones((v, d)), counts)
+        assert out["cosine"] == pytest.approx(c, abs=1e-12)
+        assert out["cosine_adam"] == pytest.approx(c, abs=1e-6)  # P = I / (1 + eps)
+        assert out["cross_share"] == pytest.approx(2 * c / (2 + 2 * c), abs=1e-12)
+    # The preconditioner changes the metric: one coordinate with a tiny second moment dominates.
+    gl, gh = np.zeros((v, d)), np.zeros((v, d))
+    gl[0, 0], gh[0, 0], gl[1, 1], gh[1, 1] = 1.0, 1.0, 1.0, -1.0
+    nu = np.ones((v, d))
+    nu[0, 0] = 1e-4
+    out = measures.accumulated_interference(gl, gh, nu, counts)
+    assert out["cosine"] == pytest.approx(0.0, abs=1e-12)
+    assert out["cosine_adam"] == pytest.approx((100 - 1) / (100 + 1), rel=1e-5)
+
+
+def test_updated_fractions_are_magnitude_aware():
+    v, d = 400, 4
+    counts = _zipf_counts(v)
+    lookup, head = np.zeros((v, d)), np.full((v, d), 1e-4)  # every row has a non-zero head gradient
+    lookup[:100] = 1.0
+    out = measures.updated_fractions(lookup, head, counts, taus=(0.01, 0.5))
+    assert out["frac_0.01"] == pytest.approx(100 / v) and out["frac_0.5"] == pytest.approx(100 / v)
+    assert out["reference"] == pytest.approx(np.linalg.norm(np.full(d, 1 + 1e-4)))
+
+
+def test_bootstrap_intervals_known_answers():
+    const = st.bootstrap_ci([0.3] * 5)
+    assert const["lo"] == pytest.approx(0.3) and const["hi"] == pytest.approx(0.3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 1.0, size=400)
+    ci = st.bootstrap_ci(x)
+    assert ci["lo"] < 1.0 < ci["hi"] and ci["hi"] - ci["lo"] == pytest.approx(2 * 1.96 / 20, rel=0.2)
+    assert st.excludes_zero(ci) and "above" in st.verdict(ci, "above", "below")
+    assert st.verdict(st.bootstrap_ci([0.1]), "a", "b").startswith("no interval")
+    # Two levels: per-seed offsets that dwarf document noise widen the joint interval, not the doc one.
+    tokens = np.full(200, 100.0)
+    base = rng.normal(0, 0.01, size=(3, 200)) * tokens
+    a = base + 0.05 * tokens + np.array([[0.0], [0.2], [-0.2]]) * tokens
+    out = st.two_level_bootstrap(a, base, tokens)
+    assert out["mean"] == pytest.approx(0.05, abs=1e-9)
+    assert out["doc_hi"] - out["doc_lo"] < 0.01 < out["hi"] - out["lo"]
+    assert out["seed_lo"] <= out["mean"] <= out["seed_hi"]
+
+
+def test_decoupled_embed_dim_split_gradient_sums_to_tied(tiny_tied):
+    _, tokens = tiny_tied
+    config = TINY.replace(embed_dim=8)
+    params = jax.jit(TransformerLM(config).init)(jax.random.key(0), tokens)["params"]
+    params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+    assert params["embed"]["embedding"].shape == (256, 8) and params["embed"]["out_proj"].shape == (8, 32)
+    batch = dict(inputs=tokens, targets=jnp.roll(tokens, -1, axis=1))
+    lookup, head = analysis.split_embedding_gradients(config, params, batch)
+    model = TransformerLM(config)
+    tied = jax.jit(jax.grad(lambda p: model.apply({"params": p}, tokens, batch["targets"],
+                                                  method=TransformerLM.loss)[0].mean()))(params)
+    np.testing.assert_allclose(np.asarray(lookup) + np.asarray(head), tied["embed"]["embedding"], rtol=1e-5,
+                               atol=1e-8)

@@ -19,11 +19,12 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments",
 WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou thy "
          "was god which my me said but ye their have will thee from as are when this out were upon man by "
          "you israel king son up there hath then people came had house into her").split()
-PLOTS = ("loss_curves", "norm_vs_frequency", "norm_by_bucket", "cosine_histograms", "gradient_interference",
-         "gradient_cosine_by_bucket", "softmax_mass_by_bucket", "diagnostics_over_training")
+PLOTS = ("loss_curves", "loss_differences", "norm_vs_frequency", "movement_by_bin", "anisotropy",
+         "gradient_interference", "updated_by_bin")
 
 
-@pytest.mark.parametrize("strategy,shape", [("width", dict(n_layers=2)), ("depth", dict(n_layers=6))])
+@pytest.mark.parametrize("strategy,shape", [("width", dict(n_layers=2)), ("depth", dict(n_layers=6)),
+                                            ("embed_dim", dict(n_layers=2))])
 def test_matched_untied_has_the_tied_total(strategy, shape):
     mc = ModelConfig(family="llama", vocab_size=500, d_model=64, n_heads=4, d_ff=256, max_seq_len=32,
                      tie_embeddings=True, **shape)
@@ -32,22 +33,43 @@ def test_matched_untied_has_the_tied_total(strategy, shape):
     assert not matched.tie_embeddings
     assert info["target_total"] == tied_total
     assert info["matched_total"] == param_report(matched).total_untied  # measured, not assumed
-    assert abs(info["matched_total"] - tied_total) / tied_total < 2e-3
-    changed = "d_model" if strategy == "width" else "n_layers"
-    assert getattr(matched, changed) < getattr(mc, changed)
+    assert abs(info["matched_total"] - tied_total) / tied_total < (2e-2 if strategy == "embed_dim" else 2e-3)
+    changed = {"width": "d_model", "depth": "n_layers", "embed_dim": "embed_dim"}[strategy]
+    if strategy == "embed_dim":  # Chung et al.: the body is untouched, the embeddings narrow
+        assert (matched.d_model, matched.n_layers, matched.d_ff) == (mc.d_model, mc.n_layers, mc.d_ff)
+        assert 0 < matched.embed_dim < mc.d_model
+        step = param_report(matched.replace(embed_dim=matched.embed_dim + 1)).total_untied - info["matched_total"]
+        assert abs(tied_total - info["matched_total"]) <= step / 2  # the nearest E
+    else:
+        assert getattr(matched, changed) < getattr(mc, changed)
     assert info["matched_shape"][changed] == getattr(matched, changed)
 
 
 def test_depth_match_impossible_is_a_clear_error():
     mc = ModelConfig(family="llama", vocab_size=4000, d_model=32, n_layers=1, n_heads=2, d_ff=64,
                      tie_embeddings=True)
-    with pytest.raises(ValueError, match="match='width'"):
+    with pytest.raises(ValueError, match="'untied_width'"):
         study.matched_untied_config(mc, "depth")
 
 
+def test_variants_matched_on_non_embedding_and_on_total_parameters():
+    from tieflax.config import model_config
+
+    config = load_config(CONFIG, ["compare.variants=('tied', 'untied', 'untied_matched', 'tied_embed_decay', "
+                                  "'untied_head_bias', 'tied_embed_sgd')"])
+    variants, infos = study.variant_configs(config)
+    p = {v: study.param_counts(model_config(variants[v])) for v in ("tied", "untied", "untied_matched")}
+    assert p["untied_matched"]["non_embedding"] == p["tied"]["non_embedding"] == p["untied"]["non_embedding"]
+    assert abs(p["untied_matched"]["total"] - p["tied"]["total"]) / p["tied"]["total"] < 0.01
+    assert variants["tied_embed_sgd"].train.embedding_optimizer == "sgd"
+    assert variants["tied_embed_decay"].train.decay_embeddings and variants["tied_embed_decay"].model.tie_embeddings
+    assert variants["untied_head_bias"].model.head_bias and not variants["untied_head_bias"].model.tie_embeddings
+    assert set(infos) == {"untied_matched"} and infos["untied_matched"]["matched_shape"]["embed_dim"] == 32
+
+
 def test_compare_config_errors_name_the_field():
-    config = load_config(CONFIG, ["compare.match=diagonal"])
-    with pytest.raises(ValueError, match="config.compare.match"):
+    config = load_config(CONFIG, ["compare.grad_batches=0"])
+    with pytest.raises(ValueError, match="config.compare.grad_batches"):
         study.compare_config(config)
     config = load_config(CONFIG, ["compare.variants=('tied', 'untyed')"])
     with pytest.raises(ValueError, match="config.compare.variants"):
@@ -69,7 +91,8 @@ def compare_run(tmp_path_factory):
         "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=16", "train.seq_len=16",
         "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.eval_every=4",
         "train.eval_batches=1", "train.log_every=2", "train.analyze_every=2", "compare.analysis_points=2",
-        "compare.val_batches=1", "compare.max_rows=128", "compare.analyze_init=False",  # one compile less
+        "compare.max_rows=128", "compare.seeds=(0, 1)", "compare.grad_batches=2", "compare.bootstrap=200",
+        "compare.n_bins=4", "compare.variants=('tied', 'untied')",
     ]
     code, console = capture_console(cli.main, ["compare", "--config", CONFIG, "--workdir", str(workdir),
                                                 *[f"--config.{o}" for o in overrides]])
@@ -81,31 +104,38 @@ def compare_run(tmp_path_factory):
 def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys):
     workdir = compare_run
     text = (workdir / REPORT).read_text()
-    for section in ("## Setup", "## Results", "## Diagnostics (final checkpoint)",
-                    "## The claims, checked against these numbers", "## Plots",
+    for section in ("## Setup", "## Results", "## The claims, checked against these numbers",
+                    "## Geometry (final checkpoint against init and a row-shuffled control)",
+                    "## Gradient interference and updated rows", "## Plots",
                     "## What these numbers support, and what they do not"):
         assert section in text, section
     for plot in PLOTS:
         assert f"]({plot}.png)" in text, plot
         assert (workdir / f"{plot}.png").stat().st_size > 1000, plot
-    for variant in ("tied", "untied", "untied_matched"):
-        assert f"| {variant} |" in text or f" {variant} " in text
-    assert "n/a" not in text.split("## Diagnostics")[1].split("W_in vs W_out")[0]  # every geometry cell
-    assert "parameters vs the tied model's" in text  # the match is stated
+    assert "epochs of the train split" in text and "2 seeds x 3 documents" in text
     assert (workdir / "report.html").exists()
     summary = load_summary(str(workdir))
-    runs = {r["variant"]: r for r in summary["runs"]}
-    totals = {v: r["params"]["total_tied" if v == "tied" else "total_untied"] for v, r in runs.items()}
-    assert totals["untied"] - totals["tied"] == 300 * 32
-    assert abs(totals["untied_matched"] - totals["tied"]) / totals["tied"] < 0.01
-    tied = runs["tied"]["analysis"]["final"]
-    assert tied["gradient"]["rows_head"] == 1.0 and tied["gradient"]["rows_lookup"] < 1.0
-    steps = [s for s, _ in runs["tied"]["analysis"]["over_time"]]
-    assert steps == [2, 4]  # analysis_points=2 checkpoints (step 0 is off here to save a compile)
-    # The trainer logged the diagnostics hook's rows.
-    rows = [json.loads(line) for line in open(workdir / "tied" / "seed_0" / "metrics.jsonl")]
-    assert any(r["split"] == "diag" and "input/spearman" in {k.removeprefix("diag/") for k in r} for r in rows)
-    assert len(claims({v: [r] for v, r in runs.items()})) == 6
+    runs = {(r["variant"], r["seed"]): r for r in summary["runs"]}
+    assert len(runs) == 4  # 2 variants x 2 seeds
+    p = {v: runs[(v, 0)]["params"] for v in ("tied", "untied")}
+    assert p["untied"]["total"] - p["tied"]["total"] == 300 * 32
+    assert p["untied"]["non_embedding"] == p["tied"]["non_embedding"]
+    tied = runs[("tied", 0)]["analysis"]
+    val = tied["val"]
+    # The whole validation split, attributed to documents: every scored token counted once.
+    assert val["doc_tokens"] == runs[("untied", 1)]["analysis"]["val"]["doc_tokens"] and sum(val["doc_tokens"]) > 0
+    assert val["loss"] == pytest.approx(sum(val["doc_loss"]) / sum(val["doc_tokens"]))
+    g = tied["gradient"]["final"]
+    assert -1 <= g["cosine"] <= 1 and g["batches"] == 2 and "cosine_adam" in g["shuffled"]
+    m = tied["matrices"]["input"]
+    assert m["movement"]["mean"] > 0 and m["init"]["aniso"]["mean_cosine"] != m["final"]["aniso"]["mean_cosine"]
+    assert "arrays" in tied and "arrays" not in runs[("tied", 1)]["analysis"]  # per-row data for seed 0 only
+    # Claims: every one has an interval (two seeds) and a verdict drawn from it.
+    groups = {}
+    for r in summary["runs"]:
+        groups.setdefault(r["variant"], []).append(r)
+    lines = claims(groups, summary)
+    assert len(lines) == 6 and all("[" in line for line in lines)
 
 
 def test_compare_prints_no_foreign_warning(compare_run):
@@ -116,37 +146,96 @@ def test_compare_prints_no_foreign_warning(compare_run):
     assert foreign_problems(console) == [], console
 
 
-def test_report_only_rewrites_from_the_summary(compare_run, capsys):
+def test_report_only_rewrites_from_the_summary_and_verdicts_follow_the_interval(compare_run, capsys):
+    import copy
+
+    from tieflax.analysis.report import render
+
     workdir = compare_run
     os.remove(workdir / REPORT)
     assert cli.main(["compare", "--workdir", str(workdir), "--report-only"]) == 0
     assert (workdir / REPORT).exists()
     assert f"report: {workdir / REPORT}" in capsys.readouterr().out
+    summary = load_summary(str(workdir))
+    tied = {r["seed"]: r["analysis"]["val"] for r in summary["runs"] if r["variant"] == "tied"}
+    for shift, verdict in ((-0.5, "untied is better"), (0.0, "includes 0"), (0.5, "tied is better")):
+        fake = copy.deepcopy(summary)
+        for r in fake["runs"]:
+            if r["variant"] == "untied":  # untied = tied + shift per token, document by document
+                t = tied[r["seed"]]
+                r["analysis"]["val"]["doc_loss"] = [x + shift * n for x, n in zip(t["doc_loss"], t["doc_tokens"])]
+        line = [x for x in render(fake, {}).splitlines() if "untied, same body" in x][0]
+        assert verdict in line and f"{shift:+.4f}" in line
 
 
 def test_analyze_command_on_a_compare_run(compare_run, capsys):
     run_dir = compare_run / "untied" / "seed_0"
     assert cli.main(["analyze", "--workdir", str(run_dir), "--step", "2", "--max-rows", "64"]) == 0
-    out = capsys.readouterr().out
     saved = json.loads((run_dir / "analysis" / "step_2.json").read_text())
     assert saved["step"] == 2 and not saved["tied"] and "cka" in saved["in_out"]
-    assert "norm_vs_frequency:" in out and (run_dir / "analysis" / "step_2_cosines.png").exists()
+    capsys.readouterr()
     assert cli.main(["analyze", "--workdir", str(run_dir), "--step", "3"]) == 1
     assert "tieflax analyze: " in (err := capsys.readouterr().err) and "no checkpoint at step 3" in err
 
 
-def test_several_seeds_are_reported_as_mean_and_spread(compare_run):
-    import copy
+def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):
+    """The sweep's orchestration on a planted loss surface (no training: ``train`` is injected)."""
+    import math
 
-    from tieflax.analysis.report import render
+    from tieflax.analysis import sweep
 
-    summary = load_summary(str(compare_run))
-    extra = copy.deepcopy(summary["runs"])
-    for r in extra:  # a fabricated second seed whose losses differ by a known amount
-        r["seed"] = 1
-        r["result"]["final_val_loss"] += 0.2
-    summary["runs"] += extra
-    text = render(summary, {})
-    tied = [r["result"]["final_val_loss"] for r in summary["runs"] if r["variant"] == "tied"]
-    assert f"{np.mean(tied):.4f} ± {np.std(tied, ddof=1):.4f} (n=2)" in text
-    assert "the largest seed standard deviation is" in text
+    best = {"tied": 3e-3, "untied": 1e-2, "untied_matched": 1e-2}
+    calls = []
+
+    def fake_train(cfg, run_dir):
+        from tieflax.config import model_config
+
+        calls.append(run_dir)
+        p = study.param_counts(model_config(cfg))
+        name = run_dir.split(os.sep)[-4]
+        # Loss falls with size; untied_matched pays 0.1 at the smallest size and gains as d_model grows:
+        # it crosses tied between the two sizes. Seeds add +-0.01; a wrong learning rate costs 0.5.
+        loss = 6 - 0.5 * math.log10(p["total"]) + (0.1 - 0.004 * (cfg.model.d_model - 16)) * (name != "tied")
+        loss += 0.01 * (cfg.seed - 0.5) + 0.5 * (abs(math.log10(cfg.train.learning_rate / best[name])) > 0.1)
+        return dict(final_val_loss=loss)
+
+    overrides = ["data.tokenizer.path=unused.json", "model.vocab_size=500", "data.tokenizer.vocab_size=500"]
+    config = load_config(os.path.join(os.path.dirname(CONFIG), "tie_scaling.py:smoke"), overrides)
+    config.sweep.update(sizes=((16, 1, 32, 2), (64, 1, 128, 2)), seeds=(0, 1), lrs=(3e-3, 1e-2))
+    summary = sweep.run_sweep(config, str(tmp_path), train=fake_train, log=lambda _: None)
+    assert summary["best_lr"] == best
+    n_calls = len(calls)
+    assert n_calls == 3 * 2 + 3 * 2 * 2 - 3  # lr phase, then sizes x variants x seeds, reusing 3 lr runs
+    cur = sweep.curves(summary)
+    c = sweep.crossover(cur["tied"], cur["untied_matched"], "total", n_boot=200)
+    d = c["mean_diff"]
+    assert d[0] > 0 > d[1] and c["x"][0] < c["crossing"] < c["x"][1] and c["share"] == 1.0
+    assert c["crossing"] == pytest.approx(c["x"][0] + (c["x"][1] - c["x"][0]) * d[0] / (d[0] - d[1]))
+    text = open(summary["report"]).read()
+    assert "Crossing: at about 10^" in text and (tmp_path / "loss_vs_total.png").stat().st_size > 1000
+    assert "At the edge of the grid" in text  # a 2-rate grid: every best rate is at an edge
+    with pytest.raises(FileExistsError, match="--resume"):
+        sweep.run_sweep(config, str(tmp_path), train=fake_train)
+    sweep.run_sweep(config, str(tmp_path), train=fake_train, resume=True, log=lambda _: None)
+    assert len(calls) == n_calls  # every run was finished: nothing retrained
+
+
+def test_embedding_sgd_ablation_steps_embeddings_by_their_gradient():
+    import jax.numpy as jnp
+
+    from tieflax.optim import make_optimizer
+    from tieflax.train_config import default_train_config
+
+    c = default_train_config()
+    c.update(embedding_optimizer="sgd", embedding_sgd_lr=0.5, learning_rate=1e-3, warmup_steps=0,
+             min_lr_ratio=1.0, grad_clip_norm=0.0, weight_decay=0.0)
+    params = {"embed": {"embedding": jnp.ones((4, 2))}, "block": {"kernel": jnp.ones((2, 2))}}
+    grads = {"embed": {"embedding": jnp.full((4, 2), 1e-4).at[0].set(1e-1)},
+             "block": {"kernel": jnp.full((2, 2), 1e-4)}}
+    tx, _ = make_optimizer(c)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["embed"]["embedding"], -0.5 * grads["embed"]["embedding"], rtol=1e-6)
+    np.testing.assert_allclose(updates["block"]["kernel"], -1e-3, rtol=1e-3)  # Adam: ~lr whatever the size
+    c.embedding_optimizer = "adagrad"
+    with pytest.raises(ValueError, match="config.train.embedding_optimizer"):
+        make_optimizer(c)

@@ -23,6 +23,7 @@ COMMANDS = {
     "eval": "tieflax.commands.eval",
     "compare": "tieflax.commands.compare",
     "analyze": "tieflax.commands.analyze",
+    "sweep": "tieflax.commands.sweep",
     "convert": "tieflax.commands.convert",
 }
 
@@ -32,6 +33,7 @@ HELP = {
     "eval": "validation loss and perplexity of a workdir's latest checkpoint",
     "compare": "the tied-vs-untied study: train the variants and write a report with plots",
     "analyze": "embedding diagnostics of a checkpoint",
+    "sweep": "tied vs untied across model sizes: loss-vs-parameters curves and the crossover estimate",
     "convert": "Hugging Face import/export, and tie/untie surgery on checkpoints",
 }
 

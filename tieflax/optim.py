@@ -61,6 +61,24 @@ def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransfor
     parts = []
     if c.grad_clip_norm > 0:
         parts.append(optax.clip_by_global_norm(c.grad_clip_norm))
-    parts.append(optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
-                             weight_decay=c.weight_decay, mask=mask))
+    adam = optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
+                       weight_decay=c.weight_decay, mask=mask)
+    choice = c.get("embedding_optimizer", "adam")
+    if choice == "adam":
+        parts.append(adam)
+    elif choice == "sgd":
+        # The mechanism ablation: embedding matrices take plain SGD with momentum (a row's step is
+        # proportional to its gradient, so a tiny softmax gradient makes a tiny step), the rest AdamW.
+        ratio = c.embedding_sgd_lr / c.learning_rate
+        sgd = optax.chain(optax.add_decayed_weights(c.weight_decay if c.decay_embeddings else 0.0),
+                          optax.sgd(lambda step: schedule(step) * ratio, momentum=0.9))
+        parts.append(optax.multi_transform({"adam": adam, "sgd": sgd}, _embedding_labels))
+    else:
+        raise ValueError(f"config.train.embedding_optimizer = {choice!r}: choose 'adam' or 'sgd'")
     return optax.chain(*parts), schedule
+
+
+def _embedding_labels(params: Any) -> Any:
+    """'sgd' on embedding matrices, 'adam' elsewhere (boxed or unboxed trees)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "sgd" if any(n in EMBEDDING_NAMES for n in _path_names(path)) else "adam", params)

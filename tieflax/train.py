@@ -148,7 +148,11 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Setup:
 
 def _untied_view(params: dict) -> dict:
     """Tied params -> the untied tree with the same matrix twice (no copy: both leaves are one array)."""
-    return {**params, "lm_head": {"embedding": params["embed"]["embedding"]}}
+    embed = dict(params["embed"])
+    head = {"embedding": embed["embedding"]}
+    if "out_proj" in embed:  # decoupled width (model.embed_dim): the head's projection goes with the head
+        head["out_proj"] = embed.pop("out_proj")
+    return {**params, "embed": embed, "lm_head": head}
 
 
 def _loss_options(c: ml_collections.ConfigDict, *, train: bool) -> dict:
@@ -211,8 +215,10 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
         metrics = {}
         if tied:
             g_lookup, g_head = grads["embed"]["embedding"], grads["lm_head"]["embedding"]
+            g_head_tree = grads["lm_head"]
             grads = {k: v for k, v in grads.items() if k != "lm_head"}
-            grads["embed"] = {**grads["embed"], "embedding": g_lookup + g_head}
+            grads["embed"] = {**grads["embed"], "embedding": g_lookup + g_head,
+                              **{k: v for k, v in g_head_tree.items() if k != "embedding"}}
             metrics["grad_norm/embed_lookup"] = optax.tree.norm(g_lookup)
             metrics["grad_norm/embed_head"] = optax.tree.norm(g_head)
             metrics["grad_norm/embed"] = optax.tree.norm(grads["embed"]["embedding"])

@@ -24,6 +24,8 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.adam_eps = 1e-8
     c.weight_decay = 0.1
     c.decay_embeddings = False        # apply weight decay to embedding / head matrices
+    c.embedding_optimizer = "adam"    # 'adam', or 'sgd': SGD + momentum 0.9 on embedding matrices (ablation)
+    c.embedding_sgd_lr = 1.0          # peak rate of that SGD (same warmup and cosine as learning_rate)
     c.decay_norms_and_biases = False
     c.grad_clip_norm = 1.0
     c.z_loss = 0.0

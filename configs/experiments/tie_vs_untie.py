@@ -1,15 +1,21 @@
-"""The tied-vs-untied study on this machine: three small Llama-style LMs on the King James Bible.
+"""The tied-vs-untied study on this machine: small Llama-style LMs on the King James Bible, 3 paired seeds.
 
     tieflax compare --config configs/experiments/tie_vs_untie.py --workdir runs/compare
 
-Trains ``tied``, ``untied`` (same body, its own 8,192 x 128 head: +1,048,576 parameters) and
-``untied_matched`` (untied at the tied model's total parameter count: d_model 128 -> 88, d_ff solved to
-match within 0.1%) for the same 200 steps x 16 x 128 tokens (409,600 tokens), seed 0, then analyses their checkpoints and
-writes ``runs/compare/report.md`` (+ ``report.html`` and PNGs). Expect about 10 minutes on 2 CPU cores;
-the last lines printed are the report's path. Rerunning resumes; ``--report-only`` rewrites the report.
+Trains, for seeds 0, 1 and 2 (a seed fixes the init key and the data order of every variant):
+``tied``; ``untied`` (same body, its own 8,192 x 64 head: +524,288 parameters, equal non-embedding
+parameters); ``untied_matched`` (Chung et al.: the same body, untied embeddings of width E = 32 with
+projections to and from d_model, at the tied model's total +0.6%). Each run is 250 steps x 16 x 128
+tokens (512,000 tokens, 0.55 epochs of the train split). Then it measures every run against its
+initialisation and writes ``runs/compare/report.md`` (+ ``report.html`` and PNGs) with paired 95%
+bootstrap intervals. See README.md ("The study") for the measured time. Rerunning resumes;
+``--report-only`` rewrites the report.
 
-Knobs: ``--config.compare.seeds='(0, 1, 2)'`` (mean and spread; x3 time), ``--config.compare.match=depth``
-(needs a deeper body: 4 layers cannot absorb a 1M-parameter head), ``--config.train.num_steps=N``.
+The model is tiny.py's narrowed to d_model 64 and 2 layers so that 3 seeds x 3 variants fit the time of
+one variant at d_model 128. Knobs: ``--config.compare.seeds='(0, 1, 2, 3, 4)'``,
+``--config.compare.variants='("tied", "untied", "untied_matched", "untied_width", "tied_embed_decay")'``
+(every name: ``tieflax.analysis.study.VARIANTS``), ``--config.train.num_steps=N``. ``untied_depth``
+needs a deeper body (2 layers cannot absorb a 0.5M-parameter head).
 """
 
 import os
@@ -19,26 +25,25 @@ from tieflax.config import load_config
 
 
 def get_config(arg: str = ""):
-    # The model, data and batch shape are the tiny experiment's, so the study and `tieflax train` on
-    # configs/experiments/tiny.py train the same tied model; each variant sets the tie switch itself.
+    # The data and batch shape are the tiny experiment's; each variant sets the tie switch itself.
     config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
+    config.model.update(d_model=64, n_layers=2, n_heads=4, d_ff=256)
     t = config.train
-    t.num_steps = 200
-    t.warmup_steps = 20
+    t.num_steps = 250
+    t.warmup_steps = 25
     t.learning_rate = 3e-3
-    t.eval_every = 50
-    t.eval_batches = 8
+    t.eval_every = 250
+    t.eval_batches = 4            # the trainer's quick check; the study evaluates on the whole split
     t.log_every = 10
-    t.analyze_every = 25          # diag/* rows in metrics.jsonl (parameter diagnostics over training)
+    t.analyze_every = 0           # the study measures checkpoints instead
     config.compare = default_compare_config()
-    config.compare.analysis_points = 4
+    config.compare.analysis_points = 1
     if arg == "smoke":
         # Seconds, not minutes: a shape check of the whole pipeline (the numbers mean nothing).
         config.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64)
         t.update(num_steps=8, global_batch_size=8, seq_len=32, eval_every=8, eval_batches=1, log_every=2,
-                 analyze_every=4, warmup_steps=2)
-        config.compare.analysis_points = 2
-        config.compare.val_batches = 1
+                 warmup_steps=2)
+        config.compare.update(seeds=(0, 1), val_batches=4, grad_batches=2)
     elif arg:
         raise ValueError(f"unknown config argument {arg!r}; use '' or 'smoke'")
     return config

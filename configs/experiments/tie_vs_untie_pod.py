@@ -9,8 +9,9 @@ The workdir must be a path every worker shares (an NFS or Filestore mount): the 
 metrics use ordinary file I/O, so ``gs://`` workdirs are not supported.
 
 Same three variants as ``tie_vs_untie.py``: ``tied`` (Llama-3.2-1B shape: d 2048, 16 layers, V 128,256,
-tied as published), ``untied`` (+262,668,288 parameters, equal body) and ``untied_matched`` (equal
-total parameters by width: d_model 2048 -> 1800, d_ff 8192 -> 7252, 1,235,809,800 vs 1,235,814,400). Each run: 20,000 steps x 512 x 2048 tokens = 21B tokens, three seeds.
+tied as published), ``untied`` (+262,668,288 parameters, equal body) and ``untied_matched`` (the same
+body, untied embeddings of a narrower width projected to d_model, at the tied total). Each run: 20,000
+steps x 512 x 2048 tokens = 21B tokens, three seeds.
 The vocabulary is sharded over ``tensor`` (4) and parameters over ``fsdp``; the fused loss never builds
 logits. Diagnostics sample 4,096 rows for pairwise and spectral statistics, and the trainer logs them every
 1,000 steps. ``:runlocal`` shrinks everything to a CPU smoke test of the same code path.
@@ -46,7 +47,7 @@ def get_config(arg: str = ""):
     config.compare = default_compare_config()
     config.compare.seeds = (0, 1, 2)
     config.compare.analysis_points = 10
-    config.compare.val_batches = 4
+    config.compare.val_batches = 0   # the whole held-out split
     config.compare.max_rows = 4096
     if arg == "runlocal":
         config.model.update(vocab_size=8192, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -32,6 +32,9 @@ def split_embedding_gradients(model_config, params: dict, batch: dict,
     from tieflax.model.surgery import is_tied, untie
 
     split = untie(params) if is_tied(params) else params
+    if "out_proj" in split["embed"]:  # decoupled width, tied: the head's projection moves with the head
+        split = dict(split, embed={k: v for k, v in split["embed"].items() if k != "out_proj"},
+                     lm_head=dict(split["lm_head"], out_proj=split["embed"]["out_proj"]))
     grads = _grad_fn(model_config.replace(tie_embeddings=False, head_init="normal"),
                      tuple(sorted(loss_options.items())))(split, batch)
     return _unbox(grads["embed"]["embedding"]), _unbox(grads["lm_head"]["embedding"])

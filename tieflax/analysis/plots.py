@@ -1,7 +1,8 @@
-"""PNG plots for ``tieflax analyze`` and the compare report (matplotlib, Agg backend: no display needed).
+"""PNG plots for ``tieflax analyze``, the compare report and the sweep (matplotlib on ``Figure`` objects).
 
-Every function takes ``{label: result}`` where a result is the dict :func:`analyze_params` returns
-(with ``arrays``) or, for curves, rows of ``metrics.jsonl``; it writes one PNG and returns its path.
+``norm_vs_frequency`` and ``cosine_histograms`` take ``{label: result}`` of :func:`analyze_params` (with
+``arrays``); the study's plots take seed-level values or interval dicts and draw n and error bars. Each
+function writes one PNG and returns its path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import numpy as np
 # window nor changes the backend of a notebook that imports it.
 from matplotlib.figure import Figure
 
-COLORS = {"tied": "tab:blue", "untied": "tab:orange", "untied_matched": "tab:green"}
+COLORS = {"tied": "tab:blue", "untied": "tab:orange", "untied_matched": "tab:green", "untied_width": "tab:red",
+          "untied_depth": "tab:purple"}
 
 
 def _color(label: str, i: int) -> str:
@@ -30,7 +32,7 @@ def norm_vs_frequency(results: dict[str, dict], path: str) -> str:
     """One row per run, columns W_in and W_out: row norm against log10 count, binned means on top."""
     n = len(results)
     fig = Figure(figsize=(10, 3.2 * n))
-    axes = fig.subplots(n, 2, squeeze=False, sharex=True)
+    axes = fig.subplots(n, 2, squeeze=False, sharex=True, sharey=True)  # one scale: W_in vs W_out
     for row, (label, res) in enumerate(results.items()):
         a = res["arrays"]
         counts = np.asarray(a["counts"], np.float64)
@@ -76,97 +78,132 @@ def cosine_histograms(results: dict[str, dict], path: str) -> str:
     return _save(fig, path)
 
 
-def loss_curves(curves: dict[str, dict[str, list]], path: str) -> str:
-    """Train (thin) and validation (markers) loss against step. ``curves[label] = {'train': [(step,
-    loss)], 'val': [(step, loss)]}``; several seeds of one variant may share a colour via the label
-    prefix."""
-    fig = Figure(figsize=(7, 4))
+def _err(ci: dict) -> tuple[float, float]:
+    """(below, above) error-bar lengths of a CI dict; 0 where there is no interval."""
+    if not (math.isfinite(ci.get("lo", float("nan"))) and math.isfinite(ci.get("hi", float("nan")))):
+        return 0.0, 0.0
+    return ci["mean"] - ci["lo"], ci["hi"] - ci["mean"]
+
+
+def loss_curves_seeds(curves: dict[str, dict[str, list]], path: str) -> str:
+    """Mean train (thin) and validation (markers) loss over seeds per variant, min-max band over seeds.
+    ``curves[variant] = {'train': [[(step, loss)] per seed], 'val': [...]}``."""
+    fig = Figure(figsize=(8, 4.4))
     ax = fig.subplots()
+    finite = []
+    n = 0
     for i, (label, c) in enumerate(curves.items()):
         color = _color(label, i)
-        if c.get("train"):
-            s, l_ = zip(*c["train"])
-            ax.plot(s, l_, color=color, lw=1, alpha=0.8, label=f"{label} train")
-        if c.get("val"):
-            s, l_ = zip(*c["val"])
-            ax.plot(s, l_, color=color, marker="o", ms=4, lw=1.5, ls="--", label=f"{label} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    finite = [v for c in curves.values() for key in ("train", "val") for _, v in c.get(key, [])
-              if math.isfinite(v)]
+        for key, style in (("train", dict(lw=1)), ("val", dict(marker="o", ms=4, lw=1.5, ls="--"))):
+            seeds = [dict(s) for s in c.get(key, []) if s]
+            if not seeds:
+                continue
+            n = max(n, len(seeds))
+            steps = sorted(set.intersection(*[set(s) for s in seeds]))
+            if not steps:
+                continue
+            vals = np.array([[s[t] for t in steps] for s in seeds])
+            ax.plot(steps, vals.mean(0), color=color, label=f"{label} {key}", **style)
+            if len(seeds) > 1:
+                ax.fill_between(steps, vals.min(0), vals.max(0), color=color, alpha=0.15, lw=0)
+            finite += [v for v in vals.ravel() if math.isfinite(v)]
     if finite:  # the first steps sit near ln(V); show the part where the runs differ
         lo, hi = min(finite), np.percentile(finite, 90)
         ax.set_ylim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"loss, mean over seeds (band: min-max, n={n} seeds per variant)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
 
-def gradient_interference(series: dict[str, list[tuple[int, dict]]], path: str) -> str:
-    """Over training, from checkpoint analyses: per-row cosine of the lookup and head gradients, the
-    head's share of the squared gradient norm, and the fraction of rows each path updates.
-    ``series[label] = [(step, gradient_dict), ...]``."""
-    fig = Figure(figsize=(13, 3.6))
-    axes = fig.subplots(1, 3)
-    for i, (label, points) in enumerate(series.items()):
-        if not points:
-            continue
-        steps = [s for s, _ in points]
-        color = _color(label, i)
-        axes[0].plot(steps, [g["cosine_mean"] for _, g in points], marker="o", color=color, label=label)
-        axes[1].plot(steps, [g["head_share"] for _, g in points], marker="o", color=color, label=label)
-        axes[2].plot(steps, [g["rows_lookup"] for _, g in points], marker="o", color=color,
-                     label=f"{label} lookup")
-        axes[2].plot(steps, [g["rows_head"] for _, g in points], marker="s", ls=":", color=color,
-                     label=f"{label} head")
-    axes[0].axhline(0, color="gray", lw=0.8)
-    axes[0].set_title("mean cosine(g_lookup[i], g_head[i])\nover rows both paths update", fontsize=9)
-    axes[1].set_title("head share of squared gradient norm", fontsize=9)
-    axes[2].set_title("fraction of vocabulary rows updated (one batch)", fontsize=9)
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    return _save(fig, path)
-
-
-def by_bucket(values: dict[str, list[float]], path: str, *, title: str, ylabel: str,
-              reference: float | None = None, log: bool = False) -> str:
-    """Grouped bars: one group per frequency bucket (rarest first), one bar per run."""
-    fig = Figure(figsize=(7, 3.6))
+def interval_bars(cis: dict[str, dict], path: str, *, ylabel: str, title: str) -> str:
+    """One bar per label at its CI mean, error bars = the 95% interval, a line at 0."""
+    fig = Figure(figsize=(max(5, 1.6 * len(cis)), 3.8))
     ax = fig.subplots()
-    labels = list(values)
-    n_buckets = max(len(v) for v in values.values())
-    width = 0.8 / max(len(labels), 1)
-    for i, label in enumerate(labels):
-        xs = np.arange(n_buckets) + (i - (len(labels) - 1) / 2) * width
-        ax.bar(xs, values[label], width=width, color=_color(label, i), label=label)
-    if reference is not None:
-        ax.axhline(reference, color="gray", lw=0.8)
-    if log:
-        ax.set_yscale("log")
-    ax.set_xticks(range(n_buckets), [f"bucket {b}" + (" (rarest)" if b == 0 else "") +
-                                     (" (commonest)" if b == n_buckets - 1 else "")
-                                     for b in range(n_buckets)], fontsize=8)
-    ax.set_title(title, fontsize=9)
+    labels = list(cis)
+    means = [cis[k]["mean"] for k in labels]
+    errs = np.array([_err(cis[k]) for k in labels]).T
+    ax.bar(range(len(labels)), means, yerr=errs, capsize=5, color=[_color(k, i) for i, k in enumerate(labels)])
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)
 
 
-def diagnostics_over_training(rows: dict[str, list[dict]], keys: list[tuple[str, str]], path: str) -> str:
-    """Logged ``diag/*`` scalars (``metrics.jsonl`` rows of split 'diag') against step, one panel a key."""
-    fig = Figure(figsize=(4.3 * len(keys), 3.4))
-    axes = fig.subplots(1, len(keys), squeeze=False)
-    for col, (key, title) in enumerate(keys):
-        ax = axes[0, col]
-        for i, (label, rs) in enumerate(rows.items()):
-            pts = [(r["step"], float(r[key])) for r in rs if key in r]
-            if pts:
-                s, v = zip(*pts)
-                ax.plot(s, v, marker=".", color=_color(label, i), label=label)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+LINESTYLES = {"W": "-", "W_in": "-.", "W_out": "-"}
+MARKERS = {"W": "o", "W_in": "s", "W_out": "^"}
+
+
+def profile_lines(series: dict[str, tuple], path: str, *, ylabel: str, title: str) -> str:
+    """Per-bin curves against mean log10 frequency: ``series[label] = (x [B], values [S, B], init [S, B] or
+    None)``; points at the seed mean, error bars min-max over the S seeds, init dashed. One shared axis
+    (so matrices compare directly); every matrix its own colour and marker."""
+    fig = Figure(figsize=(8, 4.6))
+    ax = fig.subplots()
+    n = 0
+    for i, (label, (x, vals, init)) in enumerate(series.items()):
+        vals = np.atleast_2d(np.asarray(vals, np.float64))
+        n = max(n, len(vals))
+        kind = label.split(": ")[-1]
+        color = f"C{i}"
+        mean = np.nanmean(vals, 0)
+        err = np.stack([mean - np.nanmin(vals, 0), np.nanmax(vals, 0) - mean])
+        ax.errorbar(x, mean, yerr=err, color=color, marker=MARKERS.get(kind, "o"), ms=4, capsize=3,
+                    ls=LINESTYLES.get(kind, "-"), label=label)
+        if init is not None:
+            ax.plot(x, np.nanmean(np.atleast_2d(init), 0), color=color, ls=":", lw=1)
+    ax.set_xlabel("mean log10 relative frequency of the bin (equal token mass per bin)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}; n={n} seeds", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def metric_panels(panels: dict[str, dict[str, tuple]], path: str, *, title: str,
+                  reference: float | None = None) -> str:
+    """One panel per metric, one bar per label: ``panels[metric][label] = (ci dict, init value or NaN)``;
+    bars at the CI mean with its 95% interval, an ``x`` at the init value. Labels are spread on the x axis,
+    so no bar hides another."""
+    fig = Figure(figsize=(4.6 * len(panels), 4.4))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (metric, bars) in zip(axes, panels.items()):
+        labels = list(bars)
+        ns = {c.get("n", 0) for c, _ in bars.values()}
+        for i, label in enumerate(labels):
+            ci, init = bars[label]
+            ax.bar(i, ci["mean"], yerr=np.array(_err(ci))[:, None], capsize=4, color=f"C{i}",
+                   alpha=0.5 if "shuffled" in label else 1.0)
+            if math.isfinite(init):
+                ax.plot(i, init, "kx", ms=7)
+        if reference is not None:
+            ax.axhline(reference, color="gray", lw=0.8)
+        ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=7)
+        ax.set_title(f"{metric} (n={'/'.join(str(n) for n in sorted(ns))} seeds)", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def loss_vs_params(series: dict[str, list[tuple[float, dict]]], path: str, *, xlabel: str, title: str) -> str:
+    """Validation loss against a parameter count (log x), one line per variant, CI error bars.
+    ``series[variant] = [(params, ci dict), ...]``."""
+    fig = Figure(figsize=(7.5, 4.6))
+    ax = fig.subplots()
+    for i, (label, pts) in enumerate(series.items()):
+        pts = sorted(pts, key=lambda p: p[0])
+        x = [p for p, _ in pts]
+        y = [c["mean"] for _, c in pts]
+        err = np.array([_err(c) for _, c in pts]).T
+        ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=3, color=_color(label, i), label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{xlabel} (log scale)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
     return _save(fig, path)

@@ -2,8 +2,9 @@
 
 ``write_report(summary, out_dir)`` needs only the summary ``run_compare`` builds (also saved as
 ``summary.json``), so a report can be rewritten without retraining: ``tieflax compare --report-only``.
-Each claim of the tied-vs-untied literature gets a line that names the number it is judged on, the
-threshold used, and what this run shows; a closing section says what such a run cannot establish.
+Every claim gets the number it is judged on with a paired 95% bootstrap interval over seeds (and, for the
+loss, over held-out documents too); its verdict is whether that interval excludes 0. Geometry numbers
+come with the same matrix at initialisation and a row-shuffled control.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from collections import defaultdict
 import numpy as np
 
 from tieflax.analysis import plots
+from tieflax.analysis import stats as st
+from tieflax.analysis.jsonable import to_jsonable
 
 REPORT = "report.md"
 SUMMARY = "summary.json"
+NAN = float("nan")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -29,33 +33,29 @@ def _by_variant(runs: list[dict]) -> dict[str, list[dict]]:
     return dict(out)
 
 
-def _values(runs: list[dict], getter) -> list[float]:
-    vals = []
-    for r in runs:
-        try:
-            v = getter(r)
-        except (KeyError, TypeError, IndexError):
-            continue
-        if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v)):
-            vals.append(float(v))
-    return vals
+def _get(r: dict, getter) -> float:
+    try:
+        v = getter(r)
+    except (KeyError, TypeError, IndexError, ZeroDivisionError, ValueError):
+        return NAN
+    return float(v) if v is not None and isinstance(v, (int, float)) else NAN
 
 
-def _mean(vals: list[float]) -> float:
-    return float(np.mean(vals)) if vals else float("nan")
+def per_seed(groups: dict, variant: str, getter) -> dict[int, float]:
+    """``{seed: value}`` of one variant's runs (``getter(run)``; NaN where it does not apply)."""
+    return {r["seed"]: _get(r, getter) for r in groups.get(variant, [])}
 
 
-def _fmt(vals: list[float], digits: int = 3) -> str:
-    """``mean`` for one seed, ``mean ± std (n)`` for several; ``n/a`` when there is no value."""
-    if not vals:
-        return "n/a"
-    if len(vals) == 1:
-        return f"{vals[0]:.{digits}f}"
-    return f"{np.mean(vals):.{digits}f} ± {np.std(vals, ddof=1):.{digits}f} (n={len(vals)})"
+def ci_of(groups: dict, variant: str, getter, n_boot: int = st.N_BOOT) -> dict:
+    """Bootstrap CI over seeds of one variant's value."""
+    return st.bootstrap_ci(list(per_seed(groups, variant, getter).values()), n_boot=n_boot)
 
 
-def _final(r: dict) -> dict:
-    return r["analysis"]["final"]
+def paired(groups: dict, va: str, ga, vb: str, gb, n_boot: int = st.N_BOOT) -> dict:
+    """CI over seeds of ``ga(va) - gb(vb)``, paired by seed (only seeds both variants have)."""
+    a, b = per_seed(groups, va, ga), per_seed(groups, vb, gb)
+    seeds = sorted(set(a) & set(b))
+    return st.bootstrap_ci([a[s] - b[s] for s in seeds], n_boot=n_boot)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -64,229 +64,344 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _non_embedding(r: dict) -> int:
-    p = r["params"]
-    n_mat = 1 if r["variant"] == "tied" else 2
-    total = p["total_tied"] if r["variant"] == "tied" else p["total_untied"]
-    return total - n_mat * p["embedding_matrix"]
+def _num(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}f}" if math.isfinite(x) else "n/a"
 
 
-def _total(r: dict) -> int:
-    return r["params"]["total_tied"] if r["variant"] == "tied" else r["params"]["total_untied"]
+def _ci_cell(ci: dict, digits: int = 3) -> str:
+    if not math.isfinite(ci["mean"]):
+        return "n/a"
+    if not math.isfinite(ci["lo"]):
+        return f"{ci['mean']:.{digits}f}"
+    return f"{ci['mean']:.{digits}f} [{ci['lo']:.{digits}f}, {ci['hi']:.{digits}f}]"
 
 
-def _share(r: dict) -> float:
-    return r["params"]["share_tied"] if r["variant"] == "tied" else r["params"]["share_untied"]
+# Getters: run -> number.
+def _a(fn):
+    """A getter of the run from one of its analysis dict (``fn(analysis)``)."""
+    return lambda r: fn(r["analysis"])
 
 
-# ---------------------------------------------------------------------------------------------- tables
-RESULT_ROWS = [
-    ("validation loss (nats/token)", lambda r: r["result"]["final_val_loss"], 4),
-    ("validation perplexity", lambda r: r["result"]["final_val_perplexity"], 2),
-    ("final train loss", lambda r: r["result"]["final_train_loss"], 4),
-    ("total parameters", _total, 0),
-    ("non-embedding parameters", _non_embedding, 0),
-    ("embedding share of parameters", _share, 3),
-    ("tokens / s (training, after compile)", lambda r: r["result"]["tokens_per_second"], 0),
-]
-
-DIAG_ROWS = [
-    ("Spearman rho, row norm vs frequency: W_in", lambda r: _final(r)["input"]["spearman"]),
-    ("Spearman rho, row norm vs frequency: W_out", lambda r: _final(r)["output"]["spearman"]),
-    ("mean row norm: W_in", lambda r: _final(r)["input"]["mean_norm"]),
-    ("mean row norm: W_out", lambda r: _final(r)["output"]["mean_norm"]),
-    ("mean pairwise cosine: W_in", lambda r: _final(r)["input"]["mean_cosine"]),
-    ("mean pairwise cosine: W_out", lambda r: _final(r)["output"]["mean_cosine"]),
-    ("isotropy (Mu & Viswanath): W_in", lambda r: _final(r)["input"]["isotropy"]),
-    ("isotropy (Mu & Viswanath): W_out", lambda r: _final(r)["output"]["isotropy"]),
-    ("effective rank: W_in", lambda r: _final(r)["input"]["effective_rank"]),
-    ("effective rank: W_out", lambda r: _final(r)["output"]["effective_rank"]),
-    ("W_in vs W_out: mean row cosine", lambda r: _final(r)["in_out"]["row_cosine_mean"]),
-    ("W_in vs W_out: linear CKA", lambda r: _final(r)["in_out"]["cka"]),
-    ("gradient: rows updated by the lookup", lambda r: _final(r)["gradient"]["rows_lookup"]),
-    ("gradient: rows updated by the head", lambda r: _final(r)["gradient"]["rows_head"]),
-    ("gradient: mean cosine(lookup, head) per row", lambda r: _final(r)["gradient"]["cosine_mean"]),
-    ("gradient: fraction of rows in conflict (cosine < 0)", lambda r: _final(r)["gradient"]["conflict_fraction"]),
-    ("gradient: head share of squared norm", lambda r: _final(r)["gradient"]["head_share"]),
-    ("softmax: mean log-sum-exp (val)", lambda r: _final(r)["softmax"]["mean_lse"]),
-    ("softmax: predicted / unigram mass, rarest bucket", lambda r: _final(r)["softmax"]["bucket_mass_ratio"][0]),
-    ("softmax: predicted / unigram mass, commonest bucket",
-     lambda r: _final(r)["softmax"]["bucket_mass_ratio"][-1]),
-]
+def mat(side: str, state: str, group: str, key: str):
+    """Getter of ``analysis['matrices'][side][state][group][key]``."""
+    return _a(lambda a: a["matrices"][side][state][group][key])
 
 
-def results_table(groups: dict[str, list[dict]]) -> str:
-    names = list(groups)
-    rows = []
-    for label, getter, digits in RESULT_ROWS:
-        rows.append([label] + [_fmt(_values(groups[n], getter), digits) if digits else
-                               (f"{int(_mean(_values(groups[n], getter))):,}" if _values(groups[n], getter)
-                                else "n/a") for n in names])
-    return _table(["", *names], rows)
+LOSS = _a(lambda a: a["val"]["loss"])
 
 
-def diagnostics_table(groups: dict[str, list[dict]]) -> str:
-    names = list(groups)
-    rows = [[label] + [_fmt(_values(groups[n], getter)) for n in names] for label, getter in DIAG_ROWS]
-    return _table(["", *names], rows)
-
-
-# ---------------------------------------------------------------------------------------------- claims
-def claims(groups: dict[str, list[dict]]) -> list[str]:
-    """One bullet per claim of the seeds: the number, the threshold, and what this run shows."""
-    g = {n: groups.get(n, []) for n in ("tied", "untied", "untied_matched")}
-
-    def m(name, getter):
-        return _mean(_values(g[name], getter))
-
+def matrices_of(groups: dict) -> list[tuple[str, str, str]]:
+    """``(label, variant, side)`` for every distinct matrix: one for tied variants, two for untied."""
     out = []
-    rho_out_untied = m("untied", lambda r: _final(r)["output"]["spearman"])
-    rho_in_untied = m("untied", lambda r: _final(r)["input"]["spearman"])
-    rho_tied = m("tied", lambda r: _final(r)["input"]["spearman"])
-    if math.isfinite(rho_out_untied):
-        if rho_out_untied > 0.3:
-            verdict = "consistent with the claim"
-        elif rho_out_untied < -0.3:
-            verdict = ("not seen here: the head's norms *fall* with frequency (rare rows are the largest), "
-                       "the opposite direction (the threshold is rho > 0.3)")
-        else:
-            verdict = "not seen here: no clear relation (the threshold is rho > 0.3)"
-        buckets = g["untied"][0]["analysis"]["final"]["output"]["bucket_norm"]
-        out.append(f"**Output-head row norms grow with token frequency.** Untied W_out: Spearman rho = "
-                   f"{rho_out_untied:.3f}; {verdict}. Mean norm by frequency bucket, rarest first: "
-                   f"{', '.join(f'{b:.3f}' for b in buckets)}. Rho summarises one monotone trend: check "
-                   "`norm_vs_frequency.png` for a non-monotone shape (for example norms falling over the "
-                   "rare tail and rising over the most frequent tokens).")
-    if all(map(math.isfinite, (rho_tied, rho_in_untied, rho_out_untied))):
-        closer_to_head = abs(rho_tied - rho_out_untied) < abs(rho_tied - rho_in_untied)
-        verdict = ("consistent with the claim: the tied matrix, which is also the input, carries the head's "
-                   "frequency-norm profile rather than the one an input matrix takes on its own"
-                   if closer_to_head and abs(rho_out_untied - rho_in_untied) > 0.2 else
-                   "not seen here (needs the tied rho to sit closer to the untied W_out's than to the untied "
-                   "W_in's, with those two differing by > 0.2)")
-        out.append(f"**When tied, that distortion reaches the input.** Spearman rho: tied matrix {rho_tied:.3f}, "
-                   f"untied W_out {rho_out_untied:.3f}, untied W_in {rho_in_untied:.3f}; {verdict}.")
-    cos_tied = m("tied", lambda r: _final(r)["input"]["mean_cosine"])
-    cos_in = m("untied", lambda r: _final(r)["input"]["mean_cosine"])
-    cos_out = m("untied", lambda r: _final(r)["output"]["mean_cosine"])
-    if all(map(math.isfinite, (cos_tied, cos_in, cos_out))):
-        verdict = ("consistent with the claim for the input side: the tied input matrix is more anisotropic "
-                   "than an untied input matrix" if cos_tied > cos_in + 0.02 else
-                   "not seen here (needs the tied mean cosine to exceed the untied W_in's by > 0.02)")
-        out.append(f"**Tying magnifies anisotropy.** Mean pairwise cosine: tied {cos_tied:.3f}, untied W_in "
-                   f"{cos_in:.3f}, untied W_out {cos_out:.3f}; {verdict}. Compare the tied value with the "
-                   "untied W_out's to see whether tying adds anisotropy beyond what the head has on its own. "
-                   "See `cosine_histograms.png` and the isotropy and effective-rank rows.")
-    rows_l = m("tied", lambda r: _final(r)["gradient"]["rows_lookup"])
-    rows_h = m("tied", lambda r: _final(r)["gradient"]["rows_head"])
-    cos_g = m("tied", lambda r: _final(r)["gradient"]["cosine_mean"])
-    conflict = m("tied", lambda r: _final(r)["gradient"]["conflict_fraction"])
-    if all(map(math.isfinite, (rows_l, rows_h, cos_g))):
-        if cos_g < -0.05:
-            verdict = "interference is seen: on average the two paths push a row in opposed directions"
-        elif cos_g > 0.05:
-            verdict = "no interference on average: the two paths are mostly aligned here"
-        else:
-            verdict = "the two paths are on average unrelated (|cosine| <= 0.05), neither aligned nor opposed"
-        out.append(
-            f"**The tied gradient mixes a dense output signal and a sparse input signal that interfere.** On "
-            f"one training batch the head path updates {100 * rows_h:.1f}% of vocabulary rows and the lookup "
-            f"path {100 * rows_l:.1f}% (dense vs sparse: {'seen' if rows_h > 5 * rows_l else 'not seen'}). On "
-            f"rows both paths update, the mean cosine of the two gradients is {cos_g:.3f} and "
-            f"{100 * conflict:.0f}% of those rows have a negative cosine; {verdict} (threshold +-0.05). See "
-            "`gradient_interference.png` for the trend over training and `gradient_cosine_by_bucket.png` by "
-            "frequency.")
-    rare_head = m("tied", lambda r: _final(r)["gradient"]["bucket_rows_head"][0])
-    rare_lookup = m("tied", lambda r: _final(r)["gradient"]["bucket_rows_lookup"][0])
-    if math.isfinite(rare_head) and math.isfinite(rare_lookup):
-        verdict = ("consistent with the claim" if rare_head > 0.99 and rare_lookup < 0.5 else "not seen here")
-        out.append(f"**Under tying, rare tokens receive updates every step through the softmax denominator.** "
-                   f"Rarest frequency bucket, one batch: {100 * rare_head:.1f}% of its rows get a head gradient, "
-                   f"{100 * rare_lookup:.1f}% a lookup gradient; {verdict}. (In an untied model the same head "
-                   "gradient goes to W_out only, and a rare token's W_in row moves only when it occurs. With an "
-                   "Adam-type optimiser a row's step size depends little on its gradient's magnitude, so a "
-                   "small but non-zero head gradient still moves the row every step.)")
-    loss = {n: _values(g[n], lambda r: r["result"]["final_val_loss"]) for n in g}
-    if loss["tied"] and loss["untied"]:
-        spread = max([np.std(v, ddof=1) for v in loss.values() if len(v) > 1] or [float("nan")])
-        noise = (f"the largest seed standard deviation is {spread:.4f}" if math.isfinite(spread) else
-                 "one seed per variant, so seed-to-seed noise is unmeasured; treat differences below ~0.02 "
-                 "nats as noise")
-        diff = _mean(loss["untied"]) - _mean(loss["tied"])
-        line = (f"**Untied models reach lower loss at matched non-embedding parameters (Chung et al.), while "
-                f"small models prefer tying.** Validation loss: tied {_mean(loss['tied']):.4f}, untied (same "
-                f"body, +V x d parameters) {_mean(loss['untied']):.4f} (untied - tied = {diff:+.4f})")
-        if loss["untied_matched"]:
-            diff_m = _mean(loss["untied_matched"]) - _mean(loss["tied"])
-            line += (f", untied at equal total parameters {_mean(loss['untied_matched']):.4f} "
-                     f"(untied_matched - tied = {diff_m:+.4f})")
-        out.append(line + f"; {noise}. A negative difference favours untying.")
+    for v, rs in groups.items():
+        tied = rs[0]["analysis"]["tied"] if rs and rs[0].get("analysis") else rs[0]["model"]["tie_embeddings"]
+        out += [(f"{v}: W", v, "input")] if tied else [(f"{v}: W_in", v, "input"), (f"{v}: W_out", v, "output")]
     return out
 
 
-CAVEATS = """\
-- **Scale.** These are small models trained for few steps on one corpus. Published claims about tying
-  concern models of 10^8 to 10^11 parameters trained on 10^11+ tokens; a loss difference here says how
-  *this* model and budget behave, not how a large one would. "Small models prefer tying" and "untied is
-  better at scale" can both hold, and a run this size can only speak to the former.
-- **Noise.** With one seed, differences between variants of a few hundredths of a nat are within what a
-  different seed or data order could produce; run `config.compare.seeds=(0, 1, 2)` for a spread.
-- **Budget, not convergence.** All variants get the same steps and tokens, not the same compute or the
-  same convergence; an untied head may need more steps to pay for its extra parameters.
-- **Snapshots.** The geometry and gradient numbers describe the final checkpoint (and a few earlier ones
-  in the plots); the gradient statistics come from one training batch per checkpoint.
-- **Associations, not causes.** A frequency-norm correlation or an anisotropic matrix is compatible with
-  the mechanisms the literature proposes; this report does not isolate them (for that, vary one switch at
-  a time: logit scale, weight decay on embeddings, init).
-- **What is solid.** The parameter counts (exact accounting), the dense-vs-sparse structure of the two
-  gradient paths (a property of the architecture, visible in any batch) and the definitions of every
-  number (see `tieflax/analysis/`)."""
+def loss_comparisons(summary: dict, groups: dict) -> list[dict]:
+    """For every variant but ``tied``: the two-level (seeds x documents) CI of its loss minus tied's."""
+    out = []
+    n_boot = summary.get("compare", {}).get("bootstrap", st.N_BOOT)
+    tied = {r["seed"]: r["analysis"]["val"] for r in groups.get("tied", []) if r.get("analysis")}
+    for v, rs in groups.items():
+        if v == "tied":
+            continue
+        other = {r["seed"]: r["analysis"]["val"] for r in rs if r.get("analysis")}
+        seeds = sorted(set(tied) & set(other))
+        if not seeds:
+            continue
+        a = np.array([other[s]["doc_loss"] for s in seeds])
+        b = np.array([tied[s]["doc_loss"] for s in seeds])
+        tokens = np.asarray(tied[seeds[0]]["doc_tokens"])
+        keep = tokens > 0
+        ci = st.two_level_bootstrap(a[:, keep], b[:, keep], tokens[keep], n_boot=n_boot)
+        out.append(dict(variant=v, **ci))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def results_table(groups: dict[str, list[dict]]) -> str:
+    """Loss and parameters per variant: mean over seeds with a bootstrap 95% interval over seeds."""
+    rows = []
+    for v, rs in groups.items():
+        p = rs[0]["params"]
+        rows.append([v, str(len(rs)), _ci_cell(ci_of(groups, v, LOSS), 4),
+                     _ci_cell(ci_of(groups, v, lambda r: r["result"]["final_train_loss"]), 4),
+                     f"{p['total']:,}", f"{p['non_embedding']:,}", f"{p['embedding']:,}"])
+    return _table(["variant", "seeds", "val loss, full split [95% CI]", "final train loss",
+                   "total params", "non-embedding", "embedding"], rows)
+
+
+GEOMETRY = [  # (label, group, key, digits)
+    ("rho(norm, count), frequent half of the mass", "profile", "rho_head", 3),
+    ("mean norm, commonest bin / rarest bin", "profile", "norm_ratio_top_bottom", 3),
+    ("mean cosine of unit rows", "aniso", "mean_cosine", 3),
+    ("mean cosine, unigram-weighted pairs", "aniso", "mean_cosine_freq", 3),
+    ("effective rank / d (centred unit rows)", "aniso", "effective_rank_frac", 3),
+    ("variance share of the top PC (centred unit rows)", "aniso", "top_pc_share", 3),
+    ("isotropy, all-but-the-top (Mu & Viswanath)", "aniso", "isotropy_abtt", 3),
+]
+
+
+def diagnostics_table(groups: dict[str, list[dict]]) -> str:
+    """Geometry of every matrix: final [95% CI over seeds], at init, row-shuffled control, final - init."""
+    rows = []
+    for label, group, key, digits in GEOMETRY:
+        for name, v, side in matrices_of(groups):
+            fin, ini = mat(side, "final", group, key), mat(side, "init", group, key)
+            rows.append([f"{label}: {name}", _ci_cell(ci_of(groups, v, fin), digits),
+                         _num(ci_of(groups, v, ini)["mean"], digits),
+                         _num(ci_of(groups, v, mat(side, "shuffled", group, key))["mean"], digits),
+                         _ci_cell(paired(groups, v, fin, v, ini), digits)])
+    for name, v, side in matrices_of(groups):
+        rows.append([f"movement from init, commonest bin / rarest bin: {name}",
+                     _ci_cell(ci_of(groups, v, _a(lambda a, s=side: _moved(a, s, "movement")))),
+                     "(0 moved)",
+                     _num(ci_of(groups, v, _a(lambda a, s=side: _moved(a, s, "movement_shuffled")))["mean"]),
+                     ""])
+    for v in groups:
+        rows.append([f"contextual anisotropy (hidden states): {v}",
+                     _ci_cell(ci_of(groups, v, _a(lambda a: a["val"]["context_cos"]))),
+                     _num(ci_of(groups, v, _a(lambda a: a["val"]["context_cos_init"]))["mean"]), "",
+                     _ci_cell(paired(groups, v, _a(lambda a: a["val"]["context_cos"]),
+                                     v, _a(lambda a: a["val"]["context_cos_init"])))])
+    return _table(["measure: matrix", "final [95% CI]", "init", "row-shuffled", "final - init [95% CI]"], rows)
+
+
+GRADIENT = [
+    ("cosine(g_lookup, g_head), whole matrix", "cosine"),
+    ("cross-term share of the first-order loss change (SGD)", "cross_share"),
+    ("cosine in Adam's metric", "cosine_adam"),
+    ("cross-term share, Adam-preconditioned", "cross_share_adam"),
+]
+
+
+def gradient_table(groups: dict[str, list[dict]]) -> str:
+    """Interference of the two paths, every variant (for untied ones: the control), final and init."""
+    rows = []
+    for label, key in GRADIENT:
+        for v in groups:
+            g = lambda state, k=key: _a(lambda a: a["gradient"][state][k])  # noqa: E731
+            rows.append([f"{label}: {v}", _ci_cell(ci_of(groups, v, g("final"))),
+                         _num(ci_of(groups, v, g("init"))["mean"]),
+                         _num(ci_of(groups, v, _a(lambda a, k=key: a["gradient"]["final"]["shuffled"][k]))["mean"])])
+    for v in groups:
+        rows.append([f"rows with a gradient >= 1% of a looked-up row's (all rows): {v}",
+                     _ci_cell(ci_of(groups, v, _a(lambda a: a["gradient"]["final"]["updated"]["frac_0.01"]))),
+                     _num(ci_of(groups, v, _a(lambda a: a["gradient"]["init"]["updated"]["frac_0.01"]))["mean"]), ""])
+        rows.append([f"same, rarest bin: {v}",
+                     _ci_cell(ci_of(groups, v, _a(lambda a: a["gradient"]["final"]["updated"]["bin_frac_0.01"][0]))),
+                     _num(ci_of(groups, v, _a(lambda a: a["gradient"]["init"]["updated"]["bin_frac_0.01"][0]))["mean"]),
+                     ""])
+    return _table(["measure: variant", "final [95% CI]", "init", "row-shuffled control"], rows)
+
+
+# ---------------------------------------------------------------------------------------------- claims
+# Verdict wording: (interval above 0, interval below 0).
+V_RHO = ("seen: the head norms rise with frequency where the text is",
+         "the opposite is seen: norms fall with frequency")
+V_INPUT = ("the tied input carries more of the profile", "the tied input carries less of it")
+V_ANISO = ("tying adds anisotropy beyond the head role", "the tied matrix is less anisotropic than a head")
+V_GRAD = ("the paths help each other", "interference: the paths cost each other")
+
+
+def _moved(a: dict, side: str, key: str) -> float:
+    return a["matrices"][side][key]["move_ratio_top_bottom"]
+
+
+def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[str]:
+    """One bullet per claim: the measured difference with its 95% interval, and the verdict it supports."""
+    has = lambda *vs: all(v in groups and groups[v] and groups[v][0].get("analysis") for v in vs)  # noqa: E731
+    out = []
+    rho = lambda side, state="final": mat(side, state, "profile", "rho_head")  # noqa: E731
+    if has("untied"):
+        ci = paired(groups, "untied", rho("output"), "untied", rho("output", "init"))
+        out.append(
+            "**Output-head row norms grow with token frequency.** Spearman rho of row norm against count "
+            "within the frequent half of the token mass (untied W_out), final minus init: "
+            f"{st.fmt_ci(ci)}; {st.verdict(ci, *V_RHO)}. "
+            "(One rho over all rows is decided by the rare tail; `norm_vs_frequency.png` shows every bin.)")
+    if has("tied", "untied"):
+        d_in = paired(groups, "tied", rho("input"), "untied", rho("input"))
+        d_out = paired(groups, "tied", rho("input"), "untied", rho("output"))
+        move = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["move_ratio_top_bottom"]))
+        m_t, m_u = ci_of(groups, "tied", move), ci_of(groups, "untied", move)
+        direction = lambda ci: ("frequent rows moved more" if st.excludes_zero(ci) and ci["lo"] > 0 else  # noqa: E731
+                                "rare rows moved more" if st.excludes_zero(ci) else "no resolved direction")
+        out.append(
+            "**When tied, the head's frequency profile reaches the input.** rho (frequent half): tied minus "
+            f"untied W_in {st.fmt_ci(d_in)} ({st.verdict(d_in, *V_INPUT)}); "
+            f"tied minus untied W_out {st.fmt_ci(d_out)}. Which rows move, log(movement of the commonest bin / "
+            f"the rarest): tied {st.fmt_ci(m_t)} ({direction(m_t)}), untied W_in {st.fmt_ci(m_u)} "
+            f"({direction(m_u)}). The sign matters: the claim is about frequent rows growing.")
+    if has("tied", "untied"):
+        cos = lambda side: mat(side, "final", "aniso", "mean_cosine")  # noqa: E731
+        beyond = paired(groups, "tied", cos("input"), "untied", cos("output"))
+        vs_in = paired(groups, "tied", cos("input"), "untied", cos("input"))
+        moved_in = paired(groups, "untied", cos("input"), "untied", mat("input", "init", "aniso", "mean_cosine"))
+        freq = paired(groups, "tied", mat("input", "final", "aniso", "mean_cosine_freq"),
+                      "untied", mat("output", "final", "aniso", "mean_cosine_freq"))
+        context = _a(lambda a: a["val"]["context_cos"])
+        ctx = paired(groups, "tied", context, "untied", context)
+        out.append(
+            "**Tying magnifies anisotropy.** Mean cosine of unit rows, tied minus untied W_out (the decisive "
+            f"comparison: anisotropy beyond what a head has on its own) {st.fmt_ci(beyond)}: "
+            f"{st.verdict(beyond, *V_ANISO)}. "
+            f"Tied minus untied W_in {st.fmt_ci(vs_in)}, but read it with how far W_in moved from its init "
+            f"(its final minus init: {st.fmt_ci(moved_in)}): an untrained matrix is isotropic, not 'untied'. "
+            f"Unigram-weighted, tied minus untied W_out {st.fmt_ci(freq)}; contextual anisotropy of hidden "
+            f"states, tied minus untied {st.fmt_ci(ctx)}.")
+    if has("tied", "untied"):
+        rare = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["bin_move"][0]))
+        d = paired(groups, "tied", rare, "untied", rare)
+        frac = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["bin_frac_0.01"][0]))
+        ratio = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["head_over_lookup_rarest"]))
+        out.append(
+            "**Under tying, rare rows are updated every step through the softmax.** Every row has a non-zero "
+            "head gradient by construction, so the measure is magnitude-aware: the rarest bin's median "
+            f"gradient over a looked-up row's is {st.fmt_ci(ratio, 4)} (tied, final), and "
+            f"{st.fmt_ci(frac)} of its rows reach 1% of it. What the rows did: log(rarest-bin movement from "
+            f"init), tied minus untied W_in, {st.fmt_ci(d)}: "
+            f"{st.verdict(d, 'the tied matrix moved its rare rows more', 'the tied matrix moved its rare rows less')}.")
+    if has("tied"):
+        parts = []
+        for key, label in (("cross_share", "raw (SGD)"), ("cross_share_adam", "Adam-preconditioned")):
+            ci = ci_of(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]))
+            ctl = ""
+            if has("untied"):
+                c = paired(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]),
+                           "untied", _a(lambda a, k=key: a["gradient"]["final"][k]))
+                ctl = f", minus the untied control {st.fmt_ci(c)}"
+            parts.append(f"{label} {st.fmt_ci(ci)} ({st.verdict(ci, *V_GRAD)}{ctl})")
+        k = groups["tied"][0]["analysis"]["gradient"]["final"].get("batches", "?")
+        out.append(
+            "**The tied gradient's dense output signal and sparse input signal interfere.** On gradients "
+            f"averaged over {k} held-out batches, the share of the first-order loss decrease that the cross "
+            f"term 2<g_lookup, g_head> adds: {'; '.join(parts)}. The row-shuffled control is in the "
+            "gradient table.")
+    comps = loss_comparisons(summary or {}, groups)
+    if comps:
+        names = {"untied": "untied, same body (matched non-embedding parameters)",
+                 "untied_matched": "untied at the tied total, same body, narrower embeddings (Chung et al.)",
+                 "untied_width": "untied at the tied total by a narrower body (width)",
+                 "untied_depth": "untied at the tied total by fewer layers (depth)"}
+        lines = []
+        for c in comps:
+            ci = dict(c, n=c["n_seeds"])
+            lines.append(f"{names.get(c['variant'], c['variant'])}: {c['mean']:+.4f} [{c['lo']:+.4f}, {c['hi']:+.4f}] "
+                         f"(seeds only [{c['seed_lo']:+.4f}, {c['seed_hi']:+.4f}], documents only "
+                         f"[{c['doc_lo']:+.4f}, {c['doc_hi']:+.4f}]; {c['n_seeds']} seeds x {c['n_docs']} documents): "
+                         f"{st.verdict(ci, 'tied is better', 'untied is better')}")
+        out.append("**Untied reaches lower loss at matched non-embedding parameters; small models prefer tying "
+                   "at matched totals.** Validation loss on the full held-out split, variant minus tied (nats "
+                   "per token; negative favours the variant):\n  - " + "\n  - ".join(lines))
+    ablation = [(v, base) for v, base in (("tied_embed_decay", "tied"), ("untied_embed_decay", "untied"),
+                                          ("tied_rsqrt_logits", "tied"), ("untied_rsqrt_logits", "untied"),
+                                          ("tied_head_bias", "tied"), ("untied_head_bias", "untied"),
+                                          ("tied_embed_sgd", "tied"), ("untied_embed_sgd", "untied"))
+                if has(v, base)]
+    if ablation:
+        lines = []
+        for v, base in ablation:
+            ratio = _a(lambda a: math.log(a["matrices"]["output"]["profile"]["norm_ratio_top_bottom"]))
+            dl = paired(groups, v, LOSS, base, LOSS)
+            dr = paired(groups, v, ratio, base, ratio)
+            lines.append(f"`{v}` minus `{base}`: val loss {st.fmt_ci(dl, 4)}; log(commonest / rarest mean head-row "
+                         f"norm) {st.fmt_ci(dr)}")
+        out.append("**Mechanism ablations** (one switch each; a positive norm-ratio change means the rare rows "
+                   "shrank relative to the frequent ones):\n  - " + "\n  - ".join(lines))
+    return out
+
+
+def caveats(summary: dict) -> str:
+    cfg = summary["config"]
+    t = cfg["train"]
+    data = summary.get("data") or {}
+    tokens = t["num_steps"] * t["global_batch_size"] * t["seq_len"]
+    epochs = tokens / data["train_tokens"] if data.get("train_tokens") else NAN
+    n = len(summary["compare"]["seeds"])
+    return "\n".join([
+        f"- **Seeds.** {n} seed(s) per variant. A percentile bootstrap over {n} seeds has few distinct "
+        "resamples and under-covers; intervals over seeds are a floor on the uncertainty, not a ceiling.",
+        f"- **Budget.** {tokens:,} training tokens per run ({epochs:.2f} epochs of the train split"
+        + (": over-epoching, the model sees repeated text" if epochs > 1 else "") + "); every variant gets "
+        "the same steps and learning rate, not its own tuned rate (`tieflax sweep` tunes it per variant).",
+        "- **Scale.** Small models, one corpus. Published claims concern 10^8 to 10^11 parameters; a "
+        "difference here describes this model and budget. The size trend is `tieflax sweep`'s job.",
+        "- **Associations.** Geometry differences are compatible with the mechanisms proposed in the "
+        "literature; the ablation variants switch one mechanism at a time.",
+    ])
 
 
 # ----------------------------------------------------------------------------------------------- plots
-def make_plots(groups: dict[str, list[dict]], out_dir: str) -> dict[str, str]:
-    first = {n: rs[0] for n, rs in groups.items() if rs}
+def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None = None) -> dict[str, str]:
     paths: dict[str, str] = {}
     curves = {}
-    for n, rs in groups.items():
-        for r in rs:
-            label = n if len(rs) == 1 else f"{n} s{r['seed']}"
-            train = [(row["step"], float(row.get("ce_loss", row.get("loss")))) for row in r["metrics"]
-                     if row.get("split") == "train" and ("ce_loss" in row or "loss" in row)]
-            val = [(row["step"], float(row["loss"])) for row in r["metrics"] if row.get("split") == "val"]
-            curves[label] = dict(train=train, val=val)
-    paths["loss_curves"] = plots.loss_curves(curves, os.path.join(out_dir, "loss_curves.png"))
-    finals = {n: _final(r) for n, r in first.items()}
-    paths["norm_vs_frequency"] = plots.norm_vs_frequency(finals, os.path.join(out_dir, "norm_vs_frequency.png"))
-    paths["cosine_histograms"] = plots.cosine_histograms(finals, os.path.join(out_dir, "cosine_histograms.png"))
-    series = {n: [(s, a["gradient"]) for s, a in r["analysis"]["over_time"] if "gradient" in a]
-              for n, r in first.items()}
-    paths["gradient_interference"] = plots.gradient_interference(
-        series, os.path.join(out_dir, "gradient_interference.png"))
-    paths["gradient_cosine_by_bucket"] = plots.by_bucket(
-        {n: f["gradient"]["bucket_cosine"] for n, f in finals.items() if "gradient" in f},
-        os.path.join(out_dir, "gradient_cosine_by_bucket.png"), reference=0.0, ylabel="mean cosine",
-        title="cosine(g_lookup[i], g_head[i]) by frequency bucket, final checkpoint")
-    paths["softmax_mass_by_bucket"] = plots.by_bucket(
-        {n: f["softmax"]["bucket_mass_ratio"] for n, f in finals.items() if "softmax" in f},
-        os.path.join(out_dir, "softmax_mass_by_bucket.png"), reference=1.0, log=True,
-        ylabel="predicted / unigram mass", title="probability mass the model gives each frequency bucket "
-        "(val), relative to the bucket's unigram share")
-    paths["norm_by_bucket"] = plots.by_bucket(
-        {f"{n} {side}": f[side]["bucket_norm"] for n, f in finals.items()
-         for side in (("input",) if f.get("tied") else ("input", "output"))},
-        os.path.join(out_dir, "norm_by_bucket.png"), ylabel="mean row norm",
-        title="mean row norm by frequency bucket (input = W_in, output = W_out)")
-    # Rows of split 'diag' hold training_diagnostics' keys, with or without their 'diag/' prefix.
-    diag_rows = {n: [{k.removeprefix("diag/"): v for k, v in row.items()} for row in r["metrics"]
-                     if row.get("split") == "diag"] for n, r in first.items()}
-    if any(diag_rows.values()):
-        paths["diagnostics_over_training"] = plots.diagnostics_over_training(
-            diag_rows, [("input/spearman", "rho(norm, freq): W_in"),
-                        ("output/spearman", "rho(norm, freq): W_out"),
-                        ("input/mean_cosine", "mean cosine: W_in"),
-                        ("output/mean_cosine", "mean cosine: W_out")],
-            os.path.join(out_dir, "diagnostics_over_training.png"))
+    for v, rs in groups.items():
+        tr = [[(row["step"], float(row.get("ce_loss", row.get("loss")))) for row in r["metrics"]
+               if row.get("split") == "train" and ("ce_loss" in row or "loss" in row)] for r in rs]
+        va = [[(row["step"], float(row["loss"])) for row in r["metrics"] if row.get("split") == "val"] for r in rs]
+        curves[v] = dict(train=tr, val=va)
+    paths["loss_curves"] = plots.loss_curves_seeds(curves, os.path.join(out_dir, "loss_curves.png"))
+    comps = loss_comparisons(summary or {}, groups)
+    if comps:
+        paths["loss_differences"] = plots.interval_bars(
+            {c["variant"]: c for c in comps}, os.path.join(out_dir, "loss_differences.png"),
+            ylabel="val loss minus tied (nats/token)",
+            title=f"validation loss minus tied, 95% CI over seeds x documents (n={comps[0]['n_seeds']} seeds, "
+                  f"{comps[0]['n_docs']} docs)")
+    mats = matrices_of(groups)
+
+    def bins_of(v, side, key, sub):
+        rs = [r for r in groups[v] if r.get("analysis")]
+        return np.array([r["analysis"]["matrices"][side][sub][key] if sub == "movement" else
+                         r["analysis"]["matrices"][side][sub]["profile"][key] for r in rs], np.float64)
+
+    profiles = {}
+    for name, v, side in mats:
+        rs = [r for r in groups[v] if r.get("analysis")]
+        if not rs:
+            continue
+        x = np.array(rs[0]["analysis"]["matrices"][side]["final"]["profile"]["log10_freq"])
+        profiles[name] = dict(x=x, final=bins_of(v, side, "norm", "final"), init=bins_of(v, side, "norm", "init"),
+                              move=bins_of(v, side, "bin_move", "movement"))
+    if profiles:
+        paths["norm_vs_frequency"] = plots.profile_lines(
+            {k: (p["x"], p["final"], p["init"]) for k, p in profiles.items()},
+            os.path.join(out_dir, "norm_vs_frequency.png"), ylabel="mean row L2 norm",
+            title="row norm by equal-token-mass bin (dotted: same matrix at init)")
+        paths["movement_by_bin"] = plots.profile_lines(
+            {k: (p["x"], p["move"], None) for k, p in profiles.items()},
+            os.path.join(out_dir, "movement_by_bin.png"), ylabel="mean ||W_t[i] - W_0[i]||",
+            title="row movement from init by equal-token-mass bin")
+    aniso = {}
+    for key, label in (("mean_cosine", "mean cosine"), ("mean_cosine_freq", "mean cosine, unigram-weighted"),
+                       ("effective_rank_frac", "effective rank / d"), ("top_pc_share", "top-PC variance share")):
+        aniso[label] = {name: (ci_of(groups, v, mat(side, "final", "aniso", key)),
+                               ci_of(groups, v, mat(side, "init", "aniso", key))["mean"])
+                        for name, v, side in mats}
+    paths["anisotropy"] = plots.metric_panels(aniso, os.path.join(out_dir, "anisotropy.png"),
+                                              title="unit-row anisotropy, 95% CI over seeds (x: same matrix at init)")
+    grad = {}
+    for key, label in (("cross_share", "cross-term share (SGD)"), ("cross_share_adam", "cross-term share (Adam)"),
+                       ("cosine", "cosine(g_lookup, g_head)")):
+        panel = {}
+        for v in groups:
+            panel[v] = (ci_of(groups, v, _a(lambda a, k=key: a["gradient"]["final"][k])),
+                        ci_of(groups, v, _a(lambda a, k=key: a["gradient"]["init"][k]))["mean"])
+            panel[f"{v} shuffled"] = (ci_of(groups, v, _a(lambda a, k=key: a["gradient"]["final"]["shuffled"][k])), NAN)
+        grad[label] = panel
+    paths["gradient_interference"] = plots.metric_panels(
+        grad, os.path.join(out_dir, "gradient_interference.png"), reference=0.0,
+        title="gradient interference on K held-out batches, 95% CI over seeds (x: at init)")
+    upd = {v: np.array([r["analysis"]["gradient"]["final"]["updated"]["bin_frac_0.01"]
+                        for r in rs if r.get("analysis")]) for v, rs in groups.items()}
+    x0 = next(iter(profiles.values()))["x"] if profiles else None
+    if x0 is not None:
+        paths["updated_by_bin"] = plots.profile_lines(
+            {v: (x0, u, None) for v, u in upd.items() if len(u)}, os.path.join(out_dir, "updated_by_bin.png"),
+            ylabel="fraction of rows", title="rows whose gradient reaches 1% of a looked-up row's, by bin")
     return paths
 
 
@@ -294,98 +409,85 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str) -> dict[str, str]:
 def _setup_section(summary: dict, groups: dict[str, list[dict]]) -> str:
     cfg = summary["config"]
     t, d = cfg["train"], cfg["data"]
+    data = summary.get("data") or {}
     tokens = t["num_steps"] * t["global_batch_size"] * t["seq_len"]
     lines = [
-        f"- Data: `{d['source']}` corpus, vocabulary {cfg['model']['vocab_size']:,}, one tokenizer and one token "
-        f"cache shared by every run (`{groups[next(iter(groups))][0]['analysis'].get('data_dir', '')}`).",
+        f"- Data: `{d['source']}` corpus, vocabulary {cfg['model']['vocab_size']:,}; one tokenizer and token "
+        f"cache for every run. Train split {data.get('train_tokens', 0):,} tokens; evaluation on the whole "
+        f"validation split ({data.get('val_tokens', 0):,} scored tokens in {data.get('n_docs', 0)} held-out "
+        "documents), not on a few batches.",
         f"- Budget per run: {t['num_steps']:,} steps x {t['global_batch_size']} sequences x {t['seq_len']} tokens "
         f"= {tokens:,} training tokens; learning rate {t['learning_rate']}, warmup {t['warmup_steps']}, "
         f"weight decay {t['weight_decay']} (embeddings decayed: {t['decay_embeddings']}).",
-        f"- Seeds: {', '.join(str(s) for s in summary['compare']['seeds'])} (the seed sets the init and the "
-        "data order; every variant sees the same batches for a given seed).",
+        f"- Seeds: {', '.join(str(s) for s in summary['compare']['seeds'])}, paired: a seed fixes the init key "
+        "and the data order, the same for every variant.",
     ]
     shapes = []
     for n, rs in groups.items():
-        mdl = rs[0]["model"]
-        shapes.append([n, "yes" if mdl["tie_embeddings"] else "no", str(mdl["d_model"]), str(mdl["n_layers"]),
-                       str(mdl["d_ff"]), f"{_total(rs[0]):,}", f"{_non_embedding(rs[0]):,}"])
-    table = _table(["variant", "tied", "d_model", "layers", "d_ff", "total params", "non-embedding"], shapes)
-    match = summary.get("match") or {}
-    if match:
-        lines.append(
-            f"- Parameter match (Chung et al.): `untied_matched` sheds parameters by **{match['strategy']}** "
-            f"(d_model {match['tied_shape']['d_model']} -> {match['matched_shape']['d_model']}, layers "
-            f"{match['tied_shape']['n_layers']} -> {match['matched_shape']['n_layers']}, d_ff "
-            f"{match['tied_shape']['d_ff']} -> {match['matched_shape']['d_ff']}): {match['matched_total']:,} "
-            f"parameters vs the tied model's {match['target_total']:,} "
-            f"({100 * match['relative_mismatch']:+.3f}%).")
+        m, p = rs[0]["model"], rs[0]["params"]
+        shapes.append([n, "yes" if m["tie_embeddings"] else "no", str(m["d_model"]), str(m["n_layers"]),
+                       str(m["d_ff"]), str(m.get("embed_dim") or m["d_model"]), f"{p['total']:,}",
+                       f"{p['non_embedding']:,}"])
+    table = _table(["variant", "tied", "d_model", "layers", "d_ff", "embedding width", "total params",
+                    "non-embedding"], shapes)
+    for name, m in (summary.get("match") or {}).items():
+        lines.append(f"- `{name}` ({m['strategy']}): {m['matched_shape']} vs {m['tied_shape']}; "
+                     f"{m['matched_total']:,} parameters vs the tied {m['target_total']:,} "
+                     f"({100 * m['relative_mismatch']:+.3f}%).")
     return "\n".join(lines) + "\n\n" + table
+
+
+CAPTIONS = {
+    "loss_differences": "Validation loss of each variant minus tied, paired by seed and document (95% CI).",
+    "loss_curves": "Training and validation loss, mean over seeds (band: min-max over seeds).",
+    "norm_vs_frequency": "Row norm by equal-token-mass bin (error bars: min-max over seeds; dotted: init).",
+    "movement_by_bin": "How far rows moved from their initial values, by bin.",
+    "anisotropy": "Anisotropy of unit rows per matrix (bars: final with 95% CI; x: init).",
+    "gradient_interference": "Interference of the two gradient paths per variant, with the row-shuffled control.",
+    "updated_by_bin": "Magnitude-aware 'updated' fraction by bin (tied: the head reaches every row, but how hard).",
+}
 
 
 def render(summary: dict, plot_paths: dict[str, str]) -> str:
     groups = _by_variant(summary["runs"])
     parts = [
-        "# Tied vs untied embeddings: comparison report",
-        "",
-        f"Produced by `tieflax compare` in {summary.get('wall_seconds', float('nan')) / 60:.1f} minutes. Every "
-        "number below is defined in the docstrings of `tieflax/analysis/` (frequency buckets split the "
-        f"vocabulary into {summary['compare']['n_buckets']} equal-size groups by train count, rarest first; "
-        "padding rows are excluded everywhere).",
-        "",
-        "## Setup",
-        "",
-        _setup_section(summary, groups),
-        "",
-        "## Results",
-        "",
-        "Mean over seeds (± sample standard deviation when there are several).",
-        "",
-        results_table(groups),
-        "",
-        "![loss curves](loss_curves.png)",
-        "",
-        "## Diagnostics (final checkpoint)",
-        "",
-        "For the tied model W_in and W_out are the same matrix. Gradient rows: one training batch (the first "
-        "of the run's data order), the loss's gradient split into its lookup and head paths (for a tied "
-        "model these sum exactly to its gradient).",
-        "",
-        diagnostics_table(groups),
-        "",
-        "## The claims, checked against these numbers",
-        "",
-        *[f"- {c}" for c in claims(groups)],
-        "",
-        "## Plots",
-        "",
+        "# Tied vs untied embeddings: comparison report", "",
+        f"Produced by `tieflax compare` in {summary.get('wall_seconds', NAN) / 60:.1f} minutes. Every interval "
+        "is a paired percentile bootstrap 95% interval; a verdict says whether it excludes 0, nothing else. "
+        f"Frequency bins hold equal shares of the training tokens ({summary['compare']['n_bins']} bins, rarest "
+        "first); padding rows are excluded everywhere. Definitions: `tieflax/analysis/measures.py`.", "",
+        "## Setup", "", _setup_section(summary, groups), "",
+        "## Results", "", results_table(groups), "",
+        "## The claims, checked against these numbers", "",
+        *[f"- {c}" for c in claims(groups, summary)], "",
+        "## Geometry (final checkpoint against init and a row-shuffled control)", "",
+        "The row-shuffled control permutes which row belongs to which token: measures that depend on token "
+        "frequency (rho, bin ratios, unigram-weighted cosine, movement by bin) fall to their null there, while "
+        "order-free ones (plain cosine, rank, isotropy) equal the final value up to the row sample. The init "
+        "column is the same matrix before training: a measure that barely moved from it describes the "
+        "initialisation, not tying.", "",
+        diagnostics_table(groups), "",
+        "## Gradient interference and updated rows", "",
+        "Lookup and head gradients averaged over K held-out batches; for an untied model the same numbers "
+        "are the control (its two paths update different matrices).", "",
+        gradient_table(groups), "",
+        "## Plots", "",
     ]
-    captions = {
-        "norm_vs_frequency": "Row norm against train frequency, per matrix (binned mean in black).",
-        "norm_by_bucket": "Mean row norm by frequency bucket.",
-        "cosine_histograms": "Pairwise cosine of rows (a sample of rows): mass right of 0 is anisotropy.",
-        "gradient_interference": "Gradient interference over training (step 0 = initialisation; one batch per point).",
-        "gradient_cosine_by_bucket": "Cosine of the two gradient paths per frequency bucket, final checkpoint.",
-        "softmax_mass_by_bucket": "Softmax mass per frequency bucket relative to its unigram share (1 = calibrated).",
-        "diagnostics_over_training": "Diagnostics logged during training (rows of split `diag` in metrics.jsonl).",
-    }
-    for key, caption in captions.items():
+    for key, caption in CAPTIONS.items():
         if key in plot_paths:
             parts += [f"**{caption}**", "", f"![{key}]({os.path.basename(plot_paths[key])})", ""]
-    parts += ["## What these numbers support, and what they do not", "", CAVEATS, "",
-              "## Runs", "", *[f"- `{r['variant']}` seed {r['seed']}: `{r['run_dir']}` "
-                                f"(`tieflax analyze --workdir {r['run_dir']}` for its full diagnostics)"
-                                for r in summary["runs"]], ""]
+    parts += ["## What these numbers support, and what they do not", "", caveats(summary), "",
+              "## Runs", "", *[f"- `{r['variant']}` seed {r['seed']}: `{r['run_dir']}`" for r in summary["runs"]], ""]
     return "\n".join(parts)
 
 
 def write_report(summary: dict, out_dir: str) -> str:
     """Writes ``summary.json``, the PNGs, ``report.md`` (and ``report.html`` if cheap); returns the .md path."""
-    from tieflax.analysis.study import to_jsonable
-
     os.makedirs(out_dir, exist_ok=True)
+    summary = to_jsonable(summary)
     with open(os.path.join(out_dir, SUMMARY), "w", encoding="utf-8") as f:
-        json.dump(to_jsonable(summary), f, default=float)
-    plot_paths = make_plots(_by_variant(summary["runs"]), out_dir)
+        json.dump(summary, f, default=float)
+    plot_paths = make_plots(_by_variant(summary["runs"]), out_dir, summary)
     text = render(summary, plot_paths)
     path = os.path.join(out_dir, REPORT)
     with open(path, "w", encoding="utf-8") as f:

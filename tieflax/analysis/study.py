@@ -1,13 +1,20 @@
 """The tied-vs-untied study behind ``tieflax compare``: variants, training, checkpoint analyses, report.
 
-Variants (``config.compare.variants``), all on the same data, tokenizer, seeds and token budget:
+Variants (``config.compare.variants``), all on the same data, tokenizer, seeds and token budget; for a
+given seed every variant sees the same batches in the same order and draws its init from the same key:
 
 - ``tied``: the config with ``tie_embeddings=True``.
-- ``untied``: the same body, its own head: ``V x d`` more parameters, equal non-embedding parameters.
-- ``untied_matched``: untied with a narrower (``match='width'``) or shallower (``match='depth'``) body so
-  that its *total* parameter count equals the tied model's (the comparison of Chung et al., 2021).
-  The shape is found with exact parameter accounting (``param_report``), then ``d_ff`` is solved for the
-  remainder, so the totals agree to within a few hundred parameters; the report states the match.
+- ``untied``: the same body, its own head: ``V x d`` more parameters. Matched on *non-embedding*
+  parameters.
+- ``untied_matched``: Chung et al.'s design: the same body (d_model, layers, d_ff unchanged), untied
+  embeddings of a narrower width ``E = model.embed_dim`` with projections to and from d_model, E chosen
+  so that the *total* parameter count is the tied model's.
+- ``untied_width`` / ``untied_depth``: untied at the tied total by narrowing d_model (and d_ff) or by
+  dropping layers: the body shrinks, so these confound tying with capacity; reported separately.
+- Mechanism ablations, each one switch on top of ``tied`` or ``untied``: ``*_embed_decay`` (weight
+  decay on the embedding matrices), ``*_rsqrt_logits`` (logits x 1/sqrt(d)), ``*_head_bias`` (a
+  logit bias) and ``*_embed_sgd`` (embedding matrices trained by SGD with momentum instead of Adam:
+  ``config.train.embedding_optimizer``; its rate ``embedding_sgd_lr`` is not tuned here).
 """
 
 from __future__ import annotations
@@ -17,28 +24,40 @@ import functools
 import json
 import os
 import time
-from typing import Any
 
 import ml_collections
 
 from tieflax.model.params import param_report
 
-VARIANTS = ("tied", "untied", "untied_matched")
-MATCH_STRATEGIES = ("width", "depth")
+# Variants a user can name; DEFAULT_VARIANTS is what `tieflax compare` trains unless told otherwise.
+MATCHED = ("untied_matched", "untied_width", "untied_depth")
+ABLATIONS = {  # name -> (tied?, config changes): one mechanism switched on top of tied or untied
+    "tied_embed_decay": (True, {"train.decay_embeddings": True}),
+    "untied_embed_decay": (False, {"train.decay_embeddings": True}),
+    "tied_rsqrt_logits": (True, {"model.logit_scale_rsqrt_d": True}),
+    "untied_rsqrt_logits": (False, {"model.logit_scale_rsqrt_d": True}),
+    "tied_head_bias": (True, {"model.head_bias": True}),
+    "untied_head_bias": (False, {"model.head_bias": True}),
+    "tied_embed_sgd": (True, {"train.embedding_optimizer": "sgd"}),
+    "untied_embed_sgd": (False, {"train.embedding_optimizer": "sgd"}),
+}
+VARIANTS = ("tied", "untied", *MATCHED, *ABLATIONS)
+DEFAULT_VARIANTS = ("tied", "untied", "untied_matched")
+MATCH_STRATEGIES = ("embed_dim", "width", "depth")
 
 
 def default_compare_config() -> ml_collections.ConfigDict:
     """``config.compare``: what the study trains and how much it analyses."""
     c = ml_collections.ConfigDict()
-    c.variants = VARIANTS
-    c.match = "width"            # how untied_matched sheds parameters: 'width' (d_model, d_ff) or 'depth'
-    c.seeds = (0,)               # several seeds: the report gives mean and spread
-    c.analysis_points = 4        # checkpoints analysed over training (gradient interference over time)
-    c.analyze_init = True        # also analyse the initial parameters (step 0; one extra compile per variant)
-    c.val_batches = 2            # validation batches for the softmax statistics
-    c.analysis_sequences = 16    # sequences per analysis batch (analysis runs unsharded on one device)
-    c.n_buckets = 4              # frequency buckets (rarest first)
-    c.max_rows = 2048            # row sample for pairwise cosines / spectra (0 = every row)
+    c.variants = DEFAULT_VARIANTS
+    c.seeds = (0, 1, 2)          # paired: a seed fixes the init key and the data order of every variant
+    c.analysis_points = 2        # checkpoints kept per run (the last is analysed against the init)
+    c.grad_batches = 4           # held-out batches the gradient measures average over (K)
+    c.val_batches = 0            # validation batches for the loss and contextual anisotropy (0 = the whole split)
+    c.analysis_sequences = 16    # sequences per gradient batch (analysis runs unsharded on one device)
+    c.n_bins = 8                 # equal-token-mass frequency bins (rarest first)
+    c.max_rows = 1024            # row sample for the spectral anisotropy measures (0 = every row)
+    c.bootstrap = 2000           # bootstrap replicates per interval
     return c
 
 
@@ -53,12 +72,14 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     bad = [v for v in cc.variants if v not in VARIANTS]
     if bad or not cc.variants:
         raise ValueError(f"config.compare.variants = {tuple(cc.variants)}: choose a non-empty subset of {VARIANTS}")
-    if cc.match not in MATCH_STRATEGIES:
-        raise ValueError(f"config.compare.match = {cc.match!r}: choose one of {MATCH_STRATEGIES}")
+    if "tied" not in cc.variants:
+        raise ValueError("config.compare.variants must include 'tied': every comparison is paired against it")
     if not cc.seeds:
-        raise ValueError("config.compare.seeds is empty: give at least one seed, e.g. (0,)")
+        raise ValueError("config.compare.seeds is empty: give at least one seed, e.g. (0, 1, 2)")
     if cc.analysis_points < 1:
         raise ValueError(f"config.compare.analysis_points = {cc.analysis_points}: must be >= 1")
+    if cc.grad_batches < 1:
+        raise ValueError(f"config.compare.grad_batches = {cc.grad_batches}: must be >= 1")
     return cc
 
 
@@ -68,8 +89,13 @@ def _untied_total(mc) -> int:
     return param_report(mc).total_untied
 
 
-def matched_untied_config(mc, strategy: str = "width"):
+def matched_untied_config(mc, strategy: str = "embed_dim"):
     """(untied ModelConfig with total params ~= the tied model's, match info dict).
+
+    ``embed_dim`` (Chung et al.): the body is unchanged; the untied matrices get the width E whose total
+    (two V x E matrices and the two E x d projections) comes closest to the tied total. Totals are affine
+    in E, so E is solved from two exact counts; one step of E is 2 (V + d) parameters, so the match is
+    within half of that.
 
     ``width``: the largest d_model (a multiple of 2 x n_heads, so RoPE's head dimension stays even; d_ff
     scaled in proportion) whose untied total does not exceed the tied total, then d_ff solved exactly for
@@ -81,6 +107,18 @@ def matched_untied_config(mc, strategy: str = "width"):
     base = mc.replace(tie_embeddings=True, head_init="normal", head_init_std=0.0)
     target = param_report(base).total_tied
     untied = base.replace(tie_embeddings=False)
+    if strategy == "embed_dim":
+        t1, t2 = _untied_total(untied.replace(embed_dim=1)), _untied_total(untied.replace(embed_dim=2))
+        e = round((target - t1) / max(t2 - t1, 1)) + 1  # the nearest total (E is coarse: 2 (V + d) a step)
+        if e < 1:
+            raise ValueError(f"no embedding width fits the untied model in {target:,} parameters")
+        matched = untied.replace(embed_dim=int(e))
+        total = _untied_total(matched)
+        return matched, dict(strategy=strategy, target_total=target, matched_total=total,
+                             relative_mismatch=(total - target) / target,
+                             tied_shape=dict(d_model=mc.d_model, n_layers=mc.n_layers, d_ff=mc.d_ff, embed_dim=0),
+                             matched_shape=dict(d_model=mc.d_model, n_layers=mc.n_layers, d_ff=mc.d_ff,
+                                                embed_dim=int(e)))
     if strategy == "width":
         step = 8 if mc.head_dim else 2 * mc.n_heads
         d = (mc.d_model // step) * step
@@ -91,7 +129,7 @@ def matched_untied_config(mc, strategy: str = "width"):
             d -= step
         if d <= 0:
             raise ValueError(f"no untied width of this model fits in {target:,} parameters (the two V x d "
-                             "matrices alone exceed it); use config.compare.match='depth' or a larger body")
+                             "matrices alone exceed it); use the 'untied_depth' variant or a larger body")
     else:
         layers = mc.n_layers
         cand = untied
@@ -101,7 +139,7 @@ def matched_untied_config(mc, strategy: str = "width"):
             raise ValueError(
                 f"an untied model needs {mc.vocab_size * mc.d_model:,} more parameters than the tied one, "
                 f"more than {mc.n_layers} layers hold: even one layer exceeds the tied total {target:,}. "
-                "Use config.compare.match='width'.")
+                "Use the 'untied_width' or 'untied_matched' variant.")
     # Total parameters are affine in d_ff: solve for the d_ff that closes the gap.
     t0 = _untied_total(cand)
     t1 = _untied_total(cand.replace(d_ff=cand.d_ff + 1))
@@ -110,30 +148,57 @@ def matched_untied_config(mc, strategy: str = "width"):
     total = _untied_total(matched)
     info = dict(strategy=strategy, target_total=target, matched_total=total,
                 relative_mismatch=(total - target) / target,
-                tied_shape=dict(d_model=mc.d_model, n_layers=mc.n_layers, d_ff=mc.d_ff),
-                matched_shape=dict(d_model=matched.d_model, n_layers=matched.n_layers, d_ff=matched.d_ff))
+                tied_shape=dict(d_model=mc.d_model, n_layers=mc.n_layers, d_ff=mc.d_ff, embed_dim=0),
+                matched_shape=dict(d_model=matched.d_model, n_layers=matched.n_layers, d_ff=matched.d_ff,
+                                   embed_dim=0))
     return matched, info
 
 
 def variant_configs(config: ml_collections.ConfigDict) -> tuple[dict[str, ml_collections.ConfigDict], dict]:
-    """``({variant: full config}, matched-variant info or {})`` for ``config.compare.variants``."""
+    """``({variant: full config}, {matched variant: match info})`` for ``config.compare.variants``."""
     from tieflax.config import model_config
 
     cc = compare_config(config)
-    mc = model_config(config)
-    out, info = {}, {}
+    mc = model_config(config).replace(embed_dim=0)
+    out, infos = {}, {}
     for name in cc.variants:
         cfg = copy.deepcopy(config)
-        cfg.model.tie_embeddings = name == "tied"
-        if name == "tied":
+        cfg.model.embed_dim = 0
+        tied = ABLATIONS[name][0] if name in ABLATIONS else name == "tied"
+        cfg.model.tie_embeddings = tied
+        if tied:
             cfg.model.head_init, cfg.model.head_init_std = "normal", 0.0  # meaningless when tied (validated)
-        if name == "untied_matched":
-            matched, info = matched_untied_config(mc, cc.match)
-            for key in ("d_model", "n_layers", "d_ff"):
+        if name in MATCHED:
+            strategy = {"untied_matched": "embed_dim", "untied_width": "width", "untied_depth": "depth"}[name]
+            matched, infos[name] = matched_untied_config(mc, strategy)
+            for key in ("d_model", "n_layers", "d_ff", "embed_dim"):
                 cfg.model[key] = getattr(matched, key)
+        for key, value in ABLATIONS.get(name, (None, {}))[1].items():
+            section, field = key.split(".")
+            cfg[section][field] = value
         model_config(cfg)  # validate now, naming the field
         out[name] = cfg
-    return out, info
+    return out, infos
+
+
+@functools.lru_cache(maxsize=256)
+def _counts(mc) -> tuple[int, int]:
+    report = param_report(mc)
+    return report.total_tied, report.total_untied
+
+
+def param_counts(mc) -> dict:
+    """``{'total', 'embedding', 'non_embedding'}`` of a config as configured (exact, from the param tree).
+
+    Embedding parameters: the V x E (or V x d) matrices, one when tied, two when untied, plus the two
+    E x d projections of a decoupled width; everything else (the body, norms, a head bias) is
+    non-embedding, so ``tied`` and ``untied_matched`` share their non-embedding count.
+    """
+    total_tied, total_untied = _counts(mc.replace(tie_embeddings=True, head_init="normal", head_init_std=0.0))
+    total = total_tied if mc.tie_embeddings else total_untied
+    width = mc.embed_dim or mc.d_model
+    emb = (1 if mc.tie_embeddings else 2) * mc.vocab_size * width + 2 * mc.embed_dim * mc.d_model
+    return dict(total=total, embedding=emb, non_embedding=total - emb)
 
 
 # -------------------------------------------------------------------------------------------- running
@@ -151,35 +216,66 @@ def _initial_params(mc, config):
     return jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
 
 
-def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collections.ConfigDict) -> dict:
-    """Analyses a finished run: gradient interference at step 0 (``analyze_init``) and at each kept
-    checkpoint, everything (with per-row arrays for the plots) at the last one. Writes
-    ``run_dir/analysis/compare.json``."""
-    from tieflax.analysis.workdir import (analysis_loss_options, analysis_data, analyze_params,
-                                          checkpoint_steps, load_params_at, without_arrays)
+def study_data(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collections.ConfigDict) -> dict:
+    """The held-out data every run is measured on (the same for every variant and seed).
+
+    ``val_batches``: the whole validation split, unshuffled (``config.compare.val_batches`` > 0 keeps only
+    that many batches); ``doc_ids``: each batch's document index per position; ``grad_batches``: the first
+    ``grad_batches`` of them cut to ``analysis_sequences`` rows; ``counts``: train unigram counts.
+    """
+    import numpy as np
+
+    from tieflax.analysis.evidence import document_ids
+    from tieflax.data import make_loader, prepare_dataset
+
+    t = config.train
+    prepared = prepare_dataset(config.data, run_dir, vocab_size=config.model.vocab_size)
+    loader = make_loader(prepared, "val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                         seed=config.seed, shuffle=False, num_epochs=1)
+    batches = []
+    for batch in loader:
+        batches.append({k: np.asarray(v) for k, v in dict(batch).items()})
+        if cc.val_batches and len(batches) >= cc.val_batches:
+            break
+    if not batches:
+        raise ValueError("the validation split is empty: raise config.data.val_fraction")
+    opener = prepared.bos_id if getattr(prepared, "bos_id", None) is not None else prepared.eos_id
+    ids = document_ids(np.concatenate([b["inputs"] for b in batches]), opener)
+    doc_ids = np.split(ids, np.cumsum([len(b["inputs"]) for b in batches])[:-1])
+    n_docs = int(max(i[b["targets"] >= 0].max() for i, b in zip(doc_ids, batches) if (b["targets"] >= 0).any())) + 1
+    cut = lambda b: {k: v[:cc.analysis_sequences] for k, v in b.items()}  # noqa: E731
+    info = getattr(prepared, "info", {}) or {}
+    return dict(val_batches=batches, doc_ids=doc_ids, n_docs=n_docs,
+                grad_batches=[cut(b) for b in batches[:cc.grad_batches]],
+                counts=np.asarray(prepared.token_counts), data_dir=str(prepared.data_dir),
+                train_tokens=int(np.asarray(prepared.token_counts).sum()), info=info)
+
+
+def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collections.ConfigDict, data: dict,
+                with_arrays: bool = False) -> dict:
+    """Measures a finished run's last checkpoint against its initial parameters (recomputed from the seed
+    exactly as the trainer draws them). Writes ``run_dir/analysis/compare.json``; a rerun reuses it when
+    it describes the same step."""
+    from tieflax.analysis.evidence import measure_run
+    from tieflax.analysis.workdir import analysis_loss_options, checkpoint_steps, load_params_at
     from tieflax.config import model_config
 
-    mc = model_config(config)
-    data = analysis_data(config, run_dir, cc.val_batches, cc.analysis_sequences)
-    options = analysis_loss_options(config)
-    kw = dict(n_buckets=cc.n_buckets, max_rows=cc.max_rows or None, loss_options=options)
+    path = os.path.join(run_dir, "analysis", "compare.json")
     steps = checkpoint_steps(run_dir)
-    over_time = []
-    if cc.analyze_init:
-        over_time.append((0, analyze_params(mc, _initial_params(mc, config), data["token_counts"],
-                                            train_batch=data["train_batch"], **kw)))
-    for step in steps[:-1]:
-        _, params, _ = load_params_at(run_dir, step)
-        over_time.append((step, analyze_params(mc, params, data["token_counts"],
-                                               train_batch=data["train_batch"], **kw)))
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved.get("step") == steps[-1] and ("arrays" in saved) >= with_arrays:
+            return saved
+    mc = model_config(config)
     _, params, last = load_params_at(run_dir, steps[-1])
-    final = analyze_params(mc, params, data["token_counts"], train_batch=data["train_batch"],
-                           val_batches=data["val_batches"], with_arrays=True, **kw)
-    over_time.append((last, final))
-    result = dict(final=final, over_time=[(s, without_arrays(r)) for s, r in over_time], step=last,
-                  data_dir=data["data_dir"])
-    os.makedirs(os.path.join(run_dir, "analysis"), exist_ok=True)
-    with open(os.path.join(run_dir, "analysis", "compare.json"), "w", encoding="utf-8") as f:
+    result = measure_run(mc, params, _initial_params(mc, config), data["counts"],
+                         val_batches=data["val_batches"], doc_ids=data["doc_ids"], n_docs=data["n_docs"],
+                         grad_batches=data["grad_batches"], loss_options=analysis_loss_options(config),
+                         n_bins=cc.n_bins, max_rows=cc.max_rows or None, with_arrays=with_arrays)
+    result.update(step=int(last), data_dir=data["data_dir"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, default=float)
     return result
 
@@ -217,11 +313,12 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
     cc = compare_config(config)
     variants, match = variant_configs(config)
     tokenizer = shared_tokenizer(config, workdir)
-    runs = []
+    runs, data = [], None
     total = len(variants) * len(cc.seeds)
     t_start = time.perf_counter()
-    for name, vcfg in variants.items():
-        for seed in cc.seeds:
+    # Seed-major order: an interrupted run has every variant at the first seeds (paired) before more seeds.
+    for seed in cc.seeds:
+        for name, vcfg in variants.items():
             cfg = copy.deepcopy(vcfg)
             cfg.seed = int(seed)
             if tokenizer:
@@ -239,26 +336,24 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
                 # SIGTERM: the run saved a checkpoint; stop here, and rerunning the command resumes.
                 log(f"stopped by SIGTERM during {name} (seed {seed}); rerun the same command to resume")
                 raise SystemExit(143)
-            log(f"[{len(runs) + 1}/{total}] {name}: val loss {result['final_val_loss']:.4f} "
-                f"({time.perf_counter() - t0:.0f} s); analysing checkpoints")
+            t1 = time.perf_counter()
             # Analysis and the report run on process 0 only; the others go on to the next run's training
             # and wait for it there.
-            analysis = analyze_run(cfg, run_dir, cc) if is_main else None
+            analysis = None
+            if is_main:
+                data = data or study_data(cfg, run_dir, cc)
+                analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0])
+            full = f", full split {analysis['val']['loss']:.4f}" if analysis else ""
+            log(f"[{len(runs) + 1}/{total}] {name} seed {seed}: val loss {result['final_val_loss']:.4f}{full} "
+                f"(train {t1 - t0:.0f} s, analysis {time.perf_counter() - t1:.0f} s)")
             runs.append(dict(variant=name, seed=int(seed), run_dir=run_dir, result=result, analysis=analysis,
                              metrics=read_metrics(run_dir) if is_main else [], model=cfg.model.to_dict(),
-                             params=param_report(model_config(cfg)).as_dict()))
+                             train=cfg.train.to_dict(), params=param_counts(model_config(cfg)),
+                             seconds=dict(train=t1 - t0, analysis=time.perf_counter() - t1)))
     summary = dict(config=json.loads(config.to_json_best_effort()), compare=cc.to_dict(), match=match,
-                   runs=runs, wall_seconds=time.perf_counter() - t_start)
+                   runs=runs, wall_seconds=time.perf_counter() - t_start,
+                   data=dict(train_tokens=data["train_tokens"], n_docs=data["n_docs"],
+                             val_tokens=int(sum(sum(r["analysis"]["val"]["doc_tokens"]) for r in runs[:1])),
+                             data_dir=data["data_dir"]) if data else {})
     summary["report"] = write_report(summary, workdir) if is_main else None
     return summary
-
-
-def to_jsonable(x: Any) -> Any:
-    """Tuples -> lists and NumPy scalars -> floats, recursively (for summary.json)."""
-    if isinstance(x, dict):
-        return {k: to_jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [to_jsonable(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
-        return x.item()
-    return x

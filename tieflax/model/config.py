@@ -80,6 +80,7 @@ class ModelConfig:
     head_init_std: float = 0.0            # untied head's std; 0 -> embed_init_std
     head_init: str = "normal"             # untied head: 'normal' or 'copy_embed' (starts equal)
     head_rng_stream: str = "params"       # PRNG stream the untied head draws from
+    embed_dim: int = 0                    # >0: V x embed_dim embeddings, projected to/from d_model (Chung et al.)
     logits_fp32: bool = True              # compute logits (and the loss) in float32
 
     # Numerics and memory.
@@ -177,6 +178,7 @@ def _validate(c: ModelConfig):
                  "head_init_std"):
         _check(getattr(c, name) >= 0, name, f"must be >= 0 (0 means off), got {getattr(c, name)}")
     _check(c.logit_scale > 0, "logit_scale", f"must be > 0, got {c.logit_scale}")
+    _check(c.embed_dim >= 0, "embed_dim", f"must be >= 0 (0 = embeddings of width d_model), got {c.embed_dim}")
     _check(c.embed_init_std > 0, "embed_init_std", f"must be > 0, got {c.embed_init_std}")
     _check(c.head_init in HEAD_INITS, "head_init", f"unknown {c.head_init!r}; choose {HEAD_INITS}")
     _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose {DTYPES}")

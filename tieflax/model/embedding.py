@@ -6,6 +6,12 @@ and logical axes. Untying is therefore a copy, and the parameter counts differ b
 
 Both sides read the matrix in one layout, vocab-sharded (logical axes ``('vocab', 'embed')``), so tying
 never forces a re-layout or an all-gather over the vocabulary.
+
+Decoupled width (``embed_dim = E > 0``, Chung et al., 2021): the matrices are [V_pad, E]; ``Embed`` adds
+``in_proj`` [E, d] after the lookup and the head adds ``out_proj`` [E, d], its weight being
+``embedding @ out_proj`` [V_pad, d] (so the loss and every caller still see a [V_pad, d] head). The two
+projections are separate parameters whether the matrix is tied or not; tied, ``out_proj`` lives in
+``embed`` (the head shares its scope), untied in ``lm_head``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,17 @@ def _normal(std: float):
     return nn.with_logical_partitioning(nn.initializers.normal(std), EMBED_AXES)
 
 
+def embedding_width(c: ModelConfig) -> int:
+    """Width of the embedding matrices: ``embed_dim`` when decoupled, else ``d_model``."""
+    return c.embed_dim or c.d_model
+
+
+def _projection(module: nn.Module, name: str, c: ModelConfig) -> Array:
+    """[E, d] projection, N(0, 1/E): keeps the init scale of a width-d embedding (and of its logits)."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(c.embed_dim ** -0.5), (None, "embed"))
+    return module.param(name, init, (c.embed_dim, c.d_model), dtype_of(c.param_dtype))
+
+
 class Embed(nn.Module):
     """Token lookup. ids: [B, T] int -> [B, T, d] in the compute dtype, x sqrt(d) if configured.
 
@@ -42,13 +59,15 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, ids: Array) -> Array:
         c = self.config
-        embedding = self.param("embedding", _normal(c.embed_init_std), (c.padded_vocab, c.d_model),
+        embedding = self.param("embedding", _normal(c.embed_init_std), (c.padded_vocab, embedding_width(c)),
                                dtype_of(c.param_dtype))
         table = embedding.astype(dtype_of(c.dtype))
         if self.mesh is None:
             x = jnp.take(table, ids, axis=0)
         else:
             x = vocab_parallel_embed(table, ids, mesh=self.mesh)
+        if c.embed_dim:
+            x = x @ _projection(self, "in_proj", c).astype(x.dtype)
         if c.scale_input_embedding:
             # Gemma rounds the normaliser to the compute dtype; doing the same keeps checkpoints faithful.
             x = x * jnp.asarray(c.d_model ** 0.5, x.dtype)
@@ -73,14 +92,17 @@ class LMHead(nn.Module):
 
     @nn.compact
     def weight(self) -> Array:
-        """The head matrix [V_pad, d] in the parameter dtype (the input embedding when tied)."""
+        """The head matrix [V_pad, d] in the parameter dtype (the input embedding when tied; with
+        ``embed_dim`` the [V_pad, E] matrix times ``out_proj`` [E, d])."""
         c = self.config
-        shape, pdt = (c.padded_vocab, c.d_model), dtype_of(c.param_dtype)
+        shape, pdt = (c.padded_vocab, embedding_width(c)), dtype_of(c.param_dtype)
         if c.tie_embeddings:
             # Embed has run (the lookup precedes the head), so this returns its existing parameter;
             # the initializer is Embed's own and only matters if the head were called first.
-            return self.param("embedding", _normal(c.embed_init_std), shape, pdt)
-        return self.param("embedding", nn.with_logical_partitioning(self._init, EMBED_AXES), shape, pdt)
+            w = self.param("embedding", _normal(c.embed_init_std), shape, pdt)
+        else:
+            w = self.param("embedding", nn.with_logical_partitioning(self._init, EMBED_AXES), shape, pdt)
+        return w @ _projection(self, "out_proj", c) if c.embed_dim else w
 
     def _init(self, key, shape, dtype):
         c = self.config

@@ -52,7 +52,7 @@ class ParamReport:
     total: int                 # as configured
     total_tied: int
     total_untied: int
-    embedding_matrix: int      # one V x d matrix
+    embedding_matrix: int      # one V x d (V x embed_dim when decoupled) matrix
 
     @property
     def share_tied(self) -> float:
@@ -82,7 +82,8 @@ def param_report(config: ModelConfig, name: str = "") -> ParamReport:
     return ParamReport(name=name or config.family, family=config.family, tied=config.tie_embeddings,
                        d_model=config.d_model, vocab_size=config.vocab_size,
                        total=totals[config.tie_embeddings], total_tied=totals[True],
-                       total_untied=totals[False], embedding_matrix=config.vocab_size * config.d_model)
+                       total_untied=totals[False],
+                       embedding_matrix=config.vocab_size * (config.embed_dim or config.d_model))
 
 
 def format_table(reports: list[ParamReport]) -> str:

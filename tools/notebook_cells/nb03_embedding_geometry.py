@@ -16,18 +16,19 @@ that you can read the report of a real run.
 CELLS = [
     ("code", r'''
 # Settings. The defaults train two tiny models for 20 steps each (a minute or two on a 2-core CPU):
-# enough to see what every plot shows, far too little to judge a claim. For a real run use the shapes of
-# configs/experiments/tie_vs_untie.py: VOCAB = 8192, D_MODEL = 128, N_LAYERS = 4, SEQ_LEN = 128,
-# STEPS = 400, VARIANTS = ("tied", "untied", "untied_matched"), SEEDS = (0, 1, 2), and a fresh WORKDIR.
+# enough to see what every plot shows, far too little to judge a claim. With one seed there are no
+# intervals: every verdict reads "not resolved". For a real run use configs/experiments/tie_vs_untie.py's
+# shapes: VOCAB = 8192, D_MODEL = 64, N_LAYERS = 2, SEQ_LEN = 128, STEPS = 250,
+# VARIANTS = ("tied", "untied", "untied_matched"), SEEDS = (0, 1, 2), and a fresh WORKDIR.
 STEPS = 20
 VOCAB = 2048
 D_MODEL = 64
 N_LAYERS = 2
 SEQ_LEN = 64
 BATCH = 16
-VARIANTS = ("tied", "untied")  # "untied_matched": untied at the tied model's total parameter count
+VARIANTS = ("tied", "untied")  # "untied_matched": same body, narrower untied embeddings, the tied total
 SEEDS = (0,)
-ANALYSIS_POINTS = 2            # checkpoints analysed over training (plus the initialisation)
+ANALYSIS_POINTS = 1            # checkpoints kept per run (the last is measured against the init)
 WORKDIR = "runs/geometry"      # rerunning resumes finished runs; delete it to start over
 '''),
     ("code", r'''
@@ -60,7 +61,8 @@ t.eval_every = max(1, STEPS // 3)
 t.eval_batches = 2
 config.mesh.data = -1
 config.compare = default_compare_config()
-config.compare.update(variants=VARIANTS, seeds=SEEDS, analysis_points=ANALYSIS_POINTS, val_batches=1)
+config.compare.update(variants=VARIANTS, seeds=SEEDS, analysis_points=ANALYSIS_POINTS, val_batches=4,
+                      grad_batches=2)
 
 summary = run_compare(config, WORKDIR)
 groups = {v: [r for r in summary["runs"] if r["variant"] == v] for v in VARIANTS}
@@ -70,26 +72,27 @@ display(Markdown(results_table(groups)))
     ("md", r'''
 ## 2. The diagnostics, plot by plot
 
-Frequency buckets split the vocabulary into equal-size groups by training count, rarest first; padding
-rows are excluded everywhere. For the tied model the "input" and "output" matrices are the same array.
+Frequency bins hold equal shares of the training tokens (rarest first), so the frequent head of the
+vocabulary, where most text is, is resolved; padding rows are excluded everywhere. For the tied model the
+"input" and "output" matrices are the same array. Every number is measured at the end of training and
+against the same matrix at initialisation.
 '''),
     ("code", r'''
 CAPTIONS = {
-    "loss_curves": "Training (thin) and validation (dashed) loss per variant: the quality side of the "
-                   "trade, judged at equal steps and tokens.",
-    "norm_vs_frequency": "Each row's L2 norm against how often its token occurs: an upward trend (positive "
-                         "Spearman rho) in the head is the frequency distortion, and in a tied model it "
-                         "shows up in the input matrix too.",
-    "norm_by_bucket": "The same trend averaged per frequency bucket, input and output matrix side by side.",
-    "cosine_histograms": "Pairwise cosines between rows: an isotropic matrix centres on 0, mass to the "
-                         "right means all rows lean one way (anisotropy).",
-    "gradient_interference": "Over training, for one fixed batch: the per-row cosine between the lookup "
-                             "and head gradients (below 0 = they conflict), the head's share of the "
-                             "gradient, and the fraction of rows each path updates (head dense, lookup sparse).",
-    "gradient_cosine_by_bucket": "That lookup-vs-head cosine per frequency bucket at the final checkpoint: "
-                                 "where in the vocabulary the two signals agree or pull apart.",
-    "softmax_mass_by_bucket": "Probability mass the model gives each bucket on validation text relative to "
-                              "the bucket's unigram share: 1 is calibrated, above 1 over-predicts.",
+    "loss_curves": "Training (thin) and validation (dashed) loss per variant, mean over seeds: the quality "
+                   "side of the trade, judged at equal steps and tokens.",
+    "norm_vs_frequency": "Mean row norm per equal-token-mass bin against the bin's log frequency (dotted: the "
+                         "same matrix at init). A rising curve in the head is the frequency distortion; in a "
+                         "tied model it is the input matrix too.",
+    "movement_by_bin": "How far each bin's rows moved from their initial values: which rows training "
+                       "actually changed (an untied input row moves only when its token occurs).",
+    "anisotropy": "Anisotropy of unit-normalised rows per matrix (bars) against its value at init (x): mean "
+                  "cosine, its unigram-weighted version, effective rank / d and the top component's share.",
+    "gradient_interference": "The lookup and head gradients on held-out batches: the share of the first-order "
+                             "loss change their cross term adds (below 0 = they interfere), raw and in Adam's "
+                             "metric, with a row-shuffled control.",
+    "updated_by_bin": "Fraction of rows whose gradient reaches 1% of a looked-up row's, by bin: the softmax "
+                      "touches every row, but not every row appreciably.",
 }
 for name, caption in CAPTIONS.items():
     path = os.path.join(WORKDIR, f"{name}.png")
@@ -99,18 +102,19 @@ for name, caption in CAPTIONS.items():
     ("md", r'''
 ## 3. The numbers behind the plots, and the claims
 
-`diagnostics_table` holds every number at the final checkpoint; `claims` states each claim, the number it
-is judged on, the threshold and what this run shows. With 20 steps and one seed, expect several to
-read "not seen here", and none of them to settle anything: that is the honest answer at this budget.
+`diagnostics_table` holds every geometry number (final, init, row-shuffled control, final minus init);
+`claims` states each claim with the difference it is judged on and its 95% interval over seeds. A verdict
+is only "the interval excludes 0" or "it does not"; with 20 steps and one seed nothing is resolved, which
+is the honest answer at this budget.
 '''),
     ("code", r'''
 display(Markdown(diagnostics_table(groups)))
-display(Markdown("\n".join(f"- {c}" for c in claims(groups))))
+display(Markdown("\n".join(f"- {c}" for c in claims(groups, summary))))
 '''),
     ("md", r'''
 The full report, with the caveats of a run this size, is `WORKDIR/report.md`; `tieflax analyze
 --workdir WORKDIR/<variant>/seed_0` gives any single checkpoint's diagnostics. For the real study run
-`tieflax compare --config configs/experiments/tie_vs_untie.py --workdir runs/compare` (about ten minutes
-on two CPU cores, according to that config's docstring).
+`tieflax compare --config configs/experiments/tie_vs_untie.py --workdir runs/compare` (3 paired seeds of
+three variants; README.md gives its measured time).
 '''),
 ]
