@@ -2,6 +2,13 @@
 
     python benchmarks/cross_entropy.py            # the table + one JSON line (about 5 minutes on 2 CPUs)
     python benchmarks/cross_entropy.py --sweep    # also the block-size sweep behind the defaults
+    python benchmarks/cross_entropy.py --tpu v5e:2x4   # compiled for TPU chips (libtpu, from a CPU)
+    python benchmarks/cross_entropy.py --gpu h100      # compiled for 8 H100s (jax[cuda12], no GPU needed)
+
+``--tpu``/``--gpu``: loss + gradient at the Gemma-2-2B head width (N = 8192, d = 2304, hidden bf16) for
+V = 64,000 / 128,256 / 256,000, W bf16 and fp32, on one chip and per chip on a mesh of fsdp 2 x tensor 4
+(W in the model's layout ``P('tensor', 'fsdp')``), compile only. tokamax's TPU kernel is included when
+the ``tokamax`` package imports (one chip: it has no vocabulary sharding; it takes W as [d, V]).
 
 Memory is ``compiled.memory_analysis().temp_size_in_bytes`` of loss+grad (w.r.t. hidden and weight),
 per device, compile only. FLOPs are analytic matmul FLOPs (``cost_analysis`` counts a loop body once).
@@ -66,7 +73,8 @@ def variants(v, mesh=None, blocks=None):
     def ours(mode):
         tb, vb = blocks.get(mode, (None, None))
         extra = {} if tb is None else dict(token_block=tb, vocab_block=vb)
-        return lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, mode=mode, mesh=mesh, **extra)[0]
+        return lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, mode=mode, mesh=mesh, impl="xla",
+                                             weight_embed_axis=None, **extra)[0]
 
     return {
         "naive (optax, full logits)": lambda h, w, y: naive_cross_entropy(h, w, y, valid_vocab=v),
@@ -146,11 +154,101 @@ def sweep(reps):
     return rows
 
 
+# ------------------------------------------------------------------ compiled for TPU / GPU chips
+
+def _topology_devices(tpu: str | None, gpu: str | None):
+    from jax.experimental import topologies
+    if tpu:
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        return topologies.get_topology_desc(topology_name=tpu, platform="tpu").devices
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    target = os.path.join(root, "tests", "data", f"{gpu}.txtpb")  # the GPU's description for XLA
+    return topologies.get_topology_desc(platform="cuda", target_config=open(target).read(),
+                                        topology="1x1x8").devices
+
+
+def _tokamax_loss(device_kind: str):
+    """tokamax's Pallas TPU loss (sum), or None when tokamax is not installed. Compiling it from a CPU
+    needs its device-kind query to answer with the topology's kind and its device check to pass."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+        from tokamax._src.ops.linear_softmax_cross_entropy_loss import pallas_mosaic_tpu
+    except ImportError:
+        return None
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; this script's own flags are not theirs
+        flags.FLAGS.mark_as_parsed()
+    tpu_info.get_device_kind = lambda: device_kind
+    tpu_info.get_num_device_cores = lambda: 1
+    # Traced arguments carry no device, so its forward and VJP ops ask the default (CPU) one.
+    for cls in vars(pallas_mosaic_tpu).values():
+        if isinstance(cls, type) and "supported_on" in vars(cls):
+            cls.supported_on = lambda self, device: True
+    op = pallas_mosaic_tpu.PallasMosaicTpuLinearSoftmaxCrossEntropyLoss()
+    return lambda h, w_t, y: op(h, y, w_t, reduction="sum")
+
+
+def compiled_variants(v, mesh, platform, device_kind):
+    """name -> (loss_fn(h, w, y) -> scalar, W transposed?)."""
+    out = {
+        "naive (optax, full logits)": lambda h, w, y: naive_cross_entropy(h, w, y, valid_vocab=v).sum(),
+        "megatron (per-shard logits)": lambda h, w, y: megatron_cross_entropy(
+            h, w, y, valid_vocab=v, mesh=mesh).sum(),
+    }
+    if platform == "tpu" and mesh is None:
+        tk = _tokamax_loss(device_kind)
+        if tk is not None:
+            out["tokamax (Pallas TPU)"] = tk
+    impls = ("xla", "pallas") if platform == "tpu" else ("xla",)
+    for impl in impls:
+        out[f"tieflax {impl}"] = (lambda impl: lambda h, w, y: cross_entropy(
+            h, w, y, valid_vocab=v, mesh=mesh, impl=impl)[0].sum())(impl)
+    return out
+
+
+def compiled_table(tpu: str | None, gpu: str | None):
+    """Per-chip temp MiB of loss+grad compiled for TPU or GPU chips; prints rows, returns them."""
+    devices = _topology_devices(tpu, gpu)
+    platform, kind = devices[0].platform, devices[0].device_kind
+    n, d = 8192, 2304
+    rows = []
+    print(f"# {kind} x {len(devices)}, jax {jax.__version__}; per-chip temp MiB of loss+grad, hidden bf16")
+    print(f"{'V':>7s} {'mesh':6s} {'W':8s} {'variant':28s} {'temp MiB':>10s}", flush=True)
+    meshes = {"1": None, "f2xt4": make_mesh(1, 2, 4, devices=devices[:8])}
+    for v in (64000, 128256, 256000):
+        for mesh_name, mesh in meshes.items():
+            for wdt in (jnp.bfloat16, jnp.float32):
+                if mesh is None:
+                    sh = [jax.sharding.SingleDeviceSharding(devices[0])] * 3
+                else:
+                    sh = [NamedSharding(mesh, s) for s in (P(BATCH, None), P("tensor", "fsdp"), P(BATCH))]
+                for name, fn in compiled_variants(v, mesh, platform, kind).items():
+                    w_shape = (d, v) if name.startswith("tokamax") else (v, d)
+                    args = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh[0]),
+                            jax.ShapeDtypeStruct(w_shape, wdt, sharding=sh[1]),
+                            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh[2]))
+                    f = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+                    try:
+                        mib = f.lower(*args).compile().memory_analysis().temp_size_in_bytes / MB
+                    except Exception as e:  # noqa: BLE001 (a variant the compiler rejects: say why)
+                        mib, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                    rows.append(dict(vocab=v, mesh=mesh_name, w=jnp.dtype(wdt).name, variant=name,
+                                     temp_mib=None if mib is None else round(mib, 1)))
+                    shown = f"{mib:10.1f}" if mib is not None else f"{'failed':>10s}  {err}"
+                    print(f"{v:7d} {mesh_name:6s} {jnp.dtype(wdt).name:8s} {name:28s} {shown}", flush=True)
+    return dict(device=kind, chips=len(devices), rows=rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per variant (median)")
     ap.add_argument("--sweep", action="store_true", help="also run the block-size sweep")
+    ap.add_argument("--tpu", metavar="TOPOLOGY", help="compile for this TPU topology (e.g. v5e:2x4) instead")
+    ap.add_argument("--gpu", metavar="NAME", help="compile for 8 GPUs described by tests/data/NAME.txtpb")
     args = ap.parse_args()
+    if args.tpu or args.gpu:
+        print("JSON " + json.dumps(compiled_table(args.tpu, args.gpu)))
+        return
     out = {"jax": jax.__version__, "backend": jax.default_backend(), "rows": []}
     rows = out["rows"]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -118,21 +120,90 @@ def test_tie_reports_what_was_discarded(chain, tmp_path, capsys, source):
     np.testing.assert_allclose(params["embed"]["embedding"], want, rtol=0, atol=1e-7)
 
 
-def test_bad_requests_fail_clearly(chain, tmp_path):
+def _fails(capsys, argv, match) -> str:
+    """The command fails with one line on stderr, ``tieflax convert: ...``, matching ``match``."""
+    capsys.readouterr()
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"tieflax {argv[0]}: "), err
+    assert re.search(match, err), err
+    return err
+
+
+def test_bad_requests_fail_clearly(chain, tmp_path, capsys):
     with pytest.raises(ValueError, match="already tied"):
         main(["convert", "--tie", "mean", "--workdir", chain["imported"], "--out", str(tmp_path / "a")])
     with pytest.raises(ValueError, match="already untied"):
         main(["convert", "--untie", "--workdir", chain["untied"], "--out", str(tmp_path / "b")])
-    with pytest.raises(SystemExit, match="must be a new workdir"):
-        main(["convert", "--untie", "--workdir", chain["imported"], "--out", chain["imported"]])
-    with pytest.raises(SystemExit, match="tie_embeddings"):
-        main(["convert", "--from-hf", chain["hf"], "--workdir", str(tmp_path / "c"),
-              "--config.model.tie_embeddings=False"])
-    with pytest.raises(SystemExit, match="vocab_pad_multiple"):
-        main(["convert", "--untie", "--workdir", chain["imported"], "--out", str(tmp_path / "d"),
-              "--config.model.vocab_pad_multiple=256"])
-    with pytest.raises(SystemExit, match="--out is required"):
-        main(["convert", "--to-hf", "--workdir", chain["untied"]])
+    _fails(capsys, ["convert", "--untie", "--workdir", chain["imported"], "--out", chain["imported"]],
+           "must be a new workdir")
+    _fails(capsys, ["convert", "--from-hf", chain["hf"], "--workdir", str(tmp_path / "c"),
+                    "--config.model.tie_embeddings=False"], "tie_embeddings")
+    _fails(capsys, ["convert", "--untie", "--workdir", chain["imported"], "--out", str(tmp_path / "d"),
+                    "--config.model.vocab_pad_multiple=256"], "vocab_pad_multiple")
+    _fails(capsys, ["convert", "--to-hf", "--workdir", chain["untied"]], "--out is required")
+    assert not any(os.path.exists(tmp_path / n) for n in "abcd")  # nothing was written by a refusal
+
+
+def test_convert_never_writes_into_a_run_without_overwrite(chain, tmp_path, capsys):
+    """Importing or converting onto a run replaced its config.json; the next train ignored the import."""
+    config_json = os.path.join(chain["untied"], "config.json")
+    before = open(config_json).read()
+    _fails(capsys, ["convert", "--from-hf", chain["hf"], "--workdir", chain["untied"]], "holds a run.*--overwrite")
+    _fails(capsys, ["convert", "--untie", "--workdir", chain["imported"], "--out", chain["untied"]],
+           "holds a run.*--overwrite")
+    _fails(capsys, ["convert", "--to-hf", "--workdir", chain["imported"], "--out", chain["untied"]],
+           "holds a tieflax run")
+    assert open(config_json).read() == before and read_metrics(chain["untied"], split="train")
+    copy = str(tmp_path / "copy")
+    shutil.copytree(chain["imported"], copy)
+    os.makedirs(os.path.join(copy, "checkpoints"))  # as if it had trained
+    assert main(["convert", "--from-hf", chain["hf"], "--workdir", copy, "--overwrite"]) == 0
+    assert not os.path.exists(os.path.join(copy, "checkpoints")) and _params(copy)[2] == 0
+    assert not [n for n in os.listdir(tmp_path) if ".partial-" in n or ".replaced-" in n]
+
+
+def test_an_interrupted_import_is_refused_by_train(chain, tmp_path, capsys):
+    """kill -9 during an import left config.json and a half-written initial_params; train started from
+    random weights. Now the import is written beside the workdir and renamed when complete."""
+    target = tmp_path / "run"
+    (tmp_path / ".run.partial-4242" / "initial_params").mkdir(parents=True)  # what a kill -9 leaves
+    err = _fails(capsys, ["train", "--workdir", str(target), "--config",
+                          os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tiny.py")],
+                 "did not finish")
+    assert ".run.partial-4242" in err and not target.exists()
+    shutil.copytree(chain["imported"], target)
+    _fails(capsys, ["train", "--workdir", str(target)], r"\.run\.partial-4242")
+    shutil.rmtree(target)  # rerunning the import clears what the interrupted one left
+    assert main(["convert", "--from-hf", chain["hf"], "--workdir", str(target)]) == 0
+    assert not (tmp_path / ".run.partial-4242").exists() and _params(str(target))[2] == 0
+    (target / "initial_params.orbax-checkpoint-tmp-17").mkdir()  # orbax's own temporary name
+    _fails(capsys, ["train", "--workdir", str(target)], r"initial_params\.orbax-checkpoint-tmp-17")
+
+
+def test_a_busy_destination_is_refused(chain, tmp_path, capsys):
+    import socket
+
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "tieflax.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                                  "command": "train", "since": "now"}))
+    _fails(capsys, ["convert", "--untie", "--workdir", chain["imported"], "--out", str(out), "--overwrite"],
+           f"in use by `tieflax train` .*PID {os.getppid()}")
+
+
+def test_damaged_or_unsafe_hf_folders_name_the_file(chain, tmp_path, capsys):
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    (pickles / "pytorch_model.bin").write_bytes(b"not read")
+    _fails(capsys, ["convert", "--from-hf", str(pickles), "--workdir", str(tmp_path / "a")], "pickled weights")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(chain["hf"], truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    _fails(capsys, ["convert", "--from-hf", str(truncated), "--workdir", str(tmp_path / "b")],
+           "model.safetensors is not a readable safetensors file")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_import_points_training_at_the_checkpoints_tokenizer(chain, tmp_path):

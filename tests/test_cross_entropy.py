@@ -6,6 +6,7 @@ bf16 inputs (oracle fed the same bf16-rounded values) to 2e-2 x max|reference|; 
 """
 
 import functools
+import os
 import re
 
 import chex
@@ -27,9 +28,14 @@ TB, VB = 5, 7
 ALL = dict(z_loss=1e-2, label_smoothing=0.1, logit_scale=0.7, softcap=5.0)
 PLAIN = dict(z_loss=0.0, label_smoothing=0.0, logit_scale=1.0, softcap=None)
 MODES = ("recompute", "fused")
+# 'pallas': mode='recompute' with impl='pallas', interpreted on CPU (TPU kernels run as JAX ops).
+# Its chunk of 14 vocab rows (2 blocks of 7) makes the fsdp mesh's 19 local rows take 2 chunks.
+KERNEL = {"recompute": dict(mode="recompute", impl="xla"), "fused": dict(mode="fused"),
+          "pallas": dict(mode="recompute", impl="pallas", vocab_chunk=14)}
 # name -> (data, fsdp, tensor) over the first data*fsdp*tensor devices; None = single-device path.
+# 'fsdp' > 1 shards W's d as the model does (P('tensor', 'fsdp')): blockwise gather, dW reduce-scatter.
 MESHES = {"1dev": None, "2dev_1x2": (1, 1, 2), "4dev_2x2": (2, 1, 2), "8dev_1x8": (1, 1, 8),
-          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1)}
+          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1), "8dev_f2x4": (1, 2, 4)}
 
 
 def _mesh(name):
@@ -60,7 +66,7 @@ def _fn(mode, mesh_name, feats):
 
     def loss(h, w, b, wt, y):
         return cross_entropy(h, w, y, valid_vocab=VV, weights=wt, bias=b, token_block=TB, vocab_block=VB,
-                             mode=mode, mesh=mesh, **kw)
+                             mesh=mesh, **KERNEL[mode], **kw)
 
     def weighted(*a, y, g):
         l, aux = loss(*a, y)
@@ -107,10 +113,12 @@ def _check_against_oracle(d, mode, mesh_name, feats, rel):
     return l, aux, gr
 
 
-# Recompute on every mesh; fused (same statistics code, plus its own gradient loop) on one device and on
-# the mesh that shards batch and vocab at once, to keep the suite's compile time down.
-@pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES]
-                         + [("fused", "1dev"), ("fused", "8dev_2x4")])
+# Recompute on every mesh (but 1x8 and 2x2, whose layouts 1x2 and 2x4 repeat); fused (same statistics code, plus its own gradient loop) on one device and on
+# the meshes that shard batch and vocab at once, to keep the suite's compile time down; the Pallas
+# kernels (slow to interpret) on one device and on the mesh that also shards W's d.
+@pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES if m not in ("8dev_1x8", "4dev_2x2")]
+                         + [("fused", "1dev"), ("fused", "8dev_2x4"), ("fused", "8dev_f2x4"),
+                            ("pallas", "1dev"), ("pallas", "8dev_f2x4")])
 def test_matches_float64_oracle_all_features(mode, mesh_name):
     _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
 
@@ -133,7 +141,7 @@ def test_logits_of_magnitude_1e4_do_not_overflow(mode):
     assert np.abs(np.asarray(aux["lse"])).max() > 5e3
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ("pallas",))
 def test_bf16_inputs(mode):
     d = _data(dtype=jnp.bfloat16)
     _check_against_oracle(d, mode, "1dev", ALL, 2e-2)
@@ -191,8 +199,8 @@ def _collectives(hlo_text):
     return out
 
 
-def _lossgrad_hlo(fn, n, d, v, mesh):
-    sh = (NamedSharding(mesh, P(("data", "fsdp"), None)), NamedSharding(mesh, P("tensor", None)),
+def _lossgrad_hlo(fn, n, d, v, mesh, w_spec=P("tensor", None)):
+    sh = (NamedSharding(mesh, P(("data", "fsdp"), None)), NamedSharding(mesh, w_spec),
           NamedSharding(mesh, P(("data", "fsdp"))))
     args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((v, d), jnp.float32),
             jax.ShapeDtypeStruct((n,), jnp.int32))
@@ -225,6 +233,26 @@ def test_no_collective_moves_a_logits_tile(mode):
     assert coll, "expected the [N] statistics and dH reductions in the HLO"
     assert not [c for c in coll if c[0] == "all-gather"], coll  # the weight is never gathered over vocab
     assert max(e for _, e in coll) < bt * (v // 4), coll
+
+
+# The Pallas path shares this plumbing (_take_w, _reduce_dw); its values on this mesh are checked above.
+@pytest.mark.parametrize("mode", ("recompute",))
+def test_fsdp_sharded_head_is_gathered_and_reduce_scattered_by_block(mode):
+    """W in the model's layout P('tensor', 'fsdp') on (fsdp, tensor) = (2, 4): V_local = 128, d = 16 split
+    in 2, vocab block 48 (the Pallas path: chunks of 48 rows). W arrives and dW leaves in that layout:
+    all-gathers and reduce-scatters of one [48, 16] block (768 elements) at a time, never the [128, 16]
+    shard (2048) nor a logits tile (32 x 128 = 4096), and dW is never all-reduced whole."""
+    mesh, n, d, v, bt = make_mesh(1, 2, 4), 128, 16, 512, 32
+    fn = lambda h, w, y: cross_entropy(h, w, y, valid_vocab=500, token_block=bt, vocab_block=48,  # noqa: E731
+                                       mesh=mesh, **dict(KERNEL[mode], vocab_chunk=48))[0]
+    hlo = _lossgrad_hlo(fn, n, d, v, mesh, P("tensor", "fsdp"))
+    coll = _collectives(hlo)
+    by_op = {op: [e for o, e in coll if o == op] for op in ("all-gather", "reduce-scatter", "all-reduce")}
+    assert by_op["reduce-scatter"] and max(by_op["reduce-scatter"]) <= 48 * 16, coll
+    assert by_op["all-gather"] and max(by_op["all-gather"]) <= 48 * 16, coll
+    assert max(by_op["all-reduce"]) < 128 * 16, coll  # [N] statistics, dH [64, 16], the bias block
+    # The gradient leaves in the parameter's layout: no resharding collective after the loss.
+    assert not [c for c in coll if c[0] in ("all-to-all", "collective-permute")], coll
 
 
 def _temp_mb(f, *shapes):
@@ -267,3 +295,72 @@ def test_bad_arguments_name_the_field(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         cross_entropy(**args)
+
+
+# ------------------------------------------------------------------- compiled for a TPU (from a CPU)
+
+@functools.lru_cache(maxsize=None)
+def _tpu_devices(topology):
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu's lock
+    try:
+        from jax.experimental import topologies
+        return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    except Exception as e:  # noqa: BLE001 (no libtpu, or it cannot start here)
+        pytest.skip(f"TPU compile-only topology {topology} unavailable: {e}")
+
+
+def test_integer_bf16_rounding_equals_convert():
+    """The XLA path's per-block fp32 -> bf16 rounding (used on TPU instead of a hoisted convert of W)."""
+    from tieflax.ops.cross_entropy import _bf16_round
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    bits[:4] = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000]  # ties (both ways), overflow, denormal
+    x = bits.view(np.float32)
+    x = np.concatenate([x[~np.isnan(x)], np.array([np.inf, -np.inf, 0.0, -0.0], np.float32)])
+    got = np.asarray(jax.jit(_bf16_round)(x)).view(np.uint16)
+    np.testing.assert_array_equal(got, np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16))
+    assert np.isnan(np.asarray(_bf16_round(jnp.float32(np.nan)), np.float32))
+
+
+@pytest.mark.parametrize("meshed", [False, True])
+def test_auto_compiles_the_pallas_kernels_for_a_tpu_with_small_temporaries(meshed):
+    """impl='auto' (the default), compiled for v5e chips from this CPU process: the loss and its gradient
+    are three Mosaic kernels, and with an fp32 head and bf16 hidden states no converted copy of W
+    (V x d x 2 bytes = 8 MiB here; what XLA:TPU adds) nor any [N, V] buffer appears. The mesh is
+    fsdp 2 x tensor 4 with W in the model's layout P('tensor', 'fsdp'); its dW leaves reduce-scattered."""
+    devices = _tpu_devices("v5e:2x4")
+    n, d, v = 1024, 256, 16384
+    if meshed:
+        mesh = make_mesh(1, 2, 4, devices=devices)
+        specs = (P(("data", "fsdp"), None), P("tensor", "fsdp"), P(("data", "fsdp")))
+        sh = [NamedSharding(mesh, s) for s in specs]
+    else:
+        mesh, sh = None, [jax.sharding.SingleDeviceSharding(devices[0])] * 3
+    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh[0]),
+            jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh[1]),
+            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh[2])]
+    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v - 5, mesh=mesh, z_loss=1e-4,
+                                                         softcap=30.0)[0].sum(), argnums=(0, 1))
+    compiled = jax.jit(f).lower(*args).compile()
+    hlo, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes / 2**20
+    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 3, "expected the stats, dH and dW kernels"
+    if meshed:  # per chip: the fp32 dH partial [N/2, d] (0.5 MiB) and a few [rows, d] chunks
+        assert "reduce-scatter" in hlo
+        assert temp < 2, temp
+    else:
+        assert temp < 0.5, temp
+
+
+def test_xla_path_compiled_for_a_tpu_makes_no_bf16_copy_of_an_fp32_head():
+    """impl='xla' on one v5e chip, W fp32, hidden bf16: the W blocks are rounded to bf16 inside the loop,
+    so the 128 MiB converted copy of W that XLA:TPU hoists out of the loop (measured: 128.3 MiB when the
+    fp32 blocks are used as they are; it only does so past some size, hence this shape) is absent."""
+    device = _tpu_devices("v5e:2x4")[0]
+    n, d, v = 1024, 1024, 65536
+    sh = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh), jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh)]
+    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, impl="xla")[0].sum(),
+                           argnums=(0, 1))
+    temp = jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+    assert temp < 16, temp  # measured 0.0

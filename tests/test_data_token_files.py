@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from tieflax.data import DataError, default_data_config, make_loader, prepare_dataset
+from tieflax.data.token_files import write_sidecar, write_token_file
 
 V, EOS = 100, 1
 
@@ -53,13 +54,14 @@ def test_npy_with_val_file_is_used_in_place(tmp_path):
 def test_without_val_file_whole_documents_are_held_out(tmp_path, fmt):
     documents = docs()
     if fmt == "bin":
-        stream_of(documents).astype("<u2").tofile(tmp_path / "all.bin")
+        write_token_file(tmp_path / "all.bin", stream_of(documents), vocab_size=V)
     else:
         from array_record.python.array_record_module import ArrayRecordWriter
         writer = ArrayRecordWriter(str(tmp_path / "all.array_record"), "group_size:1")
         for d in documents:
             writer.write(d.tobytes())
         writer.close()
+        write_sidecar(tmp_path / "all.array_record", np.uint16, V)
     p = prepare_dataset(tokens_config(tmp_path / f"all.{fmt}"), tmp_path / "w", vocab_size=V)
     train, val = as_doc_set(p.train_tokens), as_doc_set(p.val_tokens)
     assert len(val) == 4 and len(train) == 16  # ceil(0.2 * 20) documents held out
@@ -73,6 +75,7 @@ def test_array_record_with_bos_holds_out_whole_bos_documents(tmp_path):
     for d in documents:
         writer.write(d.tobytes())
     writer.close()
+    write_sidecar(tmp_path / "d.array_record", np.uint16, V)
     c = tokens_config(tmp_path / "d.array_record")
     c.tokens.bos_id = bos
     p = prepare_dataset(c, tmp_path / "w", vocab_size=V)
@@ -103,4 +106,36 @@ def test_bad_token_files_name_the_fix(tmp_path):
     c = tokens_config(tmp_path / "t.npy")
     c.tokens.eos_id = -1
     with pytest.raises(DataError, match="data.tokens.eos_id"):
+        prepare_dataset(c, tmp_path / "w", vocab_size=V)
+
+
+def test_a_bin_file_without_its_dtype_and_vocabulary_is_refused(tmp_path):
+    """uint32 ids read with a guessed uint16 dtype trained on garbage; the sidecar now says how to read."""
+    ids = stream_of(docs()).astype(np.uint32)
+    ids.tofile(tmp_path / "t.bin")  # raw bytes, no sidecar
+    with pytest.raises(DataError, match="has no sidecar t.bin.json"):
+        prepare_dataset(tokens_config(tmp_path / "t.bin"), tmp_path / "w", vocab_size=V)
+    write_token_file(tmp_path / "t.bin", ids, vocab_size=V)
+    p = prepare_dataset(tokens_config(tmp_path / "t.bin"), tmp_path / "w", vocab_size=V)
+    assert p.train_tokens.dtype == np.uint32 and as_doc_set(np.concatenate([p.train_tokens, p.val_tokens]))
+    c = tokens_config(tmp_path / "t.bin")
+    c.tokens.dtype = "uint16"
+    with pytest.raises(DataError, match="says the ids are uint32"):
+        prepare_dataset(c, tmp_path / "w", vocab_size=V)
+    write_sidecar(tmp_path / "t.bin", np.uint32, 2 * V)
+    with pytest.raises(DataError, match="vocabulary of 200"):
+        prepare_dataset(tokens_config(tmp_path / "t.bin"), tmp_path / "w", vocab_size=V)
+
+
+def test_a_cache_rewritten_in_place_with_valid_ids_is_detected(tmp_path):
+    """Same length, same sum, every id valid: only the content digest can tell."""
+    documents = docs()
+    np.save(tmp_path / "t.npy", stream_of(documents))
+    c = tokens_config(tmp_path / "t.npy")
+    p = prepare_dataset(c, tmp_path / "w", vocab_size=V)
+    train = np.load(p.data_dir / "train.npy")
+    i = int(np.flatnonzero((train[:-1] > 2) & (train[1:] > 2) & (train[:-1] != train[1:]))[0])
+    train[i], train[i + 1] = train[i + 1], train[i]  # a swap keeps length, sum and counts
+    np.save(p.data_dir / "train.npy", train)
+    with pytest.raises(DataError, match="train.npy does not match the digest"):
         prepare_dataset(c, tmp_path / "w", vocab_size=V)

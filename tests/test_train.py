@@ -151,6 +151,9 @@ def test_sigterm_saves_and_exits_0_then_kill9_and_resume_is_exact(tied_run, data
     assert step == ref_step == N
     chex.assert_trees_all_equal(resumed, reference)
     assert result["final_val_loss"] == tied_run[1]["final_val_loss"]
+    # The final train loss spans the last log interval across the restarts, as in the uninterrupted run.
+    assert result["final_train_loss"] == pytest.approx(tied_run[1]["final_train_loss"], rel=1e-6)
+    assert "tieflax: resuming from step" in open(str(tmp_path / "run.log")).read()
 
 
 def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
@@ -275,6 +278,96 @@ def test_gradient_accumulation_matches_one_big_batch(steps_4x2):
     # Adam's first update is ~lr * g / (|g| + eps): entries whose gradient is ~eps (1e-8) amplify fp32
     # summation-order noise, so the absolute tolerance is 0.5% of lr (the update's size).
     chex.assert_trees_all_close(p2, p1, rtol=1e-5, atol=5e-5)
+
+
+# ---------------------------------------------------------------------- damaged checkpoints, full disk
+# Copies of the tied run (checkpoints 10, 15, 20): one more training compiles (`recovered`).
+
+def _damage(workdir: str, step: int) -> None:
+    """Truncates every array file of checkpoint ``step`` (what a crash of the disk or a copy leaves)."""
+    for folder, _, files in os.walk(os.path.join(workdir, "checkpoints", str(step), "state")):
+        for name in files:
+            if os.path.basename(folder) == "d":
+                with open(os.path.join(folder, name), "r+b") as f:
+                    f.truncate(10)
+
+
+def _copy_run(tied_run, dest) -> str:
+    import shutil
+
+    shutil.copytree(tied_run[0], str(dest))
+    return str(dest)
+
+
+def _cli_one_line(capsys, argv) -> str:
+    from tieflax.cli import main
+
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"tieflax {argv[0]}: "), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def recovered(tied_run, tmp_path_factory):
+    """`tieflax train` to 35 steps on a copy whose checkpoint 20 is damaged, on a disk that fills up when
+    checkpoint 30 is written: an ENOSPC-raising shim on orbax's file writes in the background save."""
+    import errno
+
+    from orbax.checkpoint._src.path import async_path
+
+    from console_support import capture_console
+    from tieflax.cli import main
+
+    workdir = _copy_run(tied_run, tmp_path_factory.mktemp("recovered") / "run")
+    _damage(workdir, 20)
+    write_text = async_path.write_text
+
+    async def full_disk(path, text):
+        if f"{os.sep}checkpoints{os.sep}30." in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return await write_text(path, text)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(async_path, "write_text", full_disk)
+        code, console = capture_console(main, ["train", "--workdir", workdir, "--config.train.num_steps=35"])
+    return workdir, code, console
+
+
+def test_an_unreadable_latest_checkpoint_is_set_aside_and_training_resumes_from_the_previous(recovered):
+    workdir, _, console = recovered
+    assert "tieflax: checkpoint 20 is unreadable (" in console, console
+    assert "tieflax: resuming from step 15 (checkpoints/15)" in console
+    assert os.path.isdir(os.path.join(workdir, ckpt.UNREADABLE_DIR, "20"))  # kept, not deleted
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "25"))  # trained on from step 15
+    assert "Event loop is closed" not in console and "TensorStore({" not in console
+
+
+def test_a_full_disk_during_an_async_save_stops_training_at_once_with_the_os_error_last(recovered):
+    workdir, code, console = recovered
+    assert code == 1
+    last = [line for line in console.splitlines() if line.startswith("tieflax train:")][-1]
+    assert last.startswith("tieflax train: saving checkpoint 30 failed, training stopped"), last
+    assert "[Errno 28] No space left on device: " in last and f"{os.sep}checkpoints{os.sep}30." in last, last
+    assert max(r["step"] for r in read_metrics(workdir, "train")) <= 32  # stopped, not trained on to 35
+    assert ckpt.latest_step(workdir) == 25 and not os.path.exists(os.path.join(workdir, "tieflax.lock"))
+    assert "Event loop is closed" not in console and "Traceback" not in console
+
+
+def test_no_readable_checkpoint_stops_with_what_to_do_and_moves_nothing(tied_run, tmp_path, capsys):
+    workdir = _copy_run(tied_run, tmp_path / "run")
+    for step in (10, 15, 20):
+        _damage(workdir, step)
+    err = _cli_one_line(capsys, ["train", "--workdir", workdir])
+    assert "no checkpoint in" in err and "20 (" in err and "10 (" in err and "Restore them from a backup" in err
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "20"]
+
+
+def test_eval_of_a_damaged_checkpoint_names_the_step(tied_run, tmp_path, capsys):
+    workdir = _copy_run(tied_run, tmp_path / "run")
+    _damage(workdir, 20)
+    err = _cli_one_line(capsys, ["eval", "--workdir", workdir])
+    assert "checkpoint 20 in" in err and "is unreadable" in err and "TensorStore({" not in err
 
 
 # ------------------------------------------------------------------------------------- scanned layers

@@ -7,11 +7,16 @@ A workdir holds::
     checkpoints/<step>/state   {'step', 'params', 'opt_state'}: orbax (tensorstore / OCDBT), per-array sharded
     checkpoints/<step>/data    the grain iterator state, one JSON per process
     initial_params/    optional: parameters a fresh run starts from (see ``save_initial_params``)
+    checkpoints_unreadable/<step>  checkpoints a resume found damaged, set aside (never deleted)
+    tieflax.lock       while a command writes here (see ``tieflax.workdir``)
     metrics.jsonl, tensorboard/   see ``tieflax.metrics``
 
 Checkpoints go through ``orbax.checkpoint.CheckpointManager``: asynchronous, atomic (a step directory
 exists only once complete), ``keep`` most recent kept. Arrays restore onto whatever shardings the
-restoring run asks for, so a run saved on an ``8x1`` mesh resumes on ``2x4``.
+restoring run asks for, so a run saved on an ``8x1`` mesh resumes on ``2x4``. Readers go through a
+manager with the same item handlers as the writer (``read_manager``), which knows the layout: a healthy
+checkpoint reads without a warning. ``restore_newest_readable`` sets damaged checkpoints aside;
+``SaveWatch`` turns a failed background save into an error at the next step.
 
 Contract for converters and notebooks:
 
@@ -25,7 +30,10 @@ Contract for converters and notebooks:
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import sys
 from typing import Any
 
 import jax
@@ -37,6 +45,10 @@ CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 INITIAL_PARAMS_DIR = "initial_params"
 ITEMS = ("state", "data")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the step or folder and what to do."""
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -61,8 +73,15 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a tieflax workdir (train into it "
                                 "first, or save_initial_params there).")
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): restore "
+                              "it from a backup or rewrite it with `tieflax train --config ... --workdir` "
+                              "using the run's original config") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds no config object: restore it from a backup")
     config = default_config()
     _merge(config, saved, "config")
     return config
@@ -85,18 +104,36 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
 
 
+def _item_handlers() -> dict:
+    """The handlers of the two items, so that a manager can read a checkpoint's metadata and restore
+    from it without being told the items' types (and without orbax warning that it cannot)."""
+    import grain  # noqa: PLC0415
+
+    return {"state": ocp.PyTreeCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()}
+
+
 def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
     """The run's manager over ``<workdir>/checkpoints`` with items ``state`` and ``data``."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
-    return ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS, options=options)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
+
+
+def read_manager(workdir: str) -> ocp.CheckpointManager:
+    """A manager for reading ``<workdir>/checkpoints`` (creates nothing). Readers go through the manager
+    that wrote the checkpoints: it knows the layout (``_CHECKPOINT_METADATA`` sits at the step, not in
+    the item folder), so a healthy checkpoint reads without warnings."""
+    # Not `read_only=True`: orbax warns "directory is read only" for every such manager. A manager that
+    # never saves writes nothing either.
+    options = ocp.CheckpointManagerOptions(create=False)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, loader) -> None:
     """Saves the train state and the data iterator in the same step (asynchronously)."""
     import grain  # noqa: PLC0415
 
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                data=grain.checkpoint.CheckpointSave(loader)), force=True)
 
 
@@ -105,8 +142,10 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, load
     ``.sharding``) and the data iterator in place; returns the state."""
     import grain  # noqa: PLC0415
 
-    out = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(loader)))
+    state = ocp.args.PyTreeRestore(abstract_state,
+                                   restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+    out = manager.restore(step, args=ocp.args.Composite(state=state,
+                                                        data=grain.checkpoint.CheckpointRestore(loader)))
     return out.state
 
 
@@ -160,8 +199,34 @@ def _plain(tree: Any) -> Any:
 def latest_step(workdir: str) -> int | None:
     if not os.path.isdir(checkpoint_dir(workdir)):
         return None
-    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
+    with read_manager(workdir) as manager:
         return manager.latest_step()
+
+
+def _read_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any | None) -> Any:
+    """Checkpoint ``step``'s parameters only (a partial restore: never the 2x larger optimizer state),
+    onto ``abstract_params``' shardings, or as host NumPy arrays when it is None. A damaged checkpoint is
+    a CheckpointError naming the step; one of another model a CheckpointMismatchError."""
+    try:
+        if abstract_params is None:
+            state_meta = manager.item_metadata(step)["state"]
+            if state_meta is None:
+                raise ValueError("its state metadata is missing")
+            abstract_params = state_meta.tree["params"]
+            restore_args = _numpy_restore_args(abstract_params)
+        else:
+            _check_same_model(manager, step, {"params": abstract_params})
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 (orbax/tensorstore/JSON: every way a file can be damaged)
+        _quiet_abandoned_reads()
+        raise CheckpointError(f"checkpoint {step} in {manager.directory} "
+                              f"is unreadable ({_why(e)}): rerun `tieflax train` in that workdir to set it "
+                              "aside and resume from the newest readable checkpoint") from e
+    return out.state["params"]
 
 
 def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, Any, int]:
@@ -178,16 +243,11 @@ def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collec
             return config, load_initial_params(workdir), 0
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
     step = latest if step is None else step
-    path = os.path.join(checkpoint_dir(workdir), str(step), "state")
-    if not os.path.isdir(path):
+    if not os.path.isdir(os.path.join(checkpoint_dir(workdir), str(step), "state")):
         raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; the latest is {latest}.")
-    with ocp.PyTreeCheckpointer() as ckptr:
-        params_meta = ckptr.metadata(path).item_metadata.tree["params"]
-        # Partial restore: only the parameters are read, never the (2x larger) optimizer state.
-        out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-            item={"params": params_meta}, restore_args={"params": _numpy_restore_args(params_meta)},
-            partial_restore=True))
-    return config, _plain(out["params"]), step
+    with read_manager(workdir) as manager:
+        params = _read_params(manager, step, None)
+    return config, _plain(params), step
 
 
 def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]:
@@ -198,8 +258,210 @@ def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]
         if has_initial_params(workdir):
             return load_initial_params(workdir, abstract_params), 0
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
-    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
-    with ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS) as manager:
-        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
-    return out.state["params"], step
+    with read_manager(workdir) as manager:
+        return _read_params(manager, step, abstract_params), step
+
+
+# ------------------------------------------------------------------------------------------ resilience
+UNREADABLE_DIR = "checkpoints_unreadable"
+
+
+def _why(e: BaseException) -> str:
+    """One short line for an orbax/tensorstore failure: the innermost cause's first line (the outer ones
+    say "error while reading array index ..."; the inner one says what is wrong with which file)."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for err in reversed(chain):
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        if first:
+            return f"{type(err).__name__}: {first[:200]}"
+    return type(chain[0]).__name__
+
+
+def _tree_shapes(tree: Any) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
+
+
+def _check_same_model(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointError (not "unreadable") when checkpoint ``step`` holds another model's tree."""
+    meta = manager.item_metadata(step)["state"]
+    if meta is None:
+        raise ValueError("its state metadata is missing")
+    saved, wanted = _tree_shapes(meta.tree["params"]), _tree_shapes(abstract_state["params"])
+    if saved != wanted:
+        diff = sorted(set(saved.items()) ^ set(wanted.items()))[:3]
+        raise CheckpointMismatchError(
+            f"checkpoint {step} holds a different model's parameters (first differences, (path, shape): "
+            f"{diff}): train this model in a new --workdir, or use the config the run was trained with")
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint of another model (a config problem, not a damaged checkpoint)."""
+
+
+def move_aside(workdir: str, step: int) -> str:
+    """Moves ``checkpoints/<step>`` to ``checkpoints_unreadable/<step>[-n]`` (kept, never deleted)."""
+    target_dir = os.path.join(os.path.abspath(workdir), UNREADABLE_DIR)
+    os.makedirs(target_dir, exist_ok=True)
+    target, n = os.path.join(target_dir, str(step)), 1
+    while os.path.exists(target):
+        target, n = os.path.join(target_dir, f"{step}-{n}"), n + 1
+    os.replace(os.path.join(checkpoint_dir(workdir), str(step)), target)
+    return target
+
+
+def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any, loader,
+                            say) -> tuple[int | None, Any]:
+    """``(step, state)`` of the newest checkpoint that restores, or ``(None, None)`` when there is none.
+
+    Newer checkpoints that fail to restore are reported in one line each (step and why) through ``say``
+    and moved to ``<workdir>/checkpoints_unreadable/`` (kept for inspection, never deleted). When none
+    restores, nothing is moved and CheckpointError says what to do. A checkpoint of another model is a
+    config problem: CheckpointMismatchError, nothing moved.
+    """
+    bad: list[tuple[int, str]] = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            _check_same_model(manager, step, abstract_state)
+            state = restore(manager, step, abstract_state, loader)
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore/JSON/OS: every way a file can be damaged)
+            _quiet_abandoned_reads()
+            bad.append((step, _why(e)))
+            continue
+        if bad:
+            if jax.process_index() == 0:
+                for b, why in bad:
+                    say(f"checkpoint {b} is unreadable ({why}); moved it to {move_aside(workdir, b)}")
+            manager.reload()
+        return step, state
+    if bad:
+        steps = "; ".join(f"{b} ({why[:120]})" for b, why in bad)
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)} is readable: Restore them from a "
+                              f"backup, or move {CHECKPOINT_DIR}/ away to start again from step 0. Steps: {steps}")
+    return None, None
+
+
+class SaveWatch:
+    """Starts asynchronous saves and surfaces a failed one at the next step, as a CheckpointError whose
+    message ends with the OS error (a full disk, a lost mount), instead of training on without saving."""
+
+    def __init__(self, manager: ocp.CheckpointManager):
+        self.manager = manager
+        self.pending: int | None = None
+        self._quiet = _QuietOrbaxSaveErrors()
+        logging.getLogger("absl").addFilter(self._quiet)
+
+    def start(self, step: int, state: Any, loader) -> None:
+        self._raise_if_failed(wait=True)  # orbax waits for the previous save anyway
+        try:
+            save(self.manager, step, state, loader)
+        except Exception as e:  # noqa: BLE001
+            raise self._error(step, e) from e
+        self.pending = step
+
+    def check(self, step: int) -> None:
+        """Cheap: only asks orbax whether the pending save has ended, and if so whether it failed."""
+        if self.pending is not None and not self.manager.is_saving_in_progress():
+            self._raise_if_failed(wait=True)
+
+    def _raise_if_failed(self, wait: bool) -> None:
+        if self.pending is None:
+            return
+        step, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._error(step, e) from e
+
+    def close(self) -> None:
+        """Waits for the last save and closes the manager; a failure is raised after the manager closed."""
+        error = None
+        try:
+            self._raise_if_failed(wait=True)
+        except CheckpointError as e:
+            error = e
+        try:
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001 (closing after a failed save may fail the same way)
+            error = error or self._error(-1, e)
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _error(step: int, e: BaseException) -> CheckpointError:
+        where = f"saving checkpoint {step}" if step >= 0 else "finishing the last checkpoint"
+        os_error = _os_error_of(e)
+        if os_error is not None:
+            fix = "free space on that disk (or fix the mount), then rerun to resume from the last checkpoint"
+            return CheckpointError(f"{where} failed, training stopped ({fix}): {os_error}")
+        return CheckpointError(f"{where} failed, training stopped (rerun to resume from the last checkpoint): "
+                               f"{_why(e)}")
+
+
+# tensorstore reports an OS failure inside a ValueError: '... "<file>": Failed writing: ... <strerror>
+# [os_error_code='28']'.
+_TENSORSTORE_OS_ERROR = re.compile(r'"([^"]+)"[^"]*?:\s*([^:\[]+?)\s*\[os_error_code=\'(\d+)\'\]')
+
+
+def _os_error_of(e: BaseException) -> str | None:
+    """``[Errno N] strerror: file`` of the OS failure behind ``e`` (Python's or tensorstore's), or None;
+    one that names its file is preferred."""
+    found, seen, todo = [], set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            found.append((e.errno, e.strerror, e.filename))
+        match = _TENSORSTORE_OS_ERROR.search(str(e))
+        if match:
+            path, text, code = match.groups()
+            found.append((code, text.strip(), path.removesuffix(".__lock")))
+        todo += [e.__cause__, e.__context__]
+    if not found:
+        return None
+    code, text, path = sorted(found, key=lambda f: f[2] is None)[0]
+    return f"[Errno {code}] {text}" + (f": {path}" if path else "")
+
+
+class _QuietOrbaxSaveErrors(logging.Filter):
+    """Drops orbax's own ERROR logs (tracebacks) of a failed background save: ``SaveWatch`` reports the
+    failure itself, in one line that ends with the OS error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed restore, orbax's other pending reads of that checkpoint finish on an event loop that
+    is already closed: Python then prints "Event loop is closed" tracebacks and "Exception ignored in
+    <coroutine _read_array_index_and_device_put>" with a full TensorStore spec, long after tieflax has
+    reported the checkpoint in one line. These two kinds only are dropped; every other report stays."""
+    if getattr(sys, "_tieflax_quiet_reads", False):
+        return
+    sys._tieflax_quiet_reads = True
+    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
+
+    def abandoned(exc_value, obj=None) -> bool:
+        if isinstance(exc_value, RuntimeError) and str(exc_value) == "Event loop is closed":
+            return True
+        return "orbax" in repr(obj) or "_read_array_index_and_device_put" in repr(obj)
+
+    def unraisable(u):
+        if not abandoned(u.exc_value, u.object):
+            previous_unraisable(u)
+
+    def excepthook(kind, value, tb):
+        if not abandoned(value):
+            previous_except(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook

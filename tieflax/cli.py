@@ -8,8 +8,12 @@ light commands such as ``tieflax params``, stay fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
+import json
+import os
+import re
 import sys
 
 # name -> module; order is the order of `tieflax --help`.
@@ -32,20 +36,28 @@ HELP = {
 }
 
 
+DEBUG_HELP = "show the full traceback of a failure (also: TIEFLAX_DEBUG=1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tieflax", description="Tied vs untied embeddings in JAX/Flax LMs.")
+    parser.add_argument("--debug", action="store_true", default=False, help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         if importlib.util.find_spec(module_name) is None:
             continue  # a command whose module is not installed in this build
         command_parser = sub.add_parser(name, help=HELP[name], description=HELP[name])
         command_parser.set_defaults(_module=module_name)
+        command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         importlib.import_module(module_name).add_arguments(command_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
+    from tieflax.platforms import skip_absent_tpu  # noqa: PLC0415
+
+    skip_absent_tpu()  # before any command touches JAX: no libtpu start-up noise on a machine without a TPU
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     overrides = [a for a in unknown if a.startswith("--config.")]
@@ -53,7 +65,84 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = list(getattr(args, "overrides", None) or []) + overrides
-    return int(importlib.import_module(args._module).run(args) or 0)
+    debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 (known failures become one line; the rest propagate)
+        line = None if debug else one_line(e)
+        if line is None:
+            raise
+        # Messages raised as "tieflax convert --from-hf: ..." keep their detail without a doubled prefix.
+        line = re.sub(rf"^tieflax {args.command}( [^:]*)?: ", lambda m: (m.group(1) or "").strip() + ": "
+                      if m.group(1) else "", line)
+        print(f"tieflax {args.command}: {line}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, SystemExit) else 1
+
+
+# ------------------------------------------------------------------------------------------ failures
+# Modules whose exceptions are expected failures of the input (a damaged checkpoint or safetensors file,
+# a full disk inside tensorstore), not bugs of tieflax: shown as one line without a traceback.
+_LIBRARY_MODULES = ("orbax", "tensorstore", "safetensors", "grain", "tokenizers")
+_OS_FIXES = {
+    errno.ENOSPC: "free space on that disk, or point --workdir at another one",
+    errno.EDQUOT: "free space on that disk, or point --workdir at another one",
+    errno.ENOENT: "check the path",
+    errno.EACCES: "check its permissions, or choose a folder you can write",
+    errno.EPERM: "check its permissions, or choose a folder you can write",
+    errno.EROFS: "choose a writable folder",
+    errno.ENOTDIR: "a file stands where a folder is expected; choose another path",
+    errno.EISDIR: "a folder stands where a file is expected; choose another path",
+    errno.EEXIST: "it already exists; choose another path",
+}
+
+
+def one_line(e: BaseException) -> str | None:
+    """``<what> (<file or field>): <fix>`` for a failure of the input or the environment, or None for a
+    failure that is a bug (whose traceback the user should see and report)."""
+    try:
+        from tieflax.checkpoint import CheckpointError  # noqa: PLC0415
+        from tieflax.data.config import DataError  # noqa: PLC0415
+        from tieflax.model.config import ConfigError  # noqa: PLC0415
+        from tieflax.workdir import WorkdirError  # noqa: PLC0415
+    except ImportError:  # a broken installation: the original traceback says more
+        return None
+
+    project = (ConfigError, DataError, CheckpointError, WorkdirError)
+    project += tuple(_optional_error_types())
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, str) else None
+    if isinstance(e, project):
+        return _flat(str(e))
+    if isinstance(e, json.JSONDecodeError):
+        return _flat(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; the file is damaged: restore "
+                     "or delete it")
+    if isinstance(e, OSError) and e.errno is not None:
+        where = f" ({e.filename})" if e.filename else ""
+        fix = _OS_FIXES.get(e.errno, "check the file and the disk")
+        return _flat(f"{e.strerror or e}{where}: {fix}")
+    if isinstance(e, OSError):  # raised by tieflax with a message naming the file and the fix
+        return _flat(str(e))
+    if type(e).__module__.split(".")[0] in _LIBRARY_MODULES:
+        return _flat(f"{type(e).__name__}: {e}") + " (run with --debug for the traceback)"
+    return None
+
+
+def _optional_error_types():
+    """Error types of modules that may be absent from a build (each is imported only if present)."""
+    for module, name in (("tieflax.train", "TrainingError"), ("tieflax.metrics", "MetricsFileError"),
+                         ("tieflax.interop.hf", "UnsafeCheckpoint"), ("tieflax.interop.hf", "DamagedCheckpoint"),
+                         ("tieflax.interop.hf_config", "UnsupportedHFConfig"),
+                         ("tieflax.interop.hf_weights", "CheckpointMismatch")):
+        if module in sys.modules:  # only a module that ran can have raised its error
+            yield getattr(sys.modules[module], name)
+
+
+def _flat(text: str, limit: int = 600) -> str:
+    """One line: newlines folded, very long library messages (tensorstore specs) cut."""
+    text = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 if __name__ == "__main__":

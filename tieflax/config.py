@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import inspect
 import os
 from typing import Any, Iterable
 
@@ -49,6 +50,28 @@ def _add_optional_sections(config: ml_collections.ConfigDict) -> None:
     config.train = default_train_config()
 
 
+def validate_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    """Checks every section's ranges (model, train, data, mesh, seed), naming the field; returns the
+    validated ``ModelConfig``. Runs when a config is loaded, before anything is written."""
+    from tieflax.data.config import DataError, validate_data_config  # noqa: PLC0415
+    from tieflax.train_config import validate_train_config  # noqa: PLC0415
+
+    mc = model_config(config)
+    validate_train_config(config.train)
+    try:
+        validate_data_config(config.data)
+    except DataError as e:  # one error type for every config field
+        raise ConfigError(f"config.{e}" if str(e).startswith("data.") else str(e)) from None
+    for axis in ("data", "fsdp", "tensor"):
+        size = config.mesh.get(axis, 1)
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ConfigError(f"config.mesh.{axis} = {size!r} must be a positive integer, or -1 for all "
+                              "remaining devices.")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
+        raise ConfigError(f"config.seed = {config.seed!r} must be an integer in [0, 2**32).")
+    return mc
+
+
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """The validated, hashable ``ModelConfig`` of a root config."""
     return ModelConfig.from_dict(config.model)
@@ -69,10 +92,16 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} has no get_config() function")
+    if arg and not inspect.signature(module.get_config).parameters:
+        raise ConfigError(f"config file {path!r} has no variants (its get_config() takes no argument): drop "
+                          f"':{arg}' from --config")
     config = module.get_config(arg) if arg else module.get_config()
     for item in overrides:
         apply_override(config, item)
-    model_config(config)  # validate early, naming the field
+    if "train" in config and "data" in config:
+        validate_config(config)  # validate early, naming the field
+    else:
+        model_config(config)  # a model-only config (configs/models)
     return config
 
 

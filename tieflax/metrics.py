@@ -17,6 +17,10 @@ from typing import Mapping
 METRICS_FILE = "metrics.jsonl"
 
 
+class MetricsFileError(ValueError):
+    """``metrics.jsonl`` holds a line that is not JSON; the message names the file, the line and the fix."""
+
+
 class MetricWriter:
     """Appends metrics to ``<workdir>/metrics.jsonl`` and TensorBoard (``<workdir>/tensorboard``).
 
@@ -32,6 +36,7 @@ class MetricWriter:
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
+        _drop_partial_last_row(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional at import time)
@@ -64,6 +69,20 @@ class MetricWriter:
             self._tb = None
 
 
+def _drop_partial_last_row(path: str) -> None:
+    """A run killed while writing a row leaves it without its newline; appending would glue the next row
+    to it. The partial row carries nothing (its interval is retrained), so it is cut off."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        content = f.read()
+        f.truncate(content.rfind(b"\n") + 1)
+
+
 def _jsonable(v):
     v = float(v) if not isinstance(v, (int, str, bool)) else v
     if isinstance(v, float) and not math.isfinite(v):
@@ -78,9 +97,15 @@ def read_metrics(workdir_or_path: str, split: str | None = None) -> list[dict]:
         path = os.path.join(path, METRICS_FILE)
     rows: dict[tuple[str, int], dict] = {}
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
-                row = json.loads(line)
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    if number > 1 and not line.endswith("\n"):
+                        continue  # the last row of a run killed while writing it
+                    raise MetricsFileError(f"{path} line {number} is not valid JSON ({e.msg}): delete that line "
+                                     "(the other rows are kept)") from None
                 if split is None or row.get("split") == split:
                     rows[(row.get("split"), row["step"])] = row
     return sorted(rows.values(), key=lambda r: (r["step"], r.get("split", "")))

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from tieflax import checkpoint as ckpt
 from tieflax import sharding as shd
-from tieflax.config import model_config
+from tieflax.config import model_config, validate_config
 from tieflax.metrics import MetricWriter, progress_bar, read_metrics
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
@@ -346,6 +346,20 @@ def _stop_everywhere(local: bool) -> bool:
     return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
 
 
+def _close_all(*closers: Callable[[], Any]) -> None:
+    """Calls every closer; raises the first failure, unless an exception is already propagating."""
+    import sys  # noqa: PLC0415
+
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+    if first is not None and sys.exc_info()[1] is None:
+        raise first
+
+
 def _summarise(buffer: list[dict]) -> dict[str, float]:
     """Means of a log interval's per-step metrics (counts summed); fetched from device in one transfer."""
     rows = jax.device_get(buffer)
@@ -390,13 +404,25 @@ def setup_mesh(config: ml_collections.ConfigDict) -> Mesh:
 # ================================================================================================ the run
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates.
+    """Trains ``config`` in ``workdir`` (resuming from its newest readable checkpoint) and evaluates.
+
+    The config is validated before anything is written; the workdir is locked for the run (a second
+    training there refuses) and a workdir whose import was interrupted is refused.
 
     Returns ``{'step', 'final_train_loss', 'final_train_perplexity', 'final_val_loss',
     'final_val_perplexity', 'params': {...counts...}, 'tokens_per_second', 'metrics_path', 'workdir',
     'preempted'}``. Raises ``ConfigError`` before compiling when the config does not fit the mesh, and
     ``TrainingError`` on a non-finite loss or invalid labels (the last good checkpoint is kept).
     """
+    from tieflax.workdir import check_no_partial_import, workdir_lock  # noqa: PLC0415
+
+    validate_config(config)
+    check_no_partial_import(workdir)
+    with workdir_lock(workdir, "train", enabled=jax.process_index() == 0):
+        return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     from tieflax.data import make_loader, prepare_dataset, to_global_batch  # noqa: PLC0415
 
     t = config.train
@@ -428,10 +454,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
         # ------------------------------------------------------------------------------ checkpoint
         manager = ckpt.make_manager(workdir, keep=t.keep_checkpoints)
-        start = manager.latest_step()
+        say = (lambda line: print(f"tieflax: {line}", flush=True)) if is_main else (lambda line: None)
+        start, state = ckpt.restore_newest_readable(manager, workdir, s.abstract_state, train_loader, say=say)
         if start is not None:
-            state = ckpt.restore(manager, start, s.abstract_state, train_loader)
-            log.info("resumed from step %d", start)
+            say(f"resuming from step {start} ({ckpt.CHECKPOINT_DIR}/{start})")
         elif ckpt.has_initial_params(workdir):
             params = ckpt.load_initial_params(workdir, s.abstract_state["params"])
             state = {"step": jax.device_put(jnp.zeros((), jnp.int32), s.state_shardings["step"]),
@@ -460,6 +486,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         timing = {"t0": None, "tokens": 0.0, "seconds": 0.0}
         bar = progress_bar(t.num_steps, start, enabled=is_main)
         step = start
+        saves = ckpt.SaveWatch(manager)
 
         def health_check(summary: dict, at_step: int):
             if summary["invalid_labels"]:
@@ -477,6 +504,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         def flush(at_step: int) -> dict:
             nonlocal buffer
             now = time.perf_counter()
+            rows = buffer
             summary = _summarise(buffer)
             if timing["t0"] is not None:  # the first interval includes compilation: not a throughput
                 tokens = len(buffer) * t.global_batch_size * t.seq_len
@@ -486,7 +514,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             timing["t0"] = now
             buffer = []
             health_check(summary, at_step)
-            writer.write(at_step, {k: v for k, v in summary.items() if k != "tokens"})
+            # `interval_steps`: how many steps the row averages, so the final loss can span a restart
+            row = {k: v for k, v in summary.items() if k != "tokens"}
+            writer.write(at_step, {**row, "interval_steps": len(rows)})
             bar.set_postfix(loss=f"{summary['loss']:.3f}")
             return summary
 
@@ -503,8 +533,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                     preempted = _stop_everywhere(stop.requested)
                 if at_log or at_ckpt or preempted:
                     last = flush(step)  # also the health check: never checkpoint a bad state
+                saves.check(step)  # a failed background save stops the run here, not hundreds of steps on
                 if at_ckpt or preempted:
-                    ckpt.save(manager, step, state, train_loader)
+                    saves.start(step, state, train_loader)
                 if diagnostics is not None and step % t.analyze_every == 0:
                     scalars = diagnostics(state["params"], prepared.token_counts)
                     writer.write(step, {k.removeprefix("diag/"): v for k, v in scalars.items()}, split="diag")
@@ -518,19 +549,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                               flush=True)
                     break
         finally:
-            manager.wait_until_finished()
-            manager.close()
-            bar.close()
-            writer.close()
-            stop.close()
+            # Every resource is closed; the first failure is raised unless one is already on its way
+            # (a full disk also fails the metric files' close: the failed save is the error to report).
+            _close_all(bar.close, writer.close, stop.close,
+                       saves.close)  # waits for the last save; raises its error (the OS error last)
 
         if val is None and not preempted:
             val = run_eval(eval_step, state["params"], prepared, config, mesh)
 
-    if step == start and os.path.isfile(writer.path):  # nothing left to train: report the logged loss
+    if os.path.isfile(writer.path):  # the last interval's loss across restarts, from the logged rows
         logged = read_metrics(writer.path, "train")
-        if logged:
-            last = logged[-1]
+        fallback = logged[-1]["ce_loss"] if step == start and logged else last["ce_loss"]
+        last = {**last, "ce_loss": final_interval_loss(logged, step, t.log_every, fallback=fallback)}
     tokens_per_second = timing["tokens"] / timing["seconds"] if timing["seconds"] else float("nan")
     return {
         "step": step,
@@ -544,6 +574,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         "workdir": workdir,
         "preempted": preempted,
     }
+
+
+def final_interval_loss(rows: list[dict], step: int, log_every: int, *, fallback: float) -> float:
+    """Mean cross-entropy over the steps of the last log interval ending at ``step``, from the logged
+    rows: a run stopped (SIGTERM) and resumed inside that interval logged it as several rows, each with
+    ``interval_steps``, and their step-weighted mean is the loss an uninterrupted run reports. Rows are
+    followed back from ``step``, so rows of an abandoned attempt (killed before its checkpoint) are
+    skipped."""
+    by_step = {r["step"]: r for r in rows}
+    boundary = ((step - 1) // log_every) * log_every
+    total = count = 0.0
+    at = step
+    while at > boundary:
+        row = by_step.get(at)
+        if row is None or "interval_steps" not in row or "ce_loss" not in row:
+            return fallback
+        total += float(row["ce_loss"]) * row["interval_steps"]
+        count += row["interval_steps"]
+        at -= int(row["interval_steps"])
+    return total / count if count and at == boundary else fallback
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:

@@ -40,3 +40,58 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.analyze_every = 0               # diagnostics interval in steps; 0 = off
     return c
+
+
+# Range of every numeric field: (lowest, highest, lowest allowed itself, highest allowed itself, why).
+# Checked when a config is loaded, so a bad value never reaches the data cache, config.json or a trace.
+_INF = float("inf")
+_RANGES = {
+    "seq_len": (1, _INF, True, True, "tokens per row"),
+    "global_batch_size": (1, _INF, True, True, "sequences per optimiser step"),
+    "grad_accum_steps": (1, _INF, True, True, "micro-batches per step"),
+    "num_steps": (1, _INF, True, True, "optimiser steps of the run"),
+    "learning_rate": (0.0, _INF, False, True, "a non-positive rate trains uphill or not at all"),
+    "warmup_steps": (0, _INF, True, True, "0 = no warmup"),
+    "min_lr_ratio": (0.0, 1.0, True, True, "the cosine's end as a fraction of learning_rate"),
+    "adam_b1": (0.0, 1.0, True, False, "Adam's first-moment decay"),
+    "adam_b2": (0.0, 1.0, True, False, "Adam's second-moment decay"),
+    "adam_eps": (0.0, _INF, False, True, "Adam's denominator guard"),
+    "weight_decay": (0.0, _INF, True, True, "0 = none"),
+    "grad_clip_norm": (0.0, _INF, True, True, "0 = no clipping"),
+    "z_loss": (0.0, _INF, True, True, "0 = none"),
+    "label_smoothing": (0.0, 1.0, True, False, "the probability moved to the uniform distribution"),
+    "loss_token_block": (1, _INF, True, True, "tokens per tile of the fused loss"),
+    "loss_vocab_block": (1, _INF, True, True, "vocabulary rows per tile of the fused loss"),
+    "eval_every": (1, _INF, True, True, "steps between evaluations"),
+    "eval_batches": (0, _INF, True, True, "0 = the whole validation split"),
+    "log_every": (1, _INF, True, True, "steps between logged rows"),
+    "checkpoint_every": (1, _INF, True, True, "steps between checkpoints"),
+    "keep_checkpoints": (1, _INF, True, True, "checkpoints kept"),
+    "analyze_every": (0, _INF, True, True, "0 = off"),
+}
+_INTEGER_FIELDS = {k for k, (lo, *_rest) in _RANGES.items() if isinstance(lo, int)}
+_CHOICES = {"loss_impl": ("fused", "dense")}
+
+
+def validate_train_config(c: ml_collections.ConfigDict) -> None:
+    """Fails naming ``config.train.<field>``, its range and a fix, for any value out of range."""
+    from tieflax.model.config import ConfigError  # noqa: PLC0415
+
+    for field, (lo, hi, lo_ok, hi_ok, why) in _RANGES.items():
+        if field not in c:
+            continue
+        value = c[field]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (field in _INTEGER_FIELDS and not isinstance(value, int)):
+            kind = "an integer" if field in _INTEGER_FIELDS else "a number"
+            raise ConfigError(f"config.train.{field} = {value!r} must be {kind} ({why}).")
+        below = value < lo or (value == lo and not lo_ok)
+        above = value > hi or (value == hi and not hi_ok)
+        if below or above or value != value:  # value != value: NaN
+            left, right = ("[" if lo_ok else "("), ("]" if hi_ok else ")")
+            hi_text = "inf" if hi == _INF else hi
+            raise ConfigError(f"config.train.{field} = {value!r} is out of range {left}{lo}, {hi_text}{right} "
+                              f"({why}); set --config.train.{field} to a value in that range.")
+    for field, choices in _CHOICES.items():
+        if field in c and c[field] not in choices:
+            raise ConfigError(f"config.train.{field} = {c[field]!r} is not one of {choices}.")

@@ -41,32 +41,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="--to-hf: tensor dtype to write (default: the parameters' own)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: shard above this size")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what the destination folder holds (default: refuse a non-empty one)")
 
 
 def run(args: argparse.Namespace) -> int:
     overrides = list(getattr(args, "overrides", []) or [])
+    overwrite = getattr(args, "overwrite", False)
     if args.from_hf:
-        report = import_hf(args.from_hf, args.workdir, overrides)
+        report = import_hf(args.from_hf, args.workdir, overrides, overwrite=overwrite)
     else:
         if not args.out:
             raise SystemExit("tieflax convert: --out is required with --to-hf, --untie, --tie and "
                              "--scan-layers/--unscan-layers")
         if args.to_hf:
             report = export_hf(args.workdir, args.out, dtype=args.dtype,
-                               max_shard_bytes=int(args.max_shard_gb * 2**30))
+                               max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=overwrite)
         elif args.untie:
-            report = untie_workdir(args.workdir, args.out, overrides)
+            report = untie_workdir(args.workdir, args.out, overrides, overwrite=overwrite)
         elif args.scan_layers or args.unscan_layers:
-            report = scan_workdir(args.workdir, args.out, args.scan_layers, overrides)
+            report = scan_workdir(args.workdir, args.out, args.scan_layers, overrides, overwrite=overwrite)
         else:
-            report = tie_workdir(args.workdir, args.out, args.tie, overrides)
+            report = tie_workdir(args.workdir, args.out, args.tie, overrides, overwrite=overwrite)
     print(json.dumps(report, indent=2))
     return 0
 
 
 # ------------------------------------------------------------------------------------------------------
-def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """HF folder -> a workdir with ``config.json`` and ``initial_params/``; returns a report."""
+def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overwrite: bool = False
+              ) -> dict[str, Any]:
+    """HF folder -> a workdir with ``config.json`` and ``initial_params/``; returns a report.
+
+    The workdir appears complete or not at all (written beside it, then renamed); one that holds
+    anything is refused unless ``overwrite``."""
     from tieflax import checkpoint as ckpt
     from tieflax.model.params import count_params, abstract_params
     from tieflax.config import default_config, default_model_config, model_config
@@ -74,25 +81,44 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = ()) -> dict[
     from tieflax.interop.hf_config import config_from_hf
     from tieflax.interop.hf_weights import params_from_state
 
+    from tieflax.config import validate_config
+    from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
+
+    check_destination(workdir, overwrite=overwrite)
     imported = config_from_hf(read_hf_config(hf_dir))
     config = default_config()
     config.model = default_model_config(**dataclasses.asdict(imported))
-    _use_hf_tokenizer(config, hf_dir, workdir)
+    tokenizer = _use_hf_tokenizer(config, hf_dir, workdir)
     _apply_overrides(config, overrides, imported, "--from-hf")
+    validate_config(config)
     mc = model_config(config)
-    params = params_from_state(read_safetensors(hf_dir), mc)
-    ckpt.save_initial_params(workdir, config, params)
-    copied = _copy_files(hf_dir, os.path.join(workdir, HF_FILES_DIR), SIDE_FILES)
+    weights = read_safetensors(hf_dir)
+    with workdir_lock(workdir, "convert"):
+        partial = fresh_partial_folder(workdir)
+        if tokenizer:
+            shutil.copy2(tokenizer, os.path.join(partial, "tokenizer.json"))
+        params = params_from_state(weights, mc)
+        ckpt.save_initial_params(partial, config, params)
+        copied = _copy_files(hf_dir, os.path.join(partial, HF_FILES_DIR), SIDE_FILES)
+        publish(partial, workdir, overwrite=overwrite)
     return dict(action="from-hf", source=os.path.abspath(hf_dir), workdir=os.path.abspath(workdir),
                 family=mc.family, tied=mc.tie_embeddings, params=count_params(abstract_params(mc), mc),
                 tokenizer=config.data.tokenizer.path or None, carried_files=copied)
 
 
-def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> dict:
-    """The workdir's latest parameters -> an HF folder; returns a report."""
+def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+              overwrite: bool = False) -> dict:
+    """The workdir's latest parameters -> an HF folder; returns a report. ``out`` may hold an earlier
+    export; a tieflax run there is refused unless ``overwrite``."""
     from tieflax import checkpoint as ckpt
     from tieflax.config import model_config
     from tieflax.interop.hf import SIDE_FILES, save_hf_checkpoint
+    from tieflax.workdir import WorkdirError, holds_a_run
+
+    if os.path.abspath(out) == os.path.abspath(workdir) or (holds_a_run(out) and not overwrite and any(
+            os.path.exists(os.path.join(out, n)) for n in ("checkpoints", "initial_params", "metrics.jsonl"))):
+        raise WorkdirError(f"--out {os.path.abspath(out)} holds a tieflax run: export to a new folder (or pass "
+                           "--overwrite to write into it anyway)")
 
     config, params, step = ckpt.load_latest_params(workdir)
     mc = model_config(config)
@@ -104,7 +130,7 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
                 family=mc.family, tied=mc.tie_embeddings, files=[os.path.basename(p) for p in written] + carried)
 
 
-def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = ()) -> dict:
+def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:
     """Latest parameters of a tied run -> a new untied workdir whose head is a copy of the embedding."""
     from tieflax.model.surgery import untie
 
@@ -112,10 +138,11 @@ def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = ()) -> dict
         config.model.tie_embeddings = False
         return untie(params), {"discarded": "nothing (the head starts as an exact copy of the embedding)"}
 
-    return _surgery(workdir, out, "untie", change, overrides)
+    return _surgery(workdir, out, "untie", change, overrides, overwrite)
 
 
-def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = ()) -> dict:
+def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = (), *,
+                overwrite: bool = False) -> dict:
     """Latest parameters of an untied run -> a new tied workdir keeping ``source`` (input, output, mean)."""
     from tieflax.model.surgery import tie
 
@@ -125,10 +152,11 @@ def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = 
         config.model.head_init_std, config.model.head_init = 0.0, "normal"
         return tie(params, source)
 
-    return _surgery(workdir, out, f"tie-{source}", change, overrides)
+    return _surgery(workdir, out, f"tie-{source}", change, overrides, overwrite)
 
 
-def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = ()) -> dict:
+def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = (), *,
+                 overwrite: bool = False) -> dict:
     """Latest parameters -> a new workdir with the layers stacked (``scan``) or per layer; same function."""
     from tieflax.config import model_config
     from tieflax.model.layout import to_layout
@@ -137,44 +165,56 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
         config.model.scan_layers = scan
         return to_layout(params, model_config(config)), {"discarded": "nothing (the same values, relaid)"}
 
-    return _surgery(workdir, out, "scan-layers" if scan else "unscan-layers", change, overrides)
+    return _surgery(workdir, out, "scan-layers" if scan else "unscan-layers", change, overrides, overwrite)
 
 
-def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str]) -> dict:
+def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool) -> dict:
     from tieflax import checkpoint as ckpt
-    from tieflax.config import model_config
+    from tieflax.config import model_config, validate_config
+    from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
 
     if os.path.abspath(out) == os.path.abspath(workdir):
         raise SystemExit("tieflax convert: --out must be a new workdir, not --workdir itself (the run "
                          "there would resume its own checkpoints)")
+    check_destination(out, overwrite=overwrite)
     config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
     # The parameters exist already: overrides may change training and data settings, not their shapes.
     _apply_overrides(config, overrides, model_config(config), "--untie/--tie",
                      also_fixed=("vocab_pad_multiple", "scan_layers"))
-    ckpt.save_initial_params(out, config, params)
-    for name in ("tokenizer.json", HF_FILES_DIR):
-        src = os.path.join(workdir, name)
-        if os.path.isdir(src):
-            shutil.copytree(src, os.path.join(out, name), dirs_exist_ok=True)
-        elif os.path.isfile(src):
-            shutil.copy2(src, os.path.join(out, name))
+    validate_config(config)
+    _repoint_tokenizer(config, workdir, out)
     report = dict(action=action, workdir=os.path.abspath(workdir), step=step, out=os.path.abspath(out), **report)
-    with open(os.path.join(out, SURGERY_REPORT), "w") as f:
-        json.dump(report, f, indent=2)
+    with workdir_lock(out, "convert"):
+        partial = fresh_partial_folder(out)
+        ckpt.save_initial_params(partial, config, params)
+        for name in ("tokenizer.json", HF_FILES_DIR):
+            src = os.path.join(workdir, name)
+            if os.path.isdir(src):
+                shutil.copytree(src, os.path.join(partial, name), dirs_exist_ok=True)
+            elif os.path.isfile(src):
+                shutil.copy2(src, os.path.join(partial, name))
+        with open(os.path.join(partial, SURGERY_REPORT), "w") as f:
+            json.dump(report, f, indent=2)
+        publish(partial, out, overwrite=overwrite)
     return report
 
 
+def _repoint_tokenizer(config, workdir: str, out: str) -> None:
+    """A tokenizer path inside the source workdir becomes the copy in the new one."""
+    path = config.data.tokenizer.path
+    if path and os.path.abspath(path) == os.path.abspath(os.path.join(workdir, "tokenizer.json")):
+        config.data.tokenizer.path = os.path.abspath(os.path.join(out, "tokenizer.json"))
+
+
 # ------------------------------------------------------------------------------------------------------
-def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> None:
-    """Points the data pipeline at the checkpoint's own tokenizer (copied into the workdir), if it has one."""
+def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> str | None:
+    """Points the data pipeline at the checkpoint's own tokenizer as it will be copied into ``workdir``, if
+    it has one; returns the file to copy (or None)."""
     src = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(src):
-        return
-    os.makedirs(workdir, exist_ok=True)
-    dst = os.path.abspath(os.path.join(workdir, "tokenizer.json"))
-    shutil.copy2(src, dst)
-    config.data.tokenizer.path = dst
+        return None
+    config.data.tokenizer.path = os.path.abspath(os.path.join(workdir, "tokenizer.json"))
     tok_config = os.path.join(hf_dir, "tokenizer_config.json")
     if os.path.isfile(tok_config):
         with open(tok_config) as f:
@@ -182,6 +222,7 @@ def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> None:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str) and eos:
             config.data.tokenizer.eos_token = eos
+    return src
 
 
 def _apply_overrides(config, overrides: Sequence[str], before, mode: str, also_fixed: Sequence[str] = ()) -> None:

@@ -28,10 +28,19 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.config import apply_override, model_config  # noqa: PLC0415
     from tieflax.train import evaluate  # noqa: PLC0415
 
+    from tieflax.config import validate_config  # noqa: PLC0415
+    from tieflax.model.config import ConfigError  # noqa: PLC0415
+
     config = load_workdir_config(args.workdir)
+    trained = model_config(config)
     for item in args.overrides:
         apply_override(config, item)
-    model_config(config)
+    validate_config(config)
+    changed = sorted(k for k, v in model_config(config).__dict__.items() if trained.__dict__[k] != v)
+    if changed:
+        raise ConfigError(f"--config.model overrides would evaluate another model than the one trained "
+                          f"(config.model.{changed[0]}{' and more' if len(changed) > 1 else ''}): eval "
+                          "overrides may change how the run is evaluated (mesh, batches), not the model")
     result = evaluate(config, args.workdir)
     if jax.process_index() == 0:
         print(json.dumps(result, default=float))

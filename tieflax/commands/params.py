@@ -35,7 +35,14 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         paths = [args.config]
     else:
-        paths = sorted(glob.glob(os.path.join(args.models_dir or default_models_dir(), "*.py")))
+        models_dir = args.models_dir or default_models_dir()
+        if not os.path.isdir(models_dir):
+            raise FileNotFoundError(f"--models-dir {models_dir} is not a folder: pass a folder of model "
+                                    "configs such as configs/models")
+        paths = sorted(glob.glob(os.path.join(models_dir, "*.py")))
+        if not paths:
+            raise FileNotFoundError(f"--models-dir {models_dir} holds no model config (*.py): pass a folder "
+                                    "of model configs such as configs/models")
     reports = []
     for path in paths:
         name = os.path.splitext(os.path.basename(path.partition(":")[0]))[0]

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_run_config(config_path, workdir: str, overrides):
     """The config file with overrides, or the workdir's saved config (overrides applied) when none."""
     from tieflax.checkpoint import CONFIG_FILE, load_workdir_config  # noqa: PLC0415
-    from tieflax.config import apply_override, load_config, model_config  # noqa: PLC0415
+    from tieflax.config import apply_override, load_config, validate_config  # noqa: PLC0415
 
     if config_path:
         return load_config(config_path, overrides)
@@ -41,7 +41,7 @@ def load_run_config(config_path, workdir: str, overrides):
     config = load_workdir_config(workdir)
     for item in overrides:
         apply_override(config, item)
-    model_config(config)
+    validate_config(config)
     return config
 
 

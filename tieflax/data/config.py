@@ -57,7 +57,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.tokens = ml_collections.ConfigDict()
     c.tokens.train_path = ""
     c.tokens.val_path = ""
-    c.tokens.dtype = "uint16"  # for .bin and ArrayRecord; .npy files carry their own dtype
+    # '' = read it from the file's sidecar <file>.json (required for .bin and ArrayRecord, which do not
+    # carry it); a value set here must agree with the sidecar. .npy files carry their own dtype.
+    c.tokens.dtype = ""
     c.tokens.vocab_size = 0  # required when no tokenizer is given
     c.tokens.eos_id = -1  # required when no tokenizer is given
     c.tokens.bos_id = -1  # -1 = documents are opened by EOS; else the files' BOS id

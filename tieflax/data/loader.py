@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tieflax.data.config import DataError
 from tieflax.data.packing import PackedRows, num_rows
-from tieflax.data.prepare import PreparedDataset
+from tieflax.data.cache import PreparedDataset
 from tieflax.sharding import BATCH_AXES
 
 

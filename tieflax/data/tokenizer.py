@@ -7,15 +7,18 @@ workdir, so a run's token ids never change under it. To retrain, delete that fil
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Iterable
 
+import ml_collections
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tieflax.data.config import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
+log = logging.getLogger(__name__)
 
 
 def train_bpe(texts: Iterable[str], *, vocab_size: int, eos_token: str,
@@ -109,3 +112,41 @@ def check_vocab_size(tokenizer_vocab: int, model_vocab: int, *, where: str,
         f"({where}). Set the model's vocab_size to {tokenizer_vocab}, or change the tokenizer "
         "(data.tokenizer.vocab_size / data.tokenizer.path; delete <workdir>/tokenizer.json to "
         "retrain it).")
+
+
+def resolve_tokenizer(c: ml_collections.ConfigDict, workdir: Path,
+                      train_docs: list) -> Tokenizer:
+    """The run's tokenizer: ``<workdir>/tokenizer.json`` if present, else the given or a trained one.
+
+    A given tokenizer (``data.tokenizer.path``) is copied into the workdir; a workdir copy that differs
+    from it is an error, since the workdir's checkpoints were trained on the copy's ids.
+    """
+    saved = workdir / TOKENIZER_FILE
+    if c.tokenizer.path:
+        given = load_tokenizer(c.tokenizer.path)
+        if saved.exists():
+            if tokenizer_digest(load_tokenizer(saved)) != \
+                    tokenizer_digest(given):
+                raise DataError(
+                    f"{saved} differs from data.tokenizer.path = {c.tokenizer.path!r}: this workdir "
+                    "was trained with the former. Use a new workdir, or delete the workdir copy if "
+                    "no checkpoint depends on it.")
+        else:
+            save_tokenizer(given, saved)
+        return given
+    if saved.exists():
+        tok = load_tokenizer(saved)
+        got = tokenizer_vocab_size(tok)
+        if got != c.tokenizer.vocab_size:
+            raise DataError(
+                f"{saved} has {got} tokens but data.tokenizer.vocab_size = {c.tokenizer.vocab_size}. "
+                f"Set data.tokenizer.vocab_size = {got} to keep it, or delete it (and the run's "
+                "checkpoints) to train a new one.")
+        return tok
+    log.info("training a %d-token byte-level BPE on %d documents", c.tokenizer.vocab_size,
+             len(train_docs))
+    tok = train_bpe((d.text for d in train_docs), vocab_size=c.tokenizer.vocab_size,
+                                  eos_token=c.tokenizer.eos_token,
+                                  min_frequency=c.tokenizer.min_frequency, length=len(train_docs))
+    save_tokenizer(tok, saved)
+    return tok

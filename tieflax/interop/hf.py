@@ -38,14 +38,46 @@ class UnsafeCheckpoint(ValueError):
     """The folder holds pickled weights only; loading pickles can execute code."""
 
 
+class DamagedCheckpoint(ValueError):
+    """A file of the checkpoint cannot be parsed (truncated, zeroed); the message names it."""
+
+
 def read_hf_config(path: str) -> dict[str, Any]:
     """The ``config.json`` of a checkpoint folder, as a dict."""
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
+        _refuse_pickles_only(path)  # the more useful message when only pickled weights are there
         raise FileNotFoundError(f"{path!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint folder "
                                 "(config.json + model.safetensors)")
-    with open(config_path) as f:
-        return json.load(f)
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise DamagedCheckpoint(f"{config_path} is not valid JSON (line {e.lineno}: {e.msg}): download or copy the "
+                         "checkpoint again") from None
+
+
+def _refuse_pickles_only(path: str) -> None:
+    if os.path.isfile(os.path.join(path, WEIGHTS_FILE)) or os.path.isfile(os.path.join(path, INDEX_FILE)):
+        return
+    pickles = [name for name in _PICKLE_FILES if os.path.exists(os.path.join(path, name))]
+    if pickles:
+        raise UnsafeCheckpoint(
+            f"{path!r} holds pickled weights ({', '.join(pickles)}), which tieflax refuses to load because "
+            "unpickling can run arbitrary code. Convert them once, in an environment you trust, with "
+            "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(out, "
+            "safe_serialization=True), then import `out`.")
+
+
+def _open_safetensors(file: str):
+    """``safe_open`` naming the file when it is truncated or not a safetensors file at all."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as e:
+        raise DamagedCheckpoint(f"{file} is not a readable safetensors file ({e}): it is damaged or incomplete; "
+                         "download or copy it again") from None
 
 
 class SafetensorsFolder(Mapping):
@@ -56,10 +88,12 @@ class SafetensorsFolder(Mapping):
         self._files = files  # tensor name -> file path
 
     def __getitem__(self, name: str) -> np.ndarray:
-        from safetensors import safe_open
-
-        with safe_open(self._files[name], framework="numpy") as f:
-            return f.get_tensor(name)
+        with _open_safetensors(self._files[name]) as f:
+            try:
+                return f.get_tensor(name)
+            except Exception as e:  # noqa: BLE001 (a truncated file fails only when the tensor is read)
+                raise DamagedCheckpoint(f"{self._files[name]}: tensor {name!r} cannot be read ({e}): the file is "
+                                 "damaged or incomplete; download or copy it again") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -70,15 +104,13 @@ class SafetensorsFolder(Mapping):
 
 def read_safetensors(path: str) -> SafetensorsFolder:
     """All tensors of a checkpoint folder (single file or sharded), lazily, by name."""
-    from safetensors import safe_open
-
     single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
         files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
-            with safe_open(shard, framework="numpy") as f:
+            with _open_safetensors(shard) as f:
                 held = set(f.keys())
             missing = sorted(n for n, s in files.items() if s == shard and n not in held)
             if missing:
@@ -86,15 +118,9 @@ def read_safetensors(path: str) -> SafetensorsFolder:
                                  f"not hold: {missing[:8]}")
         return SafetensorsFolder(files)
     if os.path.isfile(single):
-        with safe_open(single, framework="numpy") as f:
+        with _open_safetensors(single) as f:
             return SafetensorsFolder({name: single for name in f.keys()})
-    pickles = [name for name in _PICKLE_FILES if os.path.exists(os.path.join(path, name))]
-    if pickles:
-        raise UnsafeCheckpoint(
-            f"{path!r} holds pickled weights ({', '.join(pickles)}), which tieflax refuses to load because "
-            "unpickling can run arbitrary code. Convert them once, in an environment you trust, with "
-            "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(out, "
-            "safe_serialization=True), then import `out`.")
+    _refuse_pickles_only(path)
     raise FileNotFoundError(f"{path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
 
 

@@ -20,6 +20,7 @@ MLPS = ("gelu", "swiglu", "geglu")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "bfloat16", "float16")
 HEAD_INITS = ("normal", "copy_embed")
+ATTENTIONS = ("auto", "xla", "splash", "cudnn")  # tieflax.ops.attention.IMPLEMENTATIONS
 # Rematerialisation policies, by the names pod training code uses (see ``tieflax.model.remat``).
 REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj")
 
@@ -84,6 +85,7 @@ class ModelConfig:
     # Numerics and memory.
     dtype: str = "float32"                # activations / compute
     param_dtype: str = "float32"
+    attention: str = "auto"               # kernel: 'xla' (einsum), 'splash' (TPU), 'cudnn' (GPU), 'auto'
     remat: str = "none"                   # what the backward pass recomputes: REMAT_POLICIES (True = 'full')
     scan_layers: bool = False             # nn.scan over the blocks: stacked params, one compiled layer
 
@@ -179,6 +181,15 @@ def _validate(c: ModelConfig):
     _check(c.head_init in HEAD_INITS, "head_init", f"unknown {c.head_init!r}; choose {HEAD_INITS}")
     _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose {DTYPES}")
     _check(c.param_dtype in DTYPES, "param_dtype", f"unknown dtype {c.param_dtype!r}; choose {DTYPES}")
+    _check(c.attention in ATTENTIONS, "attention", f"unknown {c.attention!r}; choose one of {ATTENTIONS}")
+    if c.attention == "cudnn":
+        from tieflax.ops.cudnn_attention import unsupported_reason  # noqa: PLC0415 (imports jax)
+
+        reason = unsupported_reason(dtype=c.dtype, head_dim=c.dim_per_head, softcap=c.attn_softcap)
+        if reason:
+            field, why = reason
+            raise ConfigError(f"config.model.attention: 'cudnn' cannot run this model: {why} "
+                              f"(config.model.{field}); use 'auto' (picks cuDNN where it can) or 'xla'")
     _check(c.remat in REMAT_POLICIES, "remat",
            f"unknown policy {c.remat!r}; choose one of {REMAT_POLICIES} (True means 'full', False 'none')")
     _check(isinstance(c.scan_layers, bool), "scan_layers", f"must be True or False, got {c.scan_layers!r}")

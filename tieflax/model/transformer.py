@@ -44,13 +44,14 @@ class ScanStep(nn.Module):
     """
 
     config: ModelConfig
+    mesh: Optional[Mesh] = None  # passed to the attention kernel
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
         c = self.config
         block = remat_module(Block, c.remat, scanned=True)
         for j in range(c.layers_per_scan_step):
-            x = block(c, layer=j, name=f"block_{j}")(x, positions, segment_ids)
+            x = block(c, layer=j, mesh=self.mesh, name=f"block_{j}")(x, positions, segment_ids)
         return x, None
 
 
@@ -59,7 +60,8 @@ class TransformerLM(nn.Module):
 
     Attributes:
       config: shapes and switches (``ModelConfig``).
-      mesh: when given, the input lookup and the fused loss run vocab-parallel over its 'tensor' axis.
+      mesh: when given, the input lookup and the fused loss run vocab-parallel over its 'tensor' axis,
+        and the attention kernel is chosen for its devices' platform and sharded over it.
     """
 
     config: ModelConfig
@@ -78,10 +80,10 @@ class TransformerLM(nn.Module):
             self.layers = nn.scan(ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
                                   in_axes=(nn.broadcast, nn.broadcast),
                                   length=c.n_layers // c.layers_per_scan_step,
-                                  metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})(c)
+                                  metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})(c, mesh=self.mesh)
         else:
             block = remat_module(Block, c.remat, scanned=False)
-            self.blocks = [block(c, layer=i, name=f"block_{i}") for i in range(c.n_layers)]
+            self.blocks = [block(c, layer=i, mesh=self.mesh, name=f"block_{i}") for i in range(c.n_layers)]
         self.final_norm = Norm(c)
         self.lm_head = LMHead(c, embed=self.embed)
         if c.head_bias:

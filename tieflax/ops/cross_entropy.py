@@ -31,6 +31,20 @@ Vocabulary parallelism (``mesh`` given)
     block at a time, so no second weight-sized buffer). No logits-sized collective; the weight is never
     gathered over vocab. Per-device memory is flat in V.
 
+W sharded over d (``weight_embed_axis``, default ``'fsdp'``, the model's ``P('tensor', 'fsdp')``)
+    Inside the map each device holds ``[V_local, d / fsdp]``; each ``[bv, d_local]`` block is
+    all-gathered over that axis when the loop reaches it, and each finished dW block is
+    reduce-scattered back over it (``psum_scatter``) and summed over the other batch axes, so dW leaves
+    in the parameter's own layout and, in recompute mode, neither W nor dW is ever whole on a device
+    (fused mode gathers the local shard whole: it holds weight-sized buffers anyway).
+
+Implementations (``impl``)
+    ``'xla'``: the loops above. On TPU with bf16 hidden states and an fp32 W, each W block is rounded
+    to bf16 inside the loop (XLA's default precision would round it anyway, but with one hoisted
+    convert of the whole matrix). ``'pallas'``: the Mosaic TPU kernels of ``cross_entropy_pallas``
+    (recompute mode, 5 matmuls), inside the same ``shard_map`` and collectives. ``'auto'`` (default):
+    Pallas when the program is lowered for a TPU, XLA elsewhere (``lax.platform_dependent``).
+
 Semantics (global valid vocabulary ``V = valid_vocab``; ``j`` runs over rows ``< V``)::
 
     raw_j  = logit_scale * <h, w_j> + bias_j
@@ -56,6 +70,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from tieflax.ops import cross_entropy_pallas as pallas_ce
+
 # Large finite negative used for masked logits: exp(MASK - m) == 0 for any real max m, and unlike -inf it
 # never makes (m_old - m_new) a NaN when a whole tile or shard is masked.
 _MASK = -1e30
@@ -64,6 +80,12 @@ DEFAULT_TOKEN_BLOCK = 8192
 DEFAULT_VOCAB_BLOCK = 256
 DEFAULT_FUSED_TOKEN_BLOCK = 512
 MODES = ("recompute", "fused")
+IMPLS = ("auto", "xla", "pallas")
+# Pallas path on a mesh: rows of W gathered over the axis that shards d, and of dW reduced over the
+# batch axes, one chunk at a time (an XLA loop around the kernels); one fp32 [rows, d] chunk is about
+# this many bytes. Larger chunks re-read the fp32 dH
+# accumulator fewer times (it is read and written once per chunk) at the cost of memory.
+PALLAS_CHUNK_BYTES = 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +101,10 @@ class _Cfg:
     mesh: Mesh | None
     vocab_axis: str
     batch_axes: tuple[str, ...]
+    impl: str = "xla"
+    embed_axis: str | None = None  # mesh axis sharding W's d (dW is reduce-scattered over it)
+    pallas: pallas_ce.Blocks = pallas_ce.Blocks(512, 512, 28)
+    chunk: int = 0  # Pallas path, W's d sharded: vocab rows gathered per step
 
 
 # ----------------------------------------------------------------------------------------- tile math
@@ -141,8 +167,32 @@ def _fresh(start, i, b: int):
 
 # ------------------------------------------------------------------------------- per-shard kernels
 
-def _local_stats(cfg: _Cfg, h, w, b, y, v_off):
-    """Forward statistics over the local vocabulary. h [N, d], w [V, d], y [N] -> 4 x [N] acc."""
+def _slice_rows(w, v0, bv):
+    return lax.dynamic_slice_in_dim(w, v0, bv)
+
+
+def _bf16_round(x):
+    """fp32 -> bf16 round-to-nearest-even in integer arithmetic (NaN and inf kept)."""
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    u = u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))
+    return lax.bitcast_convert_type((u >> 16).astype(jnp.uint16), jnp.bfloat16)
+
+
+def _matmul_block(w_blk, h_dtype):
+    """The W block as the tile matmuls read it. fp32 W with bf16 hidden states on TPU: XLA's default
+    precision rounds W to bf16 anyway, and does it with one ``convert`` of the whole matrix hoisted out
+    of the loop (a V x d x 2-byte copy, 1.1 GiB at 256000 x 2304). Rounding each block here, by
+    integer arithmetic that XLA does not treat as a convert, gives the same values with no copy. Other
+    platforms keep the fp32 block (their default fp32 matmul does not round to bf16)."""
+    if h_dtype != jnp.bfloat16 or w_blk.dtype != jnp.float32:
+        return w_blk
+    return lax.platform_dependent(w_blk, tpu=lambda x: _bf16_round(x).astype(jnp.float32),
+                                  default=lambda x: x)
+
+
+def _local_stats(cfg: _Cfg, h, w, b, y, v_off, take_w=_slice_rows):
+    """Forward statistics over the local vocabulary. h [N, d], w [V, d_local], y [N] -> 4 x [N] acc;
+    ``take_w(w, v0, bv)`` returns rows ``v0:v0+bv`` with the full d (gathered when d is sharded)."""
     acc = _acc_dtype(h.dtype, w.dtype)
     n, v = h.shape[0], w.shape[0]
     bt, nt = _blocks(n, cfg.token_block)
@@ -159,7 +209,7 @@ def _local_stats(cfg: _Cfg, h, w, b, y, v_off):
             cols = v_off + v0 + jnp.arange(bv)
             ok = _fresh(v0, k, bv) & (cols < cfg.valid_vocab)
             b_blk = None if b is None else lax.dynamic_slice_in_dim(b, v0, bv)
-            z = _tile(cfg, h_blk, lax.dynamic_slice_in_dim(w, v0, bv), b_blk, ok, acc)
+            z = _tile(cfg, h_blk, _matmul_block(take_w(w, v0, bv), h.dtype), b_blk, ok, acc)
             tm, ts, tzy, tsz = _tile_stats(cfg, z, ok, cols, y_blk)
             m_new = jnp.maximum(m, tm)
             s = s * jnp.exp(m - m_new) + ts * jnp.exp(tm - m_new)
@@ -173,10 +223,11 @@ def _local_stats(cfg: _Cfg, h, w, b, y, v_off):
     return lax.fori_loop(0, nt, token_step, out)
 
 
-def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x):
+def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x, take_w=_slice_rows):
     """Recompute backward over the local shard. Returns dH [N, d] acc (partial over vocab shards),
-    dW [V, d] w.dtype and db [V] acc; ``reduce_blk`` sums a finished ([bv, d], [bv]) block over the
-    batch shards, so the loop-carried dW is already the final buffer (no second weight-sized copy)."""
+    dW [V, d_local] w.dtype and db [V] acc; ``reduce_blk`` sums a finished ([bv, d], [bv]) block over
+    the batch shards (into [bv, d_local] when d is sharded), so the loop-carried dW is already the
+    final buffer (no second weight-sized copy)."""
     acc = _acc_dtype(h.dtype, w.dtype)
     cdt = jnp.result_type(h.dtype, w.dtype)
     n, v = h.shape[0], w.shape[0]
@@ -188,7 +239,7 @@ def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x
         v0 = _block_start(k, bv, v)
         cols = v_off + v0 + jnp.arange(bv)
         ok = _fresh(v0, k, bv) & (cols < cfg.valid_vocab)
-        w_blk = lax.dynamic_slice_in_dim(w, v0, bv)
+        w_blk = _matmul_block(take_w(w, v0, bv), h.dtype)
         b_blk = None if b is None else lax.dynamic_slice_in_dim(b, v0, bv)
 
         def token_step(i, inner):
@@ -207,7 +258,7 @@ def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x
                                               preferred_element_type=acc)
             return dh, dw_blk, db_blk
 
-        init = (dh, jnp.zeros((bv, w.shape[1]), acc), jnp.zeros((bv,), acc))
+        init = (dh, jnp.zeros((bv, h.shape[1]), acc), jnp.zeros((bv,), acc))
         dh, dw_blk, db_blk = lax.fori_loop(0, nt, token_step, init)
         dw_blk, db_blk = reduce_blk((dw_blk, db_blk))
         # Rows shared with the previous block got zero here (masked), so adding is exact.
@@ -279,7 +330,7 @@ def _combine_vocab(axis, m, s, zy, sz):
 
 def _specs(cfg: _Cfg):
     bax = cfg.batch_axes if cfg.batch_axes else None
-    return dict(h=P(bax, None), w=P(cfg.vocab_axis, None), b=P(cfg.vocab_axis), n=P(bax))
+    return dict(h=P(bax, None), w=P(cfg.vocab_axis, cfg.embed_axis), b=P(cfg.vocab_axis), n=P(bax))
 
 
 def _shmap(cfg: _Cfg, fn, in_specs, out_specs):
@@ -292,32 +343,88 @@ def _v_offset(cfg: _Cfg, v_local: int):
     return lax.axis_index(cfg.vocab_axis) * v_local
 
 
+def _take_w(cfg: _Cfg):
+    """(w, v0, bv) -> rows v0:v0+bv of the local W with the full d: gathered over the axis that shards
+    d (one [bv, d] block at a time, never the whole matrix)."""
+    if cfg.embed_axis is None:
+        return _slice_rows
+
+    def take(w, v0, bv):
+        # Gathered along a new leading axis, then put in place: gathering along d directly makes XLA
+        # give the whole local W a d-major layout, i.e. a weight-sized copy before the loop.
+        g = lax.all_gather(_slice_rows(w, v0, bv), cfg.embed_axis, axis=0)  # [f, bv, d_local]
+        return jnp.moveaxis(g, 0, 1).reshape(bv, -1)
+
+    return take
+
+
+def _reduce_dw(cfg: _Cfg):
+    """Data-parallel reduction of a finished ([bv, d], [bv]) gradient block: a reduce-scatter over
+    the axis that shards d (so dW leaves in the parameter's own layout) and a sum over the others."""
+    rest = tuple(a for a in cfg.batch_axes if a != cfg.embed_axis)
+
+    def reduce(blk):
+        dw, db = blk
+        if cfg.embed_axis is not None:  # scattered over a leading axis, for the reason in _take_w
+            f = cfg.mesh.shape[cfg.embed_axis]
+            dw = jnp.moveaxis(dw.reshape(dw.shape[0], f, -1), 1, 0)
+            dw = lax.psum_scatter(dw, cfg.embed_axis, scatter_dimension=0)
+        if rest:
+            dw = lax.psum(dw, rest)
+        return dw, lax.psum(db, cfg.batch_axes)
+
+    return reduce
+
+
+def _batch_size(cfg: _Cfg) -> int:
+    return math.prod(cfg.mesh.shape[a] for a in cfg.batch_axes)
+
+
+def _on_platform(cfg: _Cfg, xla_fn, pallas_fn, *args):
+    """Runs ``pallas_fn(cfg, interpret, *args)`` or ``xla_fn(cfg, *args)`` by ``cfg.impl``. The choice
+    for 'auto' (and compiled vs interpreted Pallas) is made when lowering, for the platform the program
+    is compiled for (a TPU topology compiled from a CPU process picks the kernel)."""
+    if cfg.impl == "xla":
+        return xla_fn(cfg, *args)
+    other = (functools.partial(pallas_fn, cfg, True) if cfg.impl == "pallas"
+             else functools.partial(xla_fn, cfg))
+    return lax.platform_dependent(*args, tpu=functools.partial(pallas_fn, cfg, False), default=other)
+
+
 def _stats(cfg: _Cfg, h, w, b, y):
-    """Global [N] statistics (max, sumexp, label logit, sum of logits)."""
+    """Global [N] statistics (max, sumexp, label logit, sum of logits), acc dtype."""
+    return _on_platform(cfg, _stats_xla, _stats_pallas, h, w, b, y)
+
+
+def _grads(cfg: _Cfg, h, w, b, y, lse, coef):
+    """Recompute backward: dH [N, d] h.dtype, dW [V, d] w.dtype, db [V] acc (all fully reduced)."""
+    return _on_platform(cfg, _grads_xla, _grads_pallas, h, w, b, y, lse, coef)
+
+
+def _stats_xla(cfg: _Cfg, h, w, b, y):
     if cfg.mesh is None:
         return _local_stats(cfg, h, w, b, y, 0)
     sp = _specs(cfg)
 
     def body(h, w, b, y):
-        loc = _local_stats(cfg, h, w, b, y, _v_offset(cfg, w.shape[0]))
+        loc = _local_stats(cfg, h, w, b, y, _v_offset(cfg, w.shape[0]), _take_w(cfg))
         return _combine_vocab(cfg.vocab_axis, *loc)
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"]),
                   (sp["n"],) * 4)(h, w, b, y)
 
 
-def _grads(cfg: _Cfg, h, w, b, y, lse, coef):
-    """Recompute backward: dH [N, d] acc, dW [V, d] w.dtype, db [V] acc (all fully reduced)."""
+def _grads_xla(cfg: _Cfg, h, w, b, y, lse, coef):
     if cfg.mesh is None:
-        return _local_grads(cfg, h, w, b, y, lse, coef, 0)
+        dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, 0)
+        return dh.astype(h.dtype), dw, db
     sp = _specs(cfg)
 
     def body(h, w, b, y, lse, coef):
         # The data-parallel weight-gradient reduction, one [bv, d] block at a time.
-        reduce_blk = functools.partial(lax.psum, axis_name=cfg.batch_axes) if cfg.batch_axes else None
         dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, _v_offset(cfg, w.shape[0]),
-                                  *([reduce_blk] if reduce_blk else []))
-        return lax.psum(dh, cfg.vocab_axis), dw, db
+                                  _reduce_dw(cfg) if cfg.batch_axes else (lambda x: x), _take_w(cfg))
+        return lax.psum(dh, cfg.vocab_axis).astype(h.dtype), dw, db
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"], sp["n"],
                               sp["n"]), (sp["h"], sp["w"], sp["b"]))(h, w, b, y, lse, coef)
@@ -330,15 +437,126 @@ def _fused(cfg: _Cfg, h, w, b, y, aw):
     sp = _specs(cfg)
 
     def body(h, w, b, y, aw):
+        if cfg.embed_axis is not None:  # fused mode holds weight-sized buffers anyway
+            w = lax.all_gather(w, cfg.embed_axis, axis=1, tiled=True)
         stats, dh, dw, db = _local_fused(cfg, h, w, b, y, aw, _v_offset(cfg, w.shape[0]),
                                          functools.partial(_combine_vocab, cfg.vocab_axis),
                                          functools.partial(lax.psum, axis_name=cfg.vocab_axis))
         if cfg.batch_axes:  # the data-parallel weight-gradient reduction, [V_local, d]
-            dw, db = lax.psum((dw, db), cfg.batch_axes)
+            dw, db = _reduce_dw(cfg)((dw, db))
         return stats, dh, dw.astype(w.dtype), db
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"], sp["n"]),
                   ((sp["n"],) * 4, sp["h"], sp["w"], sp["b"]))(h, w, b, y, aw)
+
+
+# ------------------------------------------------------------------------------------ Pallas path
+
+def _pallas_plan(cfg: _Cfg, interpret: bool) -> pallas_ce.Plan:
+    sem = pallas_ce.Semantics(cfg.valid_vocab, cfg.z_loss, cfg.label_smoothing, cfg.logit_scale,
+                              cfg.softcap)
+    return pallas_ce.Plan(sem, cfg.pallas.token, cfg.pallas.vocab, cfg.pallas.vmem_limit_mib, interpret)
+
+
+def _chunks(cfg: _Cfg, v: int, d: int) -> tuple[int, int]:
+    """(rows, count) of the vocab chunks of the local W that the Pallas path loops over in XLA."""
+    return _blocks(v, cfg.chunk or max(128, PALLAS_CHUNK_BYTES // (d * 4) // 128 * 128))
+
+
+def _chunk_loop(cfg: _Cfg, w, b, d: int, body, init):
+    """fori_loop over vocab chunks: body(c, carry, v0, lo, w_chunk [rows, d], b_chunk) -> carry.
+    The last chunk is shifted back to end at V_local; its first ``lo`` rows belong to the previous one."""
+    v = w.shape[0]
+    rows, nc = _chunks(cfg, v, d)
+    take = _take_w(cfg)
+
+    def step(c, carry):
+        v0 = _block_start(c, rows, v)
+        bc = None if b is None else _slice_rows(b, v0, rows)
+        return body(carry, v0, c * rows - v0, take(w, v0, rows), bc)
+
+    return lax.fori_loop(0, nc, step, init)
+
+
+def _pallas_local_stats(cfg: _Cfg, plan, h, w, b, y, v_base):
+    if cfg.embed_axis is None:
+        return pallas_ce.local_stats(plan, h, w, b, y, v_base)
+
+    def body(carry, v0, lo, wc, bc):
+        m, s, zy, sz = carry
+        cm, cs, czy, csz = pallas_ce.local_stats(plan, h, wc, bc, y, v_base + v0, lo)
+        m_new = jnp.maximum(m, cm)
+        return m_new, s * jnp.exp(m - m_new) + cs * jnp.exp(cm - m_new), zy + czy, sz + csz
+
+    n = h.shape[0]
+    init = (jnp.full((n,), _MASK, jnp.float32),) + (jnp.zeros((n,), jnp.float32),) * 3
+    return _chunk_loop(cfg, w, b, h.shape[1], body, init)
+
+
+def _stats_pallas(cfg: _Cfg, interpret: bool, h, w, b, y):
+    acc = _acc_dtype(h.dtype, w.dtype)
+    plan = _pallas_plan(cfg, interpret)
+    if cfg.mesh is None:
+        return tuple(x.astype(acc) for x in pallas_ce.local_stats(plan, h, w, b, y, 0))
+    sp = _specs(cfg)
+
+    def body(h, w, b, y):
+        loc = _pallas_local_stats(cfg, plan, h, w, b, y, _v_offset(cfg, w.shape[0]))
+        return tuple(x.astype(acc) for x in _combine_vocab(cfg.vocab_axis, *loc))
+
+    return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"]),
+                  (sp["n"],) * 4)(h, w, b, y)
+
+
+def _pallas_local_grads(cfg: _Cfg, plan, h, w, b, y, lse, coef, v_base, dh_dtype, reduce):
+    """dH [N, d] dh_dtype (partial over vocab shards), dW [V, d_local] w.dtype, db [V] fp32.
+    ``reduce`` (None: nothing to reduce) sums a dW/db chunk over the batch shards."""
+    lse, coef = lse.astype(jnp.float32), coef.astype(jnp.float32)
+    dh0 = jnp.zeros(h.shape, dh_dtype)
+    if cfg.embed_axis is None:
+        # W is whole here: one dH kernel over all rows; dW in one piece when nothing is reduced.
+        dh = pallas_ce.local_dh(plan, h, w, b, y, lse, coef, v_base, dh0)
+        if reduce is None:
+            return (dh,) + pallas_ce.local_dw(plan, h, w, b, y, lse, coef, v_base, w.dtype)
+
+    def body(carry, v0, lo, wc, bc):
+        dh, dw, db = carry
+        if cfg.embed_axis is not None:  # W's rows arrive chunk by chunk: dH accumulates over them
+            dh = pallas_ce.local_dh(plan, h, wc, bc, y, lse, coef, v_base + v0, dh, lo)
+        dwc, dbc = pallas_ce.local_dw(plan, h, wc, bc, y, lse, coef, v_base + v0, jnp.float32, lo)
+        if reduce is not None:
+            dwc, dbc = reduce((dwc, dbc))
+        # Rows shared with the previous chunk got zero here (masked), so adding is exact.
+        rows = dwc.shape[0]
+        dw = lax.dynamic_update_slice_in_dim(dw, _slice_rows(dw, v0, rows) + dwc.astype(dw.dtype), v0, 0)
+        db = lax.dynamic_update_slice_in_dim(db, _slice_rows(db, v0, rows) + dbc, v0, 0)
+        return dh, dw, db
+
+    init = (dh0 if cfg.embed_axis is not None else dh, jnp.zeros(w.shape, w.dtype),
+            jnp.zeros((w.shape[0],), jnp.float32))
+    return _chunk_loop(cfg, w, b, h.shape[1], body, init)
+
+
+def _grads_pallas(cfg: _Cfg, interpret: bool, h, w, b, y, lse, coef):
+    acc = _acc_dtype(h.dtype, w.dtype)
+    plan = _pallas_plan(cfg, interpret)
+    if cfg.mesh is None:
+        dh, dw, db = _pallas_local_grads(cfg, plan, h, w, b, y, lse, coef, 0, h.dtype, None)
+        return dh, dw, db.astype(acc)
+    sp = _specs(cfg)
+    # The vocab shards' dH partials are summed in fp32; alone, the kernel writes h.dtype directly.
+    summed = cfg.mesh.shape[cfg.vocab_axis] > 1 or cfg.embed_axis is not None
+    reduce = _reduce_dw(cfg) if cfg.batch_axes and _batch_size(cfg) > 1 else None
+
+    def body(h, w, b, y, lse, coef):
+        dh, dw, db = _pallas_local_grads(cfg, plan, h, w, b, y, lse, coef, _v_offset(cfg, w.shape[0]),
+                                         jnp.float32 if summed else h.dtype, reduce)
+        if cfg.mesh.shape[cfg.vocab_axis] > 1:
+            dh = lax.psum(dh, cfg.vocab_axis)
+        return dh.astype(h.dtype), dw, db.astype(acc)
+
+    return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"], sp["n"],
+                              sp["n"]), (sp["h"], sp["w"], sp["b"]))(h, w, b, y, lse, coef)
 
 
 # ---------------------------------------------------------------------------------- custom VJP
@@ -416,10 +634,17 @@ def _check(cfg: _Cfg, hidden, weight, labels, weights, bias):
         raise ValueError(f"valid_vocab={cfg.valid_vocab} must be in [1, V_pad={weight.shape[0]}].")
     if cfg.mode not in MODES:
         raise ValueError(f"mode={cfg.mode!r}; use one of {MODES}.")
+    if cfg.impl not in IMPLS:
+        raise ValueError(f"impl={cfg.impl!r}; use one of {IMPLS}.")
+    if cfg.impl == "pallas" and cfg.mode != "recompute":
+        raise ValueError(f"impl='pallas' implements mode='recompute' only; got mode={cfg.mode!r}. "
+                         f"Use impl='xla' (or 'auto') for mode='fused'.")
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1).")
     if cfg.softcap is not None and cfg.softcap <= 0:
         raise ValueError(f"softcap={cfg.softcap} must be positive or None.")
+    if cfg.chunk < 0:
+        raise ValueError(f"vocab_chunk={cfg.chunk} must be >= 1 (or None for the default).")
     if cfg.token_block < 1 or cfg.vocab_block < 1:
         raise ValueError(f"token_block={cfg.token_block}, vocab_block={cfg.vocab_block} must be >= 1.")
     if cfg.mesh is None:
@@ -432,19 +657,41 @@ def _check(cfg: _Cfg, hidden, weight, labels, weights, bias):
     if weight.shape[0] % nv:
         raise ValueError(f"V_pad={weight.shape[0]} must be a multiple of the {cfg.vocab_axis!r} axis size "
                          f"{nv}; pad the vocabulary (tieflax rounds V up to shards x 128).")
-    nb = math.prod(cfg.mesh.shape[a] for a in cfg.batch_axes)
+    nb = _batch_size(cfg)
     n = math.prod(labels.shape)
     if n % nb:
         raise ValueError(f"{n} tokens cannot be split over batch axes {cfg.batch_axes} of total size {nb}; "
                          f"use a batch that divides evenly or pass batch_axes=().")
 
 
+def _device_kind(mesh: Mesh | None) -> str:
+    """The TPU generation the Pallas blocks are sized for: the mesh's devices (a compile-only topology
+    included), else this process's TPU; compiling for a TPU without a mesh from elsewhere gets the
+    table's conservative default. (Block sizes only: which implementation runs is decided at lowering.)"""
+    if mesh is not None:
+        return mesh.devices.flat[0].device_kind
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else ""
+
+
+def _embed_axis(mesh: Mesh | None, axis: str | None, batch_axes: tuple[str, ...], d: int) -> str | None:
+    """``weight_embed_axis`` when the blockwise gather / reduce-scatter over it applies: a mesh axis of
+    size > 1 that also splits the tokens (dW is summed over it) and divides d. Otherwise None: W enters
+    the map replicated over d (``shard_map`` gathers it whole, as before this option existed)."""
+    if mesh is None or axis is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+        return None
+    if axis not in batch_axes or d % mesh.shape[axis]:
+        return None
+    return axis
+
+
 def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, valid_vocab: int,
                   weights: jax.Array | None = None, z_loss: float = 0.0, label_smoothing: float = 0.0,
                   logit_scale: float = 1.0, softcap: float | None = None, bias: jax.Array | None = None,
-                  token_block: int | None = None, vocab_block: int = DEFAULT_VOCAB_BLOCK,
+                  token_block: int | None = None, vocab_block: int | None = None,
                   mode: str = "recompute", mesh: Mesh | None = None, vocab_axis: str = "tensor",
-                  batch_axes: tuple[str, ...] = ("data", "fsdp")) -> tuple[jax.Array, dict]:
+                  batch_axes: tuple[str, ...] = ("data", "fsdp"), impl: str = "auto",
+                  weight_embed_axis: str | None = "fsdp",
+                  vocab_chunk: int | None = None) -> tuple[jax.Array, dict]:
     """Softmax cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising logits.
 
     Args:
@@ -457,10 +704,24 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
       label_smoothing: eps; the target is ``(1 - eps) onehot + eps / V`` over the global valid V.
       logit_scale, softcap, bias: ``z = softcap * tanh((logit_scale * h.w + bias) / softcap)``.
       token_block, vocab_block: tile sizes. In ``'fused'`` mode the vocab tile is the local vocab.
-        Defaults: 8192 x 256 (recompute), 512 x V_local (fused); see benchmarks/README.md.
+        Defaults: XLA 8192 x 256 (recompute), 512 x V_local (fused); Pallas per TPU generation (read
+        from the mesh's devices; without a mesh 512 x 512, which fits every generation from v4 on).
+        Given explicitly, they apply to both implementations.
       mode: ``'recompute'`` (memory-lean, 4 matmuls) or ``'fused'`` (3 matmuls); see the module doc.
       mesh: ``None`` for one device, else a mesh with ``vocab_axis`` and ``batch_axes`` (sizes may be 1).
         Tokens (the flattened leading dims) are split over ``batch_axes``, vocab rows over ``vocab_axis``.
+      impl: ``'xla'`` (blockwise loops in XLA), ``'pallas'`` (Pallas TPU kernels; interpreted when the
+        program is compiled for another platform, for tests), or ``'auto'``: Pallas when the program is
+        compiled for a TPU (decided at lowering, so compiling for a TPU topology from a CPU picks it),
+        XLA elsewhere. ``mode='fused'`` always runs on XLA.
+      weight_embed_axis: the mesh axis that shards W's d in the parameter layout (tieflax's embedding
+        is ``P('tensor', 'fsdp')``). When that axis has size > 1, W's rows are gathered over it one
+        block at a time and dW is reduce-scattered back over it, so the gradient leaves in the
+        parameter's own layout. Used when it is one of ``batch_axes`` and divides d; otherwise (and
+        with ``None``) W enters replicated over d.
+      vocab_chunk: Pallas path with W's d sharded, or dW reduced over batch shards: local vocab rows
+        gathered / reduced per step (default: an fp32 ``[rows, d]`` of about 4 MiB, rows a multiple of
+        128). Larger chunks cost memory; smaller ones re-read the fp32 dH accumulator more often.
 
     Returns:
       ``(loss_per_token [...] fp32, aux)``; ``aux`` (no gradient flows through it):
@@ -470,11 +731,16 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
         ``max_logit`` [...]: the largest logit, for monitoring logit growth;
         ``invalid_label_count``: int32 scalar, labels ``>= valid_vocab``.
     """
+    d = hidden.shape[-1]
+    pallas = pallas_ce.blocks_for(_device_kind(mesh), d, jnp.dtype(weight.dtype).itemsize)
+    pallas = pallas_ce.Blocks(token_block or pallas.token, vocab_block or pallas.vocab, pallas.vmem_limit_mib)
     if token_block is None:
         token_block = DEFAULT_FUSED_TOKEN_BLOCK if mode == "fused" else DEFAULT_TOKEN_BLOCK
     cfg = _Cfg(int(valid_vocab), float(z_loss), float(label_smoothing), float(logit_scale),
-               None if softcap is None else float(softcap), int(token_block), int(vocab_block), mode,
-               mesh, vocab_axis, tuple(batch_axes))
+               None if softcap is None else float(softcap), int(token_block),
+               int(vocab_block or DEFAULT_VOCAB_BLOCK), mode, mesh, vocab_axis, tuple(batch_axes),
+               "xla" if impl == "auto" and mode == "fused" else impl,
+               _embed_axis(mesh, weight_embed_axis, tuple(batch_axes), d), pallas, int(vocab_chunk or 0))
     _check(cfg, hidden, weight, labels, weights, bias)
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
