@@ -8,9 +8,10 @@ layers, and every remat policy. Compile-only (no TPU needed: libtpu compiles fro
 Each variant is ``tieflax.train.build`` + ``make_train_step`` with bf16 compute and fp32 parameters,
 one sequence of ``--seq-len`` tokens per chip, all chips on the ``fsdp`` axis. Variants are
 ``<scan|unrolled>-<remat policy>``. Reported per variant: compile seconds (lower + compile) on this
-machine, wall and process CPU (the CPU figure is the steadier one on a shared machine), and XLA:TPU's ``memory_analysis()`` per chip: arguments (params + optimizer state),
-temporaries, their sum against the chip's HBM. A program that does not fit is refused by the compiler;
-its temporaries are then the figure the refusal states (and compile time is the time to that refusal).
+machine, wall and process CPU (the CPU figure is the steadier one on a shared machine), and XLA:TPU's
+``memory_analysis()`` per chip: arguments (params + optimizer state), temporaries, their sum against the
+chip's HBM. A program that does not fit is refused by the compiler; its temporaries are then the figure
+the refusal states (and compile time is the time to that refusal).
 Prints a Markdown table and one JSON line.
 """
 
@@ -83,8 +84,8 @@ def main() -> None:
         layout, _, remat = variant.partition("-")
         rows.append(measure(args.config, args.topology, args.seq_len, layout == "scan", remat, args.overrides))
         r = rows[-1]
-        print(f"# {variant}: compile {r['compile_s']} s ({r['compile_cpu_s']} s CPU), temp {r['temp_bytes'] / 2**30:.2f} GiB",
-              file=sys.stderr, flush=True)
+        print(f"# {variant}: compile {r['compile_s']} s ({r['compile_cpu_s']} s CPU), "
+              f"temp {r['temp_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
         jax.clear_caches()
     gib = 2**30
     print(f"\n{rows[0]['config']} on {args.topology} ({rows[0]['chips']} chips, fsdp), T = {args.seq_len}, "
@@ -94,7 +95,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|:---:|")
     for r in rows:
         total = r["argument_bytes"] + r["temp_bytes"]
-        print(f"| {'scanned' if r['scan'] else 'unrolled'} | {r['remat']} | {r['compile_s']} | {r['compile_cpu_s']} | "
+        print(f"| {'scanned' if r['scan'] else 'unrolled'} | {r['remat']} | {r['compile_s']} | "
+              f"{r['compile_cpu_s']} | "
               f"{r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | {total / gib:.2f} | "
               f"{100 * total / r['hbm_bytes']:.0f}% | {'yes' if r['fits'] else 'no'} |")
     print(json.dumps({"benchmark": "scan_remat", "rows": rows}))

@@ -375,7 +375,7 @@ def test_eval_of_a_damaged_checkpoint_names_the_step(tied_run, tmp_path, capsys)
 def test_scanned_run_converts_to_per_layer_with_the_same_loss(data_dir, tmp_path):
     """scan_layers=True trains and checkpoints stacked parameters; `convert --unscan-layers` gives a
     per-layer workdir that evaluates to the same loss, and `--scan-layers` stacks it back exactly."""
-    from tieflax.commands.convert import scan_workdir
+    from tieflax.cli import main
 
     config = micro_config(data_dir, num_steps=3)
     config.model.n_layers, config.model.scan_layers, config.model.remat = 2, True, "full"
@@ -384,9 +384,9 @@ def test_scanned_run_converts_to_per_layer_with_the_same_loss(data_dir, tmp_path
     _, params, step = ckpt.load_latest_params(workdir)
     assert step == 3 and params["layers"]["block_0"]["attn"]["query"]["kernel"].shape[0] == 2
     flat = str(tmp_path / "per_layer")
-    scan_workdir(workdir, flat, scan=False)
+    assert main(["convert", "--unscan-layers", "--workdir", workdir, "--out", flat]) == 0
     flat_config = ckpt.load_workdir_config(flat)
     assert not flat_config.model.scan_layers
     assert evaluate(flat_config, flat)["loss"] == pytest.approx(result["final_val_loss"], rel=1e-5)
-    scan_workdir(flat, str(tmp_path / "again"), scan=True)
+    assert main(["convert", "--scan-layers", "--workdir", flat, "--out", str(tmp_path / "again")]) == 0
     chex.assert_trees_all_equal(ckpt.load_latest_params(str(tmp_path / "again"))[1], params)
