@@ -157,7 +157,7 @@ def _untied_view(params: dict) -> dict:
 
 def _loss_options(c: ml_collections.ConfigDict, *, train: bool) -> dict:
     return dict(z_loss=c.z_loss if train else 0.0, label_smoothing=c.label_smoothing if train else 0.0,
-                token_block=c.loss_token_block, vocab_block=c.loss_vocab_block)
+                token_block=c.loss_token_block or None, vocab_block=c.loss_vocab_block or None)
 
 
 def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:

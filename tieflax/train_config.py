@@ -31,10 +31,12 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.z_loss = 0.0
     c.label_smoothing = 0.0
     c.loss_impl = "fused"             # 'fused' (blockwise, no logits) or 'dense' (full logits: baseline)
-    # Fused cross-entropy tile [token block x vocab block]: the cross-entropy sweep's fastest CPU setting
-    # (benchmarks/README.md); the tile is 8 MiB of fp32 logits whatever the vocabulary size.
-    c.loss_token_block = 8192
-    c.loss_vocab_block = 256
+    # Fused cross-entropy tile [token block x vocab block]; 0 = the loss's default for the platform the
+    # step is compiled for: 8192 x 256 on the XLA path (the cross-entropy sweep's fastest CPU setting,
+    # benchmarks/README.md), the per-generation table of the Pallas kernel on a TPU (whose VMEM a
+    # 8192-token tile would overflow).
+    c.loss_token_block = 0
+    c.loss_vocab_block = 0
     c.eval_every = 200
     c.eval_batches = 8
     c.log_every = 10
@@ -62,8 +64,8 @@ _RANGES = {
     "grad_clip_norm": (0.0, _INF, True, True, "0 = no clipping"),
     "z_loss": (0.0, _INF, True, True, "0 = none"),
     "label_smoothing": (0.0, 1.0, True, False, "the probability moved to the uniform distribution"),
-    "loss_token_block": (1, _INF, True, True, "tokens per tile of the fused loss"),
-    "loss_vocab_block": (1, _INF, True, True, "vocabulary rows per tile of the fused loss"),
+    "loss_token_block": (0, _INF, True, True, "tokens per tile of the fused loss; 0 = the platform's default"),
+    "loss_vocab_block": (0, _INF, True, True, "vocabulary rows per tile of the fused loss; 0 = the default"),
     "eval_every": (1, _INF, True, True, "steps between evaluations"),
     "eval_batches": (0, _INF, True, True, "0 = the whole validation split"),
     "log_every": (1, _INF, True, True, "steps between logged rows"),

@@ -210,8 +210,8 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
 def analysis_loss_options(config) -> dict:
     """The training loss's block sizes (and z-loss / smoothing), so the gradient is the trained one's."""
     t = config.train
-    return dict(z_loss=t.z_loss, label_smoothing=t.label_smoothing, token_block=t.loss_token_block,
-                vocab_block=t.loss_vocab_block)
+    return dict(z_loss=t.z_loss, label_smoothing=t.label_smoothing, token_block=t.loss_token_block or None,
+                vocab_block=t.loss_vocab_block or None)
 
 
 def without_arrays(result: dict) -> dict:
