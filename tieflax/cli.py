@@ -20,6 +20,7 @@ COMMANDS = {
     "compare": "tieflax.commands.compare",
     "analyze": "tieflax.commands.analyze",
     "convert": "tieflax.commands.convert",
+    "plan": "tieflax.commands.plan",
 }
 
 HELP = {
@@ -29,6 +30,7 @@ HELP = {
     "compare": "the tied-vs-untied study: train the variants and write a report with plots",
     "analyze": "embedding diagnostics of a checkpoint",
     "convert": "Hugging Face import/export, and tie/untie surgery on checkpoints",
+    "plan": "per-device memory of the train step on a TPU pod or GPU server, compiled from this machine",
 }
 
 
