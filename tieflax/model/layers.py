@@ -12,6 +12,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from tieflax.model.config import ModelConfig
@@ -111,8 +112,9 @@ class Attention(nn.Module):
         h, kvh, dh = c.n_heads, c.kv_heads, c.dim_per_head
 
         def proj(name, heads, axis_name):
-            return Projection((c.d_model, heads, dh), ("embed", axis_name, "head_dim"), "btd,dhk->bthk",
-                              use_bias=c.qkv_bias, config=c, name=name)(x)
+            y = Projection((c.d_model, heads, dh), ("embed", axis_name, "head_dim"), "btd,dhk->bthk",
+                           use_bias=c.qkv_bias, config=c, name=name)(x)
+            return checkpoint_name(y, f"{name}_proj")  # named for the remat policies (model/remat.py)
 
         q, k, v = proj("query", h, "heads"), proj("key", kvh, "kv_heads"), proj("value", kvh, "kv_heads")
         q = nn.with_logical_constraint(q, BTHD)
@@ -183,7 +185,7 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; Gemma 2 adds a norm after attention and after the MLP."""
+    """Pre-norm residual block; Gemma 2 adds a norm after attention and after the MLP. x: [B, T, d]."""
 
     config: ModelConfig
     layer: int
@@ -192,11 +194,13 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         c = self.config
-        y = Attention(c, self.layer, mesh=self.mesh, name="attn")(Norm(c, name="attn_norm")(x), positions, segment_ids)
+        y = Attention(c, self.layer, mesh=self.mesh, name="attn")(Norm(c, name="attn_norm")(x), positions,
+                                                                  segment_ids)
+        y = checkpoint_name(y, "out_proj")  # the attention's output projection, for the remat policies
         if c.sandwich_norms:
             y = Norm(c, name="attn_post_norm")(y)
         x = nn.with_logical_constraint(x + y, BTD)
-        y = Mlp(c, name="mlp")(Norm(c, name="mlp_norm")(x))
+        y = checkpoint_name(Mlp(c, name="mlp")(Norm(c, name="mlp_norm")(x)), "mlpwo")
         if c.sandwich_norms:
             y = Norm(c, name="mlp_post_norm")(y)
         return nn.with_logical_constraint(x + y, BTD)
