@@ -9,7 +9,7 @@ import pytest
 
 from tieflax import cli
 from tieflax.analysis import study
-from tieflax.analysis.params import param_report
+from tieflax.model.params import param_report
 from tieflax.analysis.report import REPORT, claims, load_summary
 from tieflax.config import load_config
 from tieflax.model import ModelConfig

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tieflax.analysis.params import abstract_params, count_params  # noqa: E402
+from tieflax.model.params import abstract_params, count_params  # noqa: E402
 from tieflax.interop import hf_config, hf_weights  # noqa: E402
 from tieflax.interop.hf import (UnsafeCheckpoint, load_hf_checkpoint, read_safetensors,  # noqa: E402
                                 save_hf_checkpoint)

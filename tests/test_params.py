@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tieflax import cli
-from tieflax.analysis.params import param_report
+from tieflax.model.params import param_report
 from tieflax.config import load_config, model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import ml_collections
 
-from tieflax.model.config import ConfigError, ModelConfig
+from tieflax.model.config import ConfigError, ModelConfig, remat_name
 
 
 def default_model_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -25,6 +25,7 @@ def default_model_config(**overrides: Any) -> ml_collections.ConfigDict:
     if unknown:
         raise ConfigError(f"unknown model field(s) {unknown}; known fields: {sorted(values)}")
     values.update(overrides)
+    values["remat"] = remat_name(values["remat"])  # a name, so that name overrides type-check
     return ml_collections.ConfigDict(values)
 
 
@@ -91,6 +92,11 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
                           f"fields: {sorted(node.keys())}")
     value = _parse(raw)
     current = node[leaf]
+    if leaf == "remat":
+        # --config.model.remat=True still means 'full'; a saved config may hold the old bool.
+        with node.ignore_type():
+            node[leaf] = remat_name(value)
+        return
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     try:

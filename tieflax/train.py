@@ -45,6 +45,7 @@ from tieflax.config import model_config
 from tieflax.metrics import MetricWriter, progress_bar, read_metrics
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
+from tieflax.model.params import param_report
 from tieflax.optim import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -372,9 +373,10 @@ def _check_resume_matches(workdir: str, config: ml_collections.ConfigDict) -> No
         return
     saved = model_config(ckpt.load_workdir_config(workdir))
     mine = model_config(config)
-    if saved != mine:
-        diff = {f.name: (getattr(saved, f.name), getattr(mine, f.name)) for f in dataclasses.fields(mine)
-                if getattr(saved, f.name) != getattr(mine, f.name)}
+    # The remat policy changes what is recomputed, not the parameters or the function: free to change.
+    diff = {f.name: (getattr(saved, f.name), getattr(mine, f.name)) for f in dataclasses.fields(mine)
+            if getattr(saved, f.name) != getattr(mine, f.name) and f.name != "remat"}
+    if diff:
         raise ConfigError(f"{workdir} holds a run of a different model (saved, now): {diff}; use a fresh "
                           "--workdir or the saved config.")
 
@@ -395,7 +397,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     'preempted'}``. Raises ``ConfigError`` before compiling when the config does not fit the mesh, and
     ``TrainingError`` on a non-finite loss or invalid labels (the last good checkpoint is kept).
     """
-    from tieflax.analysis.params import param_report  # noqa: PLC0415
     from tieflax.data import make_loader, prepare_dataset, to_global_batch  # noqa: PLC0415
 
     t = config.train

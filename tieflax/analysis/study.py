@@ -21,7 +21,7 @@ from typing import Any
 
 import ml_collections
 
-from tieflax.analysis.params import param_report
+from tieflax.model.params import param_report
 
 VARIANTS = ("tied", "untied", "untied_matched")
 MATCH_STRATEGIES = ("width", "depth")

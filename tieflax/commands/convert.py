@@ -4,6 +4,8 @@
     tieflax convert --to-hf --workdir RUN --out DIR       # latest checkpoint -> an HF folder (transformers)
     tieflax convert --untie --workdir RUN --out NEW       # the head becomes its own copy of the embedding
     tieflax convert --tie mean --workdir RUN --out NEW    # keep input, output or their mean; reports the loss
+    tieflax convert --unscan-layers --workdir RUN --out NEW   # stacked (scan_layers) -> per-layer params
+    tieflax convert --scan-layers --workdir RUN --out NEW     # per-layer -> stacked
 
 Surgery and import write ``NEW``/``OUT`` with ``save_initial_params``: training there starts from those
 parameters at step 0 with a fresh optimizer. ``--config.a.b=value`` overrides set the new workdir's
@@ -20,7 +22,7 @@ import os
 import shutil
 from typing import Any, Sequence
 
-HELP = "Hugging Face import/export, and tie/untie surgery on checkpoints"
+HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layouts of checkpoints"
 HF_FILES_DIR = "hf_files"      # tokenizer and generation files carried from an imported HF folder
 SURGERY_REPORT = "surgery.json"
 
@@ -32,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--untie", action="store_true", help="untie --workdir's model into --out")
     mode.add_argument("--tie", choices=("input", "output", "mean"),
                       help="tie --workdir's model into --out, keeping this matrix")
+    mode.add_argument("--scan-layers", action="store_true", help="stack --workdir's layers (scan_layers) into --out")
+    mode.add_argument("--unscan-layers", action="store_true", help="unstack --workdir's layers into --out")
     parser.add_argument("--workdir", required=True, help="the tieflax workdir to write (--from-hf) or read")
     parser.add_argument("--out", help="output folder: the HF folder (--to-hf) or the new workdir (surgery)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -45,12 +49,15 @@ def run(args: argparse.Namespace) -> int:
         report = import_hf(args.from_hf, args.workdir, overrides)
     else:
         if not args.out:
-            raise SystemExit("tieflax convert: --out is required with --to-hf, --untie and --tie")
+            raise SystemExit("tieflax convert: --out is required with --to-hf, --untie, --tie and "
+                             "--scan-layers/--unscan-layers")
         if args.to_hf:
             report = export_hf(args.workdir, args.out, dtype=args.dtype,
                                max_shard_bytes=int(args.max_shard_gb * 2**30))
         elif args.untie:
             report = untie_workdir(args.workdir, args.out, overrides)
+        elif args.scan_layers or args.unscan_layers:
+            report = scan_workdir(args.workdir, args.out, args.scan_layers, overrides)
         else:
             report = tie_workdir(args.workdir, args.out, args.tie, overrides)
     print(json.dumps(report, indent=2))
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """HF folder -> a workdir with ``config.json`` and ``initial_params/``; returns a report."""
     from tieflax import checkpoint as ckpt
-    from tieflax.analysis.params import count_params, abstract_params
+    from tieflax.model.params import count_params, abstract_params
     from tieflax.config import default_config, default_model_config, model_config
     from tieflax.interop.hf import SIDE_FILES, read_hf_config, read_safetensors
     from tieflax.interop.hf_config import config_from_hf
@@ -121,6 +128,18 @@ def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = 
     return _surgery(workdir, out, f"tie-{source}", change, overrides)
 
 
+def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = ()) -> dict:
+    """Latest parameters -> a new workdir with the layers stacked (``scan``) or per layer; same function."""
+    from tieflax.config import model_config
+    from tieflax.model.layout import to_layout
+
+    def change(config, params):
+        config.model.scan_layers = scan
+        return to_layout(params, model_config(config)), {"discarded": "nothing (the same values, relaid)"}
+
+    return _surgery(workdir, out, "scan-layers" if scan else "unscan-layers", change, overrides)
+
+
 def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str]) -> dict:
     from tieflax import checkpoint as ckpt
     from tieflax.config import model_config
@@ -131,7 +150,8 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
     # The parameters exist already: overrides may change training and data settings, not their shapes.
-    _apply_overrides(config, overrides, model_config(config), "--untie/--tie", also_fixed=("vocab_pad_multiple",))
+    _apply_overrides(config, overrides, model_config(config), "--untie/--tie",
+                     also_fixed=("vocab_pad_multiple", "scan_layers"))
     ckpt.save_initial_params(out, config, params)
     for name in ("tokenizer.json", HF_FILES_DIR):
         src = os.path.join(workdir, name)
@@ -190,4 +210,4 @@ def _copy_files(src_dir: str, dst_dir: str, names: Sequence[str]) -> list[str]:
     return found
 
 
-__all__ = ["import_hf", "export_hf", "untie_workdir", "tie_workdir"]
+__all__ = ["import_hf", "export_hf", "untie_workdir", "tie_workdir", "scan_workdir"]

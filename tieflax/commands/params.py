@@ -29,7 +29,7 @@ def default_models_dir() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax.analysis.params import format_table, param_report
+    from tieflax.model.params import format_table, param_report
     from tieflax.config import load_config, model_config
 
     if args.config:

@@ -10,7 +10,8 @@ guessed) gets exactly one Hugging Face tensor, and the conversion is a transpose
   probability mass or gradient) and drops them on export.
 * RoPE uses the rotate-half layout on both sides, so q/k weights need no permutation.
 
-A tied checkpoint has no ``lm_head.weight``; an untied one must have it.
+A tied checkpoint has no ``lm_head.weight``; an untied one must have it. Scanned models
+(``scan_layers``) are imported into and exported from their stacked layout through ``tieflax.model.layout``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tieflax.model.config import ModelConfig
+from tieflax.model.layout import is_stacked, stack_layers, unstack_layers
+from tieflax.model.params import abstract_params
 
 # Non-parameter buffers that some checkpoints carry; they hold nothing a model needs.
 _BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
@@ -50,10 +53,9 @@ class Entry:
 
 @functools.lru_cache(maxsize=64)
 def parameter_shapes(c: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{path: shape} of every parameter of ``TransformerLM(c)``, computed abstractly (cached per config)."""
-    from tieflax.analysis.params import abstract_params
-
-    tree = nn.unbox(abstract_params(c))
+    """{path: shape} of every parameter of ``TransformerLM(c)`` in the per-layer layout, computed
+    abstractly (cached per config). Scanned models are converted through that layout."""
+    tree = nn.unbox(abstract_params(c.replace(scan_layers=False)))
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
 
@@ -162,7 +164,7 @@ def params_from_state(state: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
         for key in e.path[:-1]:
             node = node.setdefault(key, {})
         node[e.path[-1]] = jnp.asarray(value, dtype)
-    return params
+    return stack_layers(params, c) if c.scan_layers else params
 
 
 def _source_names(keys: list[str], c: ModelConfig) -> dict[str, tuple[str, int | None]]:
@@ -208,6 +210,8 @@ def _to_tieflax(x: np.ndarray, e: Entry, c: ModelConfig) -> np.ndarray:
 def state_from_params(params: Mapping, c: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
     """Unboxed tieflax params -> Hugging Face tensors (numpy, ``dtype`` or the params' own dtype)."""
     params = nn.unbox(params)
+    if is_stacked(params):
+        params = unstack_layers(params, c)
     state: dict[str, np.ndarray] = {}
     for e in weight_entries(c):
         node = params

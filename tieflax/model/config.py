@@ -20,6 +20,9 @@ MLPS = ("gelu", "swiglu", "geglu")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "bfloat16", "float16")
 HEAD_INITS = ("normal", "copy_embed")
+ATTENTIONS = ("auto", "xla", "splash", "cudnn")  # tieflax.ops.attention.IMPLEMENTATIONS
+# Rematerialisation policies, by the names pod training code uses (see ``tieflax.model.remat``).
+REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj")
 
 
 class ConfigError(ValueError):
@@ -82,7 +85,9 @@ class ModelConfig:
     # Numerics and memory.
     dtype: str = "float32"                # activations / compute
     param_dtype: str = "float32"
-    remat: bool = False                   # rematerialise each block in the backward pass
+    attention: str = "auto"               # kernel: 'xla' (einsum), 'splash' (TPU), 'cudnn' (GPU), 'auto'
+    remat: str = "none"                   # what the backward pass recomputes: REMAT_POLICIES (True = 'full')
+    scan_layers: bool = False             # nn.scan over the blocks: stacked params, one compiled layer
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
@@ -96,6 +101,9 @@ class ModelConfig:
         return cls(**values)
 
     def __post_init__(self):
+        # Configs and checkpoints written when remat was a switch say True/False: the same as full/none.
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", remat_name(self.remat))
         _validate(self)
 
     def replace(self, **changes) -> "ModelConfig":
@@ -126,6 +134,18 @@ class ModelConfig:
 
     def is_local_attention_layer(self, layer: int) -> bool:
         return self.sliding_window > 0 and layer % self.sliding_window_every == 0
+
+    @property
+    def layers_per_scan_step(self) -> int:
+        """Layers in one scanned step: the local/global attention period (Gemma 2: a pair), else 1."""
+        return self.sliding_window_every if self.sliding_window else 1
+
+
+def remat_name(value: Any) -> Any:
+    """The policy name of a ``remat`` value: True -> 'full', False -> 'none', names unchanged."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return value
 
 
 def _check(ok: bool, field: str, message: str):
@@ -161,6 +181,23 @@ def _validate(c: ModelConfig):
     _check(c.head_init in HEAD_INITS, "head_init", f"unknown {c.head_init!r}; choose {HEAD_INITS}")
     _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose {DTYPES}")
     _check(c.param_dtype in DTYPES, "param_dtype", f"unknown dtype {c.param_dtype!r}; choose {DTYPES}")
+    _check(c.attention in ATTENTIONS, "attention", f"unknown {c.attention!r}; choose one of {ATTENTIONS}")
+    if c.attention == "cudnn":
+        from tieflax.ops.cudnn_attention import unsupported_reason  # noqa: PLC0415 (imports jax)
+
+        reason = unsupported_reason(dtype=c.dtype, head_dim=c.dim_per_head, softcap=c.attn_softcap)
+        if reason:
+            field, why = reason
+            raise ConfigError(f"config.model.attention: 'cudnn' cannot run this model: {why} "
+                              f"(config.model.{field}); use 'auto' (picks cuDNN where it can) or 'xla'")
+    _check(c.remat in REMAT_POLICIES, "remat",
+           f"unknown policy {c.remat!r}; choose one of {REMAT_POLICIES} (True means 'full', False 'none')")
+    _check(isinstance(c.scan_layers, bool), "scan_layers", f"must be True or False, got {c.scan_layers!r}")
+    if c.scan_layers:
+        _check(c.n_layers % c.layers_per_scan_step == 0, "n_layers",
+               f"{c.n_layers} layers cannot be scanned in steps of {c.layers_per_scan_step} (the local/global "
+               f"attention period, sliding_window_every); use a multiple of {c.layers_per_scan_step}, or set "
+               "config.model.scan_layers=False")
     if c.tie_embeddings:
         # These only describe an untied head's own matrix; silently ignoring them would hide a typo'd run.
         _check(not c.head_init_std, "head_init_std",

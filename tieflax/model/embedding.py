@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from tieflax.model.config import ModelConfig
 from tieflax.model.layers import dtype_of
+from tieflax.ops.embedding_lookup import vocab_parallel_embed
 
 Array = jax.Array
 EMBED_AXES = ("vocab", "embed")
@@ -47,7 +48,6 @@ class Embed(nn.Module):
         if self.mesh is None:
             x = jnp.take(table, ids, axis=0)
         else:
-            from tieflax.ops.embedding_lookup import vocab_parallel_embed
             x = vocab_parallel_embed(table, ids, mesh=self.mesh)
         if c.scale_input_embedding:
             # Gemma rounds the normaliser to the compute dtype; doing the same keeps checkpoints faithful.

@@ -7,12 +7,16 @@ so one rules table (``tieflax.sharding.LOGICAL_AXIS_RULES``) decides the device 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
 
 from tieflax.model.config import ModelConfig
+from tieflax.ops.attention import attention
 
 Array = jax.Array
 
@@ -90,36 +94,27 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def attention_mask(segment_ids: Array, window: int) -> Array:
-    """[B, 1, T, T] bool: causal by index, within one segment, and within `window` tokens if > 0."""
-    t = segment_ids.shape[-1]
-    q = jnp.arange(t)[:, None]
-    k = jnp.arange(t)[None, :]
-    mask = k <= q
-    if window:
-        mask = mask & (q - k < window)
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (mask[None] & same_segment)[:, None]
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention. x: [B, T, d] -> [B, T, d].
 
     ``n_kv_heads < n_heads`` shares each key/value head across ``n_heads / n_kv_heads`` query heads.
+    The attention itself is ``tieflax.ops.attention`` by ``config.attention`` (einsum, splash, cuDNN);
+    ``mesh`` is the mesh the program is compiled for, if any (it picks and shards the kernel).
     """
 
     config: ModelConfig
     layer: int
+    mesh: Optional[Mesh] = None
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         c = self.config
-        dt = dtype_of(c.dtype)
         h, kvh, dh = c.n_heads, c.kv_heads, c.dim_per_head
 
         def proj(name, heads, axis_name):
-            return Projection((c.d_model, heads, dh), ("embed", axis_name, "head_dim"), "btd,dhk->bthk",
-                              use_bias=c.qkv_bias, config=c, name=name)(x)
+            y = Projection((c.d_model, heads, dh), ("embed", axis_name, "head_dim"), "btd,dhk->bthk",
+                           use_bias=c.qkv_bias, config=c, name=name)(x)
+            return checkpoint_name(y, f"{name}_proj")  # named for the remat policies (model/remat.py)
 
         q, k, v = proj("query", h, "heads"), proj("key", kvh, "kv_heads"), proj("value", kvh, "kv_heads")
         q = nn.with_logical_constraint(q, BTHD)
@@ -127,18 +122,9 @@ class Attention(nn.Module):
             inv_freq = rope_frequencies(c)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-        scale = (c.query_pre_attn_scalar or dh) ** -0.5
-        b, t = x.shape[:2]
-        q = q.reshape(b, t, kvh, h // kvh, dh)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q * jnp.asarray(scale, q.dtype), k,
-                            preferred_element_type=jnp.float32)
-        if c.attn_softcap:
-            scores = c.attn_softcap * jnp.tanh(scores / c.attn_softcap)
         window = c.sliding_window if c.is_local_attention_layer(self.layer) else 0
-        mask = attention_mask(segment_ids, window)[:, :, None]  # [B, 1, 1, T, S]
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, dh)
+        out = attention(q, k, v, segment_ids, scale=(c.query_pre_attn_scalar or dh) ** -0.5,
+                        softcap=c.attn_softcap, window=window, implementation=c.attention, mesh=self.mesh)
         out = nn.with_logical_constraint(out, BTHD)
         return Projection((h, dh, c.d_model), ("heads", "head_dim", "embed"), "bthk,hkd->btd",
                           use_bias=c.attn_out_bias, config=c, name="out")(out)
@@ -199,19 +185,22 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; Gemma 2 adds a norm after attention and after the MLP."""
+    """Pre-norm residual block; Gemma 2 adds a norm after attention and after the MLP. x: [B, T, d]."""
 
     config: ModelConfig
     layer: int
+    mesh: Optional[Mesh] = None  # passed to the attention kernel
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         c = self.config
-        y = Attention(c, self.layer, name="attn")(Norm(c, name="attn_norm")(x), positions, segment_ids)
+        y = Attention(c, self.layer, mesh=self.mesh, name="attn")(Norm(c, name="attn_norm")(x), positions,
+                                                                  segment_ids)
+        y = checkpoint_name(y, "out_proj")  # the attention's output projection, for the remat policies
         if c.sandwich_norms:
             y = Norm(c, name="attn_post_norm")(y)
         x = nn.with_logical_constraint(x + y, BTD)
-        y = Mlp(c, name="mlp")(Norm(c, name="mlp_norm")(x))
+        y = checkpoint_name(Mlp(c, name="mlp")(Norm(c, name="mlp_norm")(x)), "mlpwo")
         if c.sandwich_norms:
             y = Norm(c, name="mlp_post_norm")(y)
         return nn.with_logical_constraint(x + y, BTD)

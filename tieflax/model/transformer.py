@@ -8,6 +8,10 @@ Three ways to run it (``model.apply(variables, tokens, method=...)``):
 * ``loss`` -> (loss per token [B, T] fp32, aux): the fused, blockwise cross-entropy from ``features``;
   tied and untied models share this one code path.
 
+With ``scan_layers`` the blocks run under ``nn.scan``: their parameters are stacked along a leading
+``layers`` axis (``params['layers']['block_j']``; see ``tieflax.model.layout``) and the compiler sees one
+layer instead of ``n_layers``.
+
 Padded vocabulary rows (>= ``vocab_size``) exist in the parameters but never receive probability mass
 (dense logits mask them to -inf; the fused loss skips them).
 """
@@ -23,9 +27,32 @@ from jax.sharding import Mesh
 
 from tieflax.model.config import ModelConfig
 from tieflax.model.embedding import EMBED_AXES, Embed, LMHead
+from tieflax.model.layout import LAYERS_AXIS
 from tieflax.model.layers import BTD, Block, Norm, dtype_of
+from tieflax.model.remat import remat_module
+from tieflax.ops.cross_entropy import cross_entropy
 
 Array = jax.Array
+
+
+class ScanStep(nn.Module):
+    """The body of the layer scan: ``layers_per_scan_step`` consecutive blocks (Gemma 2: local, global).
+
+    Block ``j`` of every step is layer ``step * layers_per_scan_step + j``, so it has that layer's
+    attention kind. Each block is rematerialised on its own, as when unrolled.
+    (x [B, T, d], positions, segment_ids) -> (x, None), the carry and (no) per-step output of ``nn.scan``.
+    """
+
+    config: ModelConfig
+    mesh: Optional[Mesh] = None  # passed to the attention kernel
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
+        c = self.config
+        block = remat_module(Block, c.remat, scanned=True)
+        for j in range(c.layers_per_scan_step):
+            x = block(c, layer=j, mesh=self.mesh, name=f"block_{j}")(x, positions, segment_ids)
+        return x, None
 
 
 class TransformerLM(nn.Module):
@@ -33,7 +60,8 @@ class TransformerLM(nn.Module):
 
     Attributes:
       config: shapes and switches (``ModelConfig``).
-      mesh: when given, the input lookup and the fused loss run vocab-parallel over its 'tensor' axis.
+      mesh: when given, the input lookup and the fused loss run vocab-parallel over its 'tensor' axis,
+        and the attention kernel is chosen for its devices' platform and sharded over it.
     """
 
     config: ModelConfig
@@ -47,8 +75,15 @@ class TransformerLM(nn.Module):
                 "position_embedding",
                 nn.with_logical_partitioning(nn.initializers.normal(c.embed_init_std), ("length", "embed")),
                 (c.max_seq_len, c.d_model), dtype_of(c.param_dtype))
-        block = nn.remat(Block) if c.remat else Block
-        self.blocks = [block(c, layer=i, name=f"block_{i}") for i in range(c.n_layers)]
+        if c.scan_layers:
+            # One scanned step of `layers_per_scan_step` blocks; parameters gain a leading 'layers' axis.
+            self.layers = nn.scan(ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
+                                  in_axes=(nn.broadcast, nn.broadcast),
+                                  length=c.n_layers // c.layers_per_scan_step,
+                                  metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})(c)
+        else:
+            block = remat_module(Block, c.remat, scanned=False)
+            self.blocks = [block(c, layer=i, mesh=self.mesh, name=f"block_{i}") for i in range(c.n_layers)]
         self.final_norm = Norm(c)
         self.lm_head = LMHead(c, embed=self.embed)
         if c.head_bias:
@@ -73,8 +108,11 @@ class TransformerLM(nn.Module):
         if c.position == "learned":
             x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
         x = nn.with_logical_constraint(x, BTD)
-        for block in self.blocks:
-            x = block(x, positions, segment_ids)
+        if c.scan_layers:
+            x, _ = self.layers(x, positions, segment_ids)
+        else:
+            for block in self.blocks:
+                x = block(x, positions, segment_ids)
         return self.final_norm(x)
 
     def head_bias_or_none(self) -> Optional[Array]:
@@ -101,8 +139,6 @@ class TransformerLM(nn.Module):
         ``loss_options`` pass through to ``tieflax.ops.cross_entropy`` (z_loss, label_smoothing, weights,
         block sizes...). Returns (loss per token [B, T] fp32, aux dict).
         """
-        from tieflax.ops.cross_entropy import cross_entropy
-
         hidden, weight, bias = self.features(tokens, positions, segment_ids)
         return cross_entropy(hidden, weight, targets, bias=bias, mesh=self.mesh,
                              **head_loss_kwargs(self.config), **loss_options)

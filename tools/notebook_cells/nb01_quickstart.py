@@ -32,7 +32,7 @@ import os
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from tieflax.analysis.params import abstract_params, format_table, param_report
+from tieflax.model.params import abstract_params, format_table, param_report
 from tieflax.config import default_config, default_model_config, model_config
 from tieflax.metrics import read_metrics
 from tieflax.train import train_and_evaluate

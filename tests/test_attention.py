@@ -1,0 +1,177 @@
+"""Attention kernels: splash (Pallas interpret mode) and cuDNN against the einsum reference, and `auto`.
+
+Shapes are tiny: Pallas interpret mode runs the TPU kernel step by step on the CPU.
+"""
+
+import importlib.util
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tieflax import sharding as shd
+from tieflax.model import ModelConfig, TransformerLM
+from tieflax.model.config import ConfigError
+from tieflax.model.layers import Attention
+from tieflax.ops.attention import attention, xla_attention
+
+H100_TARGET = os.path.join(os.path.dirname(__file__), "data", "h100.txtpb")
+
+
+def qkv(b, t, h, kh, dh, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (b, t, h, dh)), jax.random.normal(kk, (b, t, kh, dh)),
+            jax.random.normal(kv, (b, t, kh, dh)))
+
+
+def two_documents(b, t, first):
+    """[B, T] segment ids: document 0 for the first `first` tokens, then document 1 (packed data)."""
+    return jnp.broadcast_to((jnp.arange(t) >= first).astype(jnp.int32), (b, t))
+
+
+# Every mask kind the model families use, in two cases (each case is one slow interpret-mode compile).
+# (heads, kv heads): GQA 4/2 and MQA 2/1 (MHA is the GQA code path with one query head per group).
+SPLASH_CASES = {
+    # Llama / Qwen2 / Mistral global layers: causal + packed documents, GQA; T = 200 is padded to two
+    # 128-tiles, so the kernel also skips the masked upper tile.
+    "gqa_causal_segments_padded": dict(t=200, heads=(4, 2), first=90, block=128),
+    # Gemma 2 local layers (Mistral's window too): a 64-token sliding window, soft-capped logits, the
+    # query_pre_attn_scalar scale; MQA as in Gemma; one 256-tile, documents split inside it.
+    "mqa_window_softcap_query_scalar": dict(t=256, heads=(2, 1), first=150, window=64, softcap=5.0,
+                                            scale=24.0 ** -0.5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPLASH_CASES))
+def test_splash_matches_xla_values_and_gradients(case):
+    """Values and the gradients w.r.t. q, k and v (a random cotangent), splash (interpret) vs einsum."""
+    p = SPLASH_CASES[case]
+    (h, kh), dh = p["heads"], 64
+    q, k, v = qkv(1, p["t"], h, kh, dh)
+    seg = two_documents(1, p["t"], p["first"])
+    opts = dict(scale=p.get("scale", dh ** -0.5), softcap=p.get("softcap", 0.0), window=p.get("window", 0))
+    cotangent = jax.random.normal(jax.random.key(7), q.shape)
+
+    def vjp(fn):
+        out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, seg, **opts), q, k, v)
+        return out, pullback(cotangent)
+
+    from tieflax.ops.splash_attention import splash_attention
+
+    out, grads = jax.jit(lambda: vjp(lambda *a, **kw: splash_attention(*a, **kw, interpret=True,
+                                                                       block=p.get("block", 512))))()
+    ref_out, ref_grads = jax.jit(lambda: vjp(xla_attention))()
+    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        assert float(jnp.abs(ref).max()) > 1e-2, name  # the check below is not vacuous
+        np.testing.assert_allclose(g, ref, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
+
+
+def _lm_config(**kw) -> ModelConfig:
+    # One sliding-window layer with soft-capped logits; 4 query heads over 2 key/value heads.
+    base = dict(vocab_size=128, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=128,
+                sliding_window=48, attn_softcap=20.0)
+    return ModelConfig(**dict(base, **kw))
+
+
+def test_splash_in_the_model_on_a_mesh_matches_xla():
+    """TransformerLM on a (data, fsdp, tensor) = (1, 2, 4) CPU mesh: batch over fsdp, heads over tensor
+    (2 key/value heads on 4 tensor shards are repeated), splash in interpret mode; logits as the einsum's."""
+    mesh = shd.make_mesh(1, 2, 4, devices=jax.devices()[:8])
+    c = _lm_config()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, c.vocab_size, (2, 128), dtype=np.int32)
+    segments = two_documents(2, 128, 70)
+    # Random parameters in numpy: cheaper than an init (no compile), and any values test the kernel.
+    shapes = jax.eval_shape(TransformerLM(c).init, jax.random.key(0), tokens[:, :8])["params"]
+    params = jax.tree.map(lambda a: rng.normal(0.0, 0.3, a.shape).astype(np.float32), nn.unbox(shapes))
+
+    def logits(attention_name):
+        model = TransformerLM(c.replace(attention=attention_name), mesh=mesh)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+            fn = jax.jit(lambda p, x, s: model.apply({"params": p}, x, segment_ids=s),
+                         in_shardings=(None, shd.batch_sharding(mesh), shd.batch_sharding(mesh)))
+            lowered = fn.lower(params, tokens, segments)
+            return lowered.compile()(params, tokens, segments), lowered.as_text()
+
+    splash_logits, splash_hlo = logits("splash")
+    xla_logits, _ = logits("xla")
+    assert "shard_map" in splash_hlo or "sdy.manual_computation" in splash_hlo
+    np.testing.assert_allclose(splash_logits[..., :c.vocab_size], xla_logits[..., :c.vocab_size],
+                               atol=2e-4, rtol=2e-4)
+
+
+def _layer_lowered(c: ModelConfig, device, mesh_or_none):
+    """One Attention layer's forward + backward (T = 256) lowered for `device`, with the layer given
+    the one-device mesh or no mesh."""
+    layer = Attention(c, layer=0, mesh=mesh_or_none)
+    x = jnp.zeros((1, 256, c.d_model), jnp.dtype(c.dtype))
+    ids = jnp.zeros((1, 256), jnp.int32)
+    params = jax.eval_shape(lambda: layer.init(jax.random.key(0), x, ids, ids))
+    loss = lambda p, x, pos, seg: layer.apply(p, x, pos, seg).astype(jnp.float32).sum()  # noqa: E731
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (params, x, ids, ids))
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args)
+
+
+def test_auto_picks_xla_on_cpu():
+    c = _lm_config(n_layers=1, sliding_window=0, attn_softcap=0.0)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    for m in (mesh, None):
+        hlo = _layer_lowered(c, jax.devices()[0], m).as_text()
+        assert "custom_call" not in hlo  # neither Pallas nor cuDNN
+        assert "tensor<1x2x2x256x256xf32>" in hlo  # the einsum's fp32 scores [B, K, g, T, T]
+
+
+def test_auto_picks_splash_when_compiled_for_a_tpu():
+    """Compiled for one chip of a v5e:2x2 topology from this CPU process: `auto` is splash, with a mesh
+    (its devices' platform) or without (platform_dependent), and no [T, T] scores are stored."""
+    pytest.importorskip("libtpu", reason="needs libtpu (the 'tpu' extra) to compile for a TPU topology")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu's lock
+    from jax.experimental import topologies
+
+    chip = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices[0]
+    c = _lm_config(n_layers=1, sliding_window=0, attn_softcap=0.0, dtype="bfloat16")
+    for m in (shd.make_mesh(1, 1, 1, devices=[chip]), None):
+        compiled = _layer_lowered(c, chip, m).compile()
+        assert "tpu_custom_call" in compiled.as_text()  # the Pallas (Mosaic) kernel
+        assert "256,256]" not in compiled.as_text()  # no [.., T, T] buffer anywhere
+        assert 0 < compiled.memory_analysis().temp_size_in_bytes < 2 * 2**20
+
+
+def _h100():
+    from jax.experimental import topologies
+
+    with open(H100_TARGET) as f:
+        return topologies.get_topology_desc(platform="cuda", target_config=f.read(), topology="1x1x1").devices[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="needs the CUDA plugin (pip install 'jax[cuda12]') to compile for an H100")
+def test_cudnn_compiles_for_an_h100_and_auto_picks_it_when_supported():
+    h100 = _h100()
+    mesh = shd.make_mesh(1, 1, 1, devices=[h100])
+    c = _lm_config(n_layers=1, sliding_window=64, attn_softcap=0.0, dtype="bfloat16")
+    for name in ("cudnn", "auto"):
+        compiled = _layer_lowered(c.replace(attention=name), h100, mesh).compile()
+        assert "__cudnn$fmha" in compiled.as_text(), name
+    assert "__cudnn$fmha" in _layer_lowered(c, h100, None).as_text()  # auto via platform_dependent
+    # No soft-cap in cuDNN: auto falls back to the einsum for Gemma 2's capped logits.
+    assert "__cudnn$fmha" not in _layer_lowered(c.replace(attn_softcap=50.0), h100, mesh).as_text()
+
+
+def test_explicit_kernels_refuse_what_they_cannot_run():
+    with pytest.raises(ConfigError, match="config.model.attention"):
+        _lm_config(attention="flash")
+    with pytest.raises(ConfigError, match=r"config.model.attention.*soft-cap.*config.model.attn_softcap"):
+        _lm_config(attention="cudnn", dtype="bfloat16")  # attn_softcap=20
+    with pytest.raises(ConfigError, match=r"config.model.attention.*config.model.dtype"):
+        _lm_config(attention="cudnn", attn_softcap=0.0)  # float32
+    q, k, v = qkv(1, 8, 2, 2, 8)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="CUDA GPUs only.*'cpu'"):
+        attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                  jnp.zeros((1, 8), jnp.int32), scale=1.0, implementation="cudnn", mesh=mesh)
