@@ -114,3 +114,6 @@ def test_out_of_memory_message_gives_the_bytes_needed():
                "temporaries (21.72G) exceeds available HBM (15.75G).")
     assert plan._needed_bytes(message) == int(21.72 * 2**30)
     assert plan._needed_bytes("no figure") is None
+    vmem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. "
+            "Used 270.51M of 128.00M vmem. Exceeded vmem capacity by 142.51M.")
+    assert plan._needed_bytes(vmem) is None   # a kernel's on-chip scratch, not the step's HBM

@@ -204,7 +204,13 @@ def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, 
 
 
 def _needed_bytes(message: str) -> int | None:
-    """'... HLO temporaries (21.72G) exceeds available HBM (15.75G)' -> bytes of the first figure."""
+    """'... HLO temporaries (21.72G) exceeds available HBM (15.75G)' -> bytes of the first figure.
+
+    None for anything but HBM: 'Ran out of memory in memory space vmem' is a kernel's on-chip scratch
+    (its block sizes), not the program's memory, and says nothing about whether the step fits.
+    """
+    if re.search(r"memory space (?!hbm)\w+", message):
+        return None
     m = re.search(r"\(([\d.]+)([KMGT])\)", message) or re.search(r"Used ([\d.]+)([KMGT])", message)
     if not m:
         return None
@@ -279,9 +285,13 @@ def _verdict(p: Plan) -> str:
     for label, step in (("train", p.train), ("eval", p.eval)):
         if step is None:
             continue
-        if step.out_of_memory:
+        if step.out_of_memory and step.temporaries is None:
+            parts.append(f"{label} step did not compile (compiler: {step.out_of_memory})")
+        elif step.out_of_memory:
             parts.append(f"{label} step needs {gib(step.temporaries)} of temporaries alone "
                          f"(compiler: {step.out_of_memory})")
         elif step.total is not None and step.total > p.usable:
             parts.append(f"{label} step needs {gib(step.total)}")
+    if all("did not compile" in part for part in parts):
+        return "DID NOT COMPILE: " + "; ".join(parts)
     return f"DOES NOT FIT in {gib(p.usable)}: " + "; ".join(parts)
