@@ -82,7 +82,7 @@ def resolve(topology: str) -> Target:
     if kind in GPU_TARGETS and sep:
         return _gpu_target(name, kind, shape)
     raise TargetError(
-        f"--topology {topology!r}: expected a TPU slice ({', '.join(f'{k}:2x2' for k in TPU_MEMORY)}, "
+        f"--topology {topology!r}: expected a TPU slice (v4:2x2x1, v5e:2x2, v5p:2x2x1, v6e:2x2, ..., "
         f"e.g. v5p:4x4x4), a GPU count ({', '.join(f'{k}:8' for k in GPU_TARGETS)}) or 'cpu'.")
 
 
