@@ -25,6 +25,7 @@ COMMANDS = {
     "analyze": "tieflax.commands.analyze",
     "sweep": "tieflax.commands.sweep",
     "convert": "tieflax.commands.convert",
+    "plan": "tieflax.commands.plan",
 }
 
 HELP = {
@@ -35,6 +36,7 @@ HELP = {
     "analyze": "embedding diagnostics of a checkpoint",
     "sweep": "tied vs untied across model sizes: loss-vs-parameters curves and the crossover estimate",
     "convert": "Hugging Face import/export, and tie/untie surgery on checkpoints",
+    "plan": "per-device memory of the train step on a TPU pod or GPU server, compiled from this machine",
 }
 
 

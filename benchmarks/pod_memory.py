@@ -1,0 +1,212 @@
+"""Per-chip memory and compile time at pod scale, tieflax beside MaxText, compiled on this CPU machine.
+
+    python benchmarks/pod_memory.py                                   # MaxText: figures recorded in README
+    python benchmarks/pod_memory.py --maxtext /path/to/venv/bin/python  # MaxText: recompiled now
+    python benchmarks/pod_memory.py --models gemma_2b --seq-len 2048
+
+Cases: Gemma-2B on v5e:4x4 (16 chips) and Llama-3-8B on v5p:4x4x4 (64 chips), one sequence of
+``--seq-len`` (8192) tokens per chip, bf16 compute, fp32 parameters, all chips on one FSDP axis (the
+mesh MaxText picks: ``ici_fsdp_parallelism=-1``, every other axis 1).
+
+- tieflax: ``tieflax plan --no-eval --json`` (the real train step), tied and untied, each in its own
+  process with ``TIEFLAX_OVERRIDES``.
+- MaxText: ``python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=...
+  per_device_batch_size=1 max_target_length=...`` with its defaults (scanned layers, remat 'full',
+  attention chosen by MaxText) and with ``num_vocab_tiling=16``; its log's ``Memory analysis`` line gives
+  the compiler's figures. Without ``--maxtext`` the figures recorded between the ``maxtext:begin`` /
+  ``maxtext:end`` markers of ``benchmarks/README.md`` are used (they state the command and versions).
+
+Per chip: arguments (parameters + optimizer state + batch), temporaries (``temp_size_in_bytes``), and
+compile time of the whole process (wall; CPU time of the process and its threads, which a loaded
+machine distorts less). Prints a Markdown table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "benchmarks", "README.md")
+GIB = 1 << 30
+# What a pod run sets beyond sequence length, batch and mesh (attention is auto: splash on TPU).
+TIEFLAX_OVERRIDES = ["--config.model.dtype=bfloat16", "--config.model.remat=full",
+                     "--config.model.scan_layers=True"]
+MESH = ["--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1"]
+MAXTEXT_VARIANTS = {"default": [], "num_vocab_tiling=16": ["num_vocab_tiling=16"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    config: str
+    topology: str            # tieflax's name
+    maxtext_model: str
+    maxtext_topology: str    # MaxText's name for the same slice
+
+
+CASES = {
+    "gemma_2b": Case("configs/models/gemma_2b.py", "v5e:4x4", "gemma-2b", "v5e-16"),
+    "llama3_8b": Case("configs/models/llama3_8b.py", "v5p:4x4x4", "llama3-8b", "v5p-128"),
+}
+
+
+@dataclasses.dataclass
+class Figures:
+    tool: str                # 'tieflax tied', 'MaxText default', ...
+    arguments: int | None
+    temporaries: int | None
+    wall_seconds: float
+    cpu_seconds: float
+    mesh: str = ""
+    note: str = ""
+
+
+def _timed(cmd: list[str], env: dict, log_path: str | None = None) -> tuple[subprocess.CompletedProcess,
+                                                                               float, float]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(proc.stdout + proc.stderr)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc, wall, cpu
+
+
+def run_tieflax(case: Case, seq_len: int, tied: bool, extra: list[str]) -> Figures:
+    cmd = [sys.executable, "-m", "tieflax.cli", "plan", "--config", case.config, "--topology", case.topology,
+           "--tie", "tied" if tied else "untied", "--no-eval", "--json",
+           f"--config.train.seq_len={seq_len}", *MESH, *TIEFLAX_OVERRIDES, *extra]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc, wall, cpu = _timed(cmd, env)
+    try:
+        d = json.loads(proc.stdout)   # exit 1 with JSON: it does not fit; without: an error
+    except json.JSONDecodeError:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}") from None
+    train = d["train"]
+    mesh = " ".join(f"{k}={v}" for k, v in d["mesh"].items() if v > 1)
+    note = "" if d["fits"] else "does not fit"
+    return Figures(f"tieflax {'tied' if tied else 'untied'}", train["arguments"], train["temporaries"],
+                   wall, cpu, mesh, note)
+
+
+def run_maxtext(python: str, case: Case, seq_len: int, variant: str, log_dir: str) -> Figures:
+    site = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    cmd = [python, "-m", "maxtext.trainers.pre_train.train_compile", os.path.join(site, "configs", "base.yml"),
+           f"compile_topology={case.maxtext_topology}", "compile_topology_num_slices=1",
+           f"model_name={case.maxtext_model}", "per_device_batch_size=1", f"max_target_length={seq_len}",
+           "dataset_type=synthetic", f"base_output_directory={log_dir}", "run_name=pod_memory",
+           *MAXTEXT_VARIANTS[variant]]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    log = os.path.join(log_dir, f"{case.maxtext_model}_{variant.replace('=', '')}.log")
+    proc, wall, cpu = _timed(cmd, env, log)
+    text = proc.stdout + proc.stderr
+    stats = dict(re.findall(r"(\w+_size_in_bytes)=(\d+)", text))
+    if proc.returncode != 0 or "temp_size_in_bytes" not in stats:
+        raise RuntimeError(f"MaxText train_compile failed (log: {log}):\n{text[-3000:]}")
+    return Figures(f"MaxText {variant}", int(stats["argument_size_in_bytes"]), int(stats["temp_size_in_bytes"]),
+                   wall, cpu, maxtext_mesh(text), "")
+
+
+def maxtext_mesh(log: str) -> str:
+    """'fsdp=16' from MaxText's 'Num_devices: 16, shape (1, 1, 1, 16, ...)' and its mesh_axes."""
+    shape = re.search(r"Num_devices: \d+, shape \(([\d, ]+)\)", log)
+    axes = re.search(r"Config param mesh_axes: \[([^\]]*)\]", log)
+    if not (shape and axes):
+        return "?"
+    sizes = [int(x) for x in shape.group(1).split(",") if x.strip()]
+    names = [a.strip().strip("'\"") for a in axes.group(1).split(",")]
+    return " ".join(f"{n}={s}" for n, s in zip(names, sizes) if s > 1) or "one device"
+
+
+def maxtext_versions(python: str) -> str:
+    code = ("import importlib.metadata as m; print(' '.join(f'{p} {m.version(p)}' for p in "
+            "('maxtext', 'jax', 'libtpu')))")
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def read_recorded(path: str = README) -> dict[tuple[str, str, str], Figures]:
+    """(model, seq_len, variant) -> MaxText figures from the README table between the markers."""
+    with open(path) as f:
+        text = f.read()
+    m = re.search(r"<!-- maxtext:begin -->(.*?)<!-- maxtext:end -->", text, re.S)
+    if not m:
+        return {}
+    out = {}
+    for line in m.group(1).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 8 or not cells[3].replace(",", "").isdigit():
+            continue
+        model, seq_len, variant, args, temp, wall, cpu, mesh = cells[:8]
+        out[(model, seq_len, variant)] = Figures(
+            f"MaxText {variant}", int(args.replace(",", "")), int(temp.replace(",", "")),
+            float(wall.rstrip(" s")), float(cpu.rstrip(" s")), mesh, "recorded")
+    return out
+
+
+def recorded_row(model: str, seq_len: int, variant: str, f: Figures) -> str:
+    return (f"| {model} | {seq_len} | {variant} | {f.arguments:,} | {f.temporaries:,} | {f.wall_seconds:.0f} s "
+            f"| {f.cpu_seconds:.0f} s | {f.mesh} |")
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, of {sorted(CASES)}")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--maxtext", default=None, help="a Python with maxtext[tpu] installed: recompile")
+    parser.add_argument("--maxtext-logs", default="/tmp/pod_memory_maxtext")
+    parser.add_argument("--skip-tieflax", action="store_true", help="MaxText figures only")
+    parser.add_argument("--tieflax-override", action="append", default=[],
+                        help="extra --config.a.b=v for tieflax plan (repeatable)")
+    args = parser.parse_args()
+
+    recorded = {} if args.maxtext else read_recorded()
+    rows, record_lines, results = [], [], []
+    for model in args.models.split(","):
+        case = CASES[model]
+        figures = []
+        if not args.skip_tieflax:
+            for tied in (True, False):
+                figures.append(run_tieflax(case, args.seq_len, tied, args.tieflax_override))
+                print(f"[{model}] {figures[-1]}", file=sys.stderr, flush=True)
+        for variant in MAXTEXT_VARIANTS:
+            if args.maxtext:
+                os.makedirs(args.maxtext_logs, exist_ok=True)
+                f = run_maxtext(args.maxtext, case, args.seq_len, variant, args.maxtext_logs)
+                record_lines.append(recorded_row(model, args.seq_len, variant, f))
+                print(f"[{model}] {f}", file=sys.stderr, flush=True)
+            else:
+                f = recorded.get((model, str(args.seq_len), variant))
+            if f:
+                figures.append(f)
+        for f in figures:
+            rows.append(f"| {model} | {case.topology} | {f.tool} | {gib(f.temporaries)} | {gib(f.arguments)} | "
+                        f"{f.wall_seconds:.0f} s | {f.cpu_seconds:.0f} s | {f.mesh} | {f.note} |")
+            results.append(dict(model=model, topology=case.topology, seq_len=args.seq_len,
+                                **dataclasses.asdict(f)))
+    print(f"Per chip, T = {args.seq_len}, one sequence per chip (GiB; compile = the whole process)\n")
+    print("| model | topology | tool | temporaries | arguments | compile wall | compile CPU | mesh | |")
+    print("|---|---|---|---:|---:|---:|---:|---|---|")
+    print("\n".join(rows))
+    if record_lines:
+        print(f"\nMaxText rows for benchmarks/README.md ({maxtext_versions(args.maxtext)}):")
+        print("\n".join(record_lines))
+    print(json.dumps({"seq_len": args.seq_len, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

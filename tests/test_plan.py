@@ -1,0 +1,119 @@
+"""tieflax plan: the real train and eval steps compiled for abstract TPU chips from this CPU machine."""
+
+import json
+import os
+
+import jax
+import pytest
+
+from tieflax import cli, hlo_buffers, plan, targets
+from tieflax.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "experiments", "tiny.py")
+needs_libtpu = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install 'tieflax[tpu]'; the test extra brings it)")
+
+
+@needs_libtpu
+def test_tiny_config_fits_on_four_v5e_chips():
+    target = targets.resolve("v5e:2x2")
+    assert (target.num_devices, target.chip, target.usable_bytes) == (4, "v5e", int(15.75 * 2**30))
+    p = plan.plan_config(load_config(TINY), target, name="tiny")
+
+    assert p.global_batch_size == 4 and p.seq_len == 128   # one sequence per chip by default
+    assert p.mesh == {"data": 4, "fsdp": 1, "tensor": 1}
+    for step in (p.train, p.eval):
+        assert 0 < step.arguments < target.usable_bytes
+        assert 0 < step.total < target.usable_bytes
+        assert step.compile_seconds > 0 and not step.out_of_memory
+    assert 0 < p.train.temporaries < target.usable_bytes
+    assert 0 <= p.eval.temporaries < p.train.temporaries   # tiny's forward fits in on-chip memory
+    # The train step takes parameters + optimizer state + batch (the compiler pads TPU tiles: >=).
+    assert p.train.arguments >= p.params + p.optimizer_state + p.batch
+    assert p.eval.arguments < p.train.arguments
+    assert p.fits and 0.99 < p.headroom < 1.0
+    assert p.train.largest and all(b.bytes > 0 and b.count >= 1 for b in p.train.largest)
+
+    d = json.loads(json.dumps(p.as_dict()))
+    assert d["fits"] is True and d["target"]["name"] == "v5e:2x2" and d["target"]["num_devices"] == 4
+    for key in ("arguments", "temporaries", "outputs", "total", "compile_seconds", "largest"):
+        assert key in d["train"] and key in d["eval"]
+    assert d["params"] == p.params and d["train"]["total"] == p.train.total
+    text = plan.format_report([p])
+    assert "tied: fits" in text and "usable memory (v5e)" in text and "15.75 GiB" in text
+
+    # The host's CPU devices are untouched: the rest of the suite still runs on them.
+    assert jax.devices()[0].platform == "cpu" and len(jax.devices()) == 8
+
+
+@needs_libtpu
+def test_oversized_batch_does_not_fit_and_names_the_biggest_buffers(capsys):
+    # 48 sequences of 2048 tokens per chip: the einsum attention's fp32 scores alone are 3 GiB a layer
+    # (the reference attention, chosen explicitly: it fails to fit quickly and by a wide margin).
+    code = cli.main(["plan", "--config", TINY, "--topology", "v5e:2x2", "--no-eval",
+                     "--config.train.seq_len=2048", "--config.train.global_batch_size=192",
+                     "--config.model.attention=xla"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "DOES NOT FIT in 15.75 GiB" in out and "RESOURCE_EXHAUSTED" in out
+    biggest = out.split("largest temporaries of the train step (per device):")[1].splitlines()[1]
+    assert "3.00 GiB" in biggest and "f32[48,4," in biggest and "attn" in biggest
+
+
+def test_topology_errors_say_what_to_type_or_install():
+    with pytest.raises(targets.TargetError, match="expected a TPU slice"):
+        targets.resolve("tpu9:2x2")
+    with pytest.raises(targets.TargetError, match="h100:8"):
+        targets.resolve("h100:eight")
+    if __import__("importlib.util").util.find_spec("jax_cuda12_plugin") is None:
+        with pytest.raises(targets.TargetError, match=r"pip install 'tieflax\[gpu\]'"):
+            targets.resolve("h100:8")
+    cpu = targets.resolve("cpu")
+    assert cpu.num_devices == 8 and cpu.usable_bytes > 0
+
+
+@needs_libtpu
+def test_unknown_tpu_slice_is_refused_with_an_example():
+    with pytest.raises(targets.TargetError, match="v5e:2x2"):
+        targets.resolve("v5e:3x3")
+
+
+def test_largest_temporaries_follow_fusions_to_the_jax_op(tmp_path):
+    (tmp_path / "m.jit_step.after_optimizations-buffer-assignment.txt").write_text(
+        "allocation 0: size 1024, parameter 0, shape |f32[256]| at ShapeIndex {}:\n"
+        " value: <1 p.0 @0> (size=1024,offset=0): f32[256]{0}\n"
+        "allocation 1: size 4096, color 1, preallocated-temp:\n"
+        " value: <2 v.1 @0> (size=4096,offset=0): f32[1024]{0}\n"
+        "allocation 2: size 9000, preallocated-temp:\n"
+        " value: <3 fusion.7{1} @0> (size=4096,offset=0): f32[32,32]{1,0:T(8,128)}\n"
+        " value: <4 fusion.8{1} @0> (size=4096,offset=4096): f32[32,32]{1,0:T(8,128)}\n"
+        " value: <5 add.2 @0> (size=512,offset=8192): f32[128]{0}\n"
+        " value: <6 tuple.3 @0> (size=64,offset=8704): (f32[128]{0}, f32[128]{0})\n")
+    (tmp_path / "m.jit_step.after_optimizations.txt").write_text(
+        "HloModule jit_step\n\n"
+        "%fused_computation.1 (param_0: f32[32,32]) -> (f32[32], f32[32,32]) {\n"
+        '  %exp.1 = f32[32,32]{1,0} exponential(%param_0), metadata={op_name="jit(step)/jvp(M.loss)/'
+        'M.features/block_3/attn/exp"}\n'
+        '  %r.1 = f32[32]{0} reduce(%exp.1), metadata={op_name="jit(step)/sum"}\n'
+        "  ROOT %tuple.1 = (f32[32]{0}, f32[32,32]{1,0}) tuple(%r.1, /*index=1*/%exp.1)\n}\n\n"
+        "ENTRY %main (p.0: f32[256]) -> f32[128] {\n"
+        '  %fusion.7 = (f32[32], f32[32,32]) fusion(%x), kind=kLoop, calls=%fused_computation.1, '
+        'metadata={op_name="jit(step)/sum"}\n'
+        '  %fusion.8 = (f32[32], f32[32,32]) fusion(%y), kind=kLoop, calls=%fused_computation.1\n'
+        '  ROOT %add.2 = f32[128]{0} add(%a, %b), metadata={op_name="jit(step)/add"}\n}\n')
+    buffers = hlo_buffers.largest_temporaries(str(tmp_path))
+    assert [(b.bytes, b.shape, b.op, b.count) for b in buffers] == [
+        (4096, "f32[32,32]", "jvp(M.loss)/block_*/attn/exp", 2), (512, "f32[128]", "add", 1)]
+    assert hlo_buffers.largest_temporaries(str(tmp_path / "empty")) == []
+
+
+def test_out_of_memory_message_gives_the_bytes_needed():
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+               "temporaries (21.72G) exceeds available HBM (15.75G).")
+    assert plan._needed_bytes(message) == int(21.72 * 2**30)
+    assert plan._needed_bytes("no figure") is None
+    vmem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. "
+            "Used 270.51M of 128.00M vmem. Exceeded vmem capacity by 142.51M.")
+    assert plan._needed_bytes(vmem) is None   # a kernel's on-chip scratch, not the step's HBM

@@ -1,0 +1,297 @@
+"""Will a config fit? Compile the real train and eval steps for a TPU pod or GPU server from any machine.
+
+    tieflax plan --config configs/models/llama3_8b.py --topology v5p:4x4x4 --config.train.seq_len=8192
+    tieflax plan --config configs/models/gemma_2b.py --topology v5e:4x4 --tie both --json
+
+``plan_config`` builds the step exactly as ``tieflax train`` does (``train.build`` +
+``make_train_step`` / ``make_eval_step``) on the abstract devices of a ``tieflax.targets.Target``, lowers
+it with the train state as ``ShapeDtypeStruct``s carrying their shardings (nothing is initialised or
+allocated) and compiles. The compiler's ``memory_analysis()`` gives the per-device figures: arguments
+(parameters, optimizer state and the batch, as laid out in memory), temporaries (activations, gradients,
+workspace: what the program needs on top of its inputs), outputs not aliased to donated inputs, and
+their total against the device's memory. A TPU compile that does not fit fails with
+``RESOURCE_EXHAUSTED``; that is reported as "does not fit" with the memory it needed, and in every case
+the largest temporaries are named from the compiler's buffer assignment (``tieflax.hlo_buffers``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tempfile
+import time
+from typing import Any, Sequence
+
+import ml_collections
+
+from tieflax.targets import GIB, Target
+
+MIN_HEADROOM = 0.2    # the fraction of memory a pod run should keep free (fragmentation, runtime, eval)
+
+
+class PlanError(ValueError):
+    """The config cannot be planned on this target; the message names the field and the fix."""
+
+
+@dataclasses.dataclass
+class StepMemory:
+    """Per-device memory of one compiled step, in bytes (None where the compile failed for lack of it)."""
+    arguments: int | None
+    temporaries: int | None
+    outputs: int | None           # outputs that are not aliased to donated arguments
+    generated_code: int | None
+    compile_seconds: float        # wall clock of lowering + compiling
+    cpu_seconds: float            # CPU time of this process meanwhile (all threads): load-independent
+    largest: list                 # tieflax.hlo_buffers.Buffer, biggest temporaries first
+    out_of_memory: str = ""       # the compiler's message when it refused
+
+    @property
+    def total(self) -> int | None:
+        if self.arguments is None or self.temporaries is None:
+            return None
+        return self.arguments + self.temporaries + (self.outputs or 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "largest"}
+        d["total"] = self.total
+        d["largest"] = [b.as_dict() for b in self.largest]
+        return d
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one variant of a config needs per device on one target."""
+    name: str
+    tied: bool
+    target: Target
+    mesh: dict[str, int]
+    global_batch_size: int
+    seq_len: int
+    params: int                   # bytes per device of the parameters, as sharded (unpadded)
+    optimizer_state: int          # bytes per device of the optimizer state, as sharded (unpadded)
+    batch: int                    # bytes per device of one batch
+    train: StepMemory
+    eval: StepMemory | None
+
+    @property
+    def usable(self) -> int:
+        return self.target.usable_bytes
+
+    @property
+    def fits(self) -> bool:
+        steps = [self.train] + ([self.eval] if self.eval else [])
+        return all(s.total is not None and s.total <= self.usable for s in steps)
+
+    @property
+    def headroom(self) -> float | None:
+        """Fraction of the device's usable memory the train step leaves free (negative: over)."""
+        total = self.train.total
+        return None if total is None else 1.0 - total / self.usable
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(name=self.name, tied=self.tied, target=self.target.as_dict(), mesh=self.mesh,
+                    global_batch_size=self.global_batch_size, seq_len=self.seq_len, params=self.params,
+                    optimizer_state=self.optimizer_state, batch=self.batch, fits=self.fits,
+                    headroom=self.headroom, train=self.train.as_dict(),
+                    eval=self.eval.as_dict() if self.eval else None)
+
+
+# ================================================================================================ planning
+
+def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str = "config",
+                global_batch_size: int | None = None, with_eval: bool = True,
+                dump_dir: str | None = None, progress=None) -> Plan:
+    """Compiles ``config``'s train (and eval) step for ``target``; returns the per-device figures.
+
+    ``global_batch_size`` None means one sequence per device. ``config.mesh`` is resolved over the
+    target's devices (-1 = the rest). ``dump_dir`` keeps XLA's dump there (default: a temporary folder).
+    ``progress(str)`` is called before each compile.
+    """
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from tieflax import sharding as shd  # noqa: PLC0415
+    from tieflax import train  # noqa: PLC0415
+    from tieflax.config import model_config  # noqa: PLC0415
+
+    config = config.copy_and_resolve_references()  # the caller's config stays as given
+    if global_batch_size is None:
+        global_batch_size = target.num_devices
+    config.train.global_batch_size = int(global_batch_size)
+    try:
+        sizes = shd.mesh_shape(config.mesh, target.num_devices)
+    except ValueError as e:
+        raise PlanError(f"{e} ({target.name} has {target.num_devices} devices)") from None
+    mc = model_config(config)
+    train.check_fits_mesh(config, mc, dict(zip(shd.MESH_AXES, sizes)), process_count=1)
+    mesh = shd.make_mesh(*sizes, devices=list(target.devices))
+
+    s = train.build(config, mesh)
+    t = config.train
+    batch = {k: jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), np.int32,
+                                     sharding=shd.batch_sharding(mesh)) for k in train.BATCH_KEYS}
+    note = progress or (lambda _: None)
+    note(f"compiling the train step of {name} ({'tied' if mc.tie_embeddings else 'untied'}) for "
+         f"{target.name}")
+    train_memory = _compile(train.make_train_step(config, s), (s.abstract_state, batch), target, dump_dir,
+                            "train")
+    eval_memory = None
+    if with_eval:
+        note(f"compiling the eval step of {name} for {target.name}")
+        eval_memory = _compile(train.make_eval_step(config, s), (s.abstract_state["params"], batch), target,
+                               dump_dir, "eval")
+    return Plan(name=name, tied=mc.tie_embeddings, target=target, mesh=dict(zip(shd.MESH_AXES, sizes)),
+                global_batch_size=t.global_batch_size, seq_len=t.seq_len,
+                params=_shard_bytes(s.abstract_state["params"]),
+                optimizer_state=_shard_bytes(s.abstract_state["opt_state"]) + _shard_bytes(
+                    s.abstract_state["step"]),
+                batch=_shard_bytes(batch), train=train_memory, eval=eval_memory)
+
+
+def plan_variants(config: ml_collections.ConfigDict, target: Target, tie: str = "config",
+                  **kwargs) -> list[Plan]:
+    """``tie``: 'config' (as configured), 'tied', 'untied' or 'both' (tied first)."""
+    choices = {"config": [None], "tied": [True], "untied": [False], "both": [True, False]}
+    if tie not in choices:
+        raise PlanError(f"--tie {tie!r}: use one of {sorted(choices)}")
+    plans = []
+    for tied in choices[tie]:
+        variant = config.copy_and_resolve_references()
+        if tied is not None:
+            variant.model.tie_embeddings = tied
+        plans.append(plan_config(variant, target, **kwargs))
+    return plans
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (no layout padding)."""
+    import jax  # noqa: PLC0415
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, label: str) -> StepMemory:
+    """Lowers and compiles one step; on the compiler's out-of-memory error, returns what it needed."""
+    from tieflax.hlo_buffers import largest_temporaries  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="tieflax-plan-") as tmp:
+        folder = f"{dump_dir}/{label}" if dump_dir else tmp
+        options = {"xla_dump_to": folder}
+        if target.platform == "cuda":
+            options["xla_gpu_dump_llvmir"] = False
+        start, cpu_start = time.perf_counter(), time.process_time()
+        lowered = jitted.lower(*args)
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        except Exception as e:  # noqa: BLE001 (JaxRuntimeError / XlaRuntimeError by JAX version)
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            return StepMemory(arguments=None, temporaries=_needed_bytes(str(e)), outputs=None,
+                              generated_code=None, compile_seconds=seconds, cpu_seconds=cpu,
+                              largest=largest_temporaries(folder), out_of_memory=_first_line(str(e)))
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        m = compiled.memory_analysis()
+        return StepMemory(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
+                          outputs=max(m.output_size_in_bytes - m.alias_size_in_bytes, 0),
+                          generated_code=m.generated_code_size_in_bytes, compile_seconds=seconds,
+                          cpu_seconds=cpu, largest=largest_temporaries(folder))
+
+
+def _needed_bytes(message: str) -> int | None:
+    """'... HLO temporaries (21.72G) exceeds available HBM (15.75G)' -> bytes of the first figure.
+
+    None for anything but HBM: 'Ran out of memory in memory space vmem' is a kernel's on-chip scratch
+    (its block sizes), not the program's memory, and says nothing about whether the step fits.
+    """
+    if re.search(r"memory space (?!hbm)\w+", message):
+        return None
+    m = re.search(r"\(([\d.]+)([KMGT])\)", message) or re.search(r"Used ([\d.]+)([KMGT])", message)
+    if not m:
+        return None
+    return int(float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024)
+
+
+def _first_line(message: str) -> str:
+    return (message.strip().splitlines() or [""])[0][:300]
+
+
+# ================================================================================================ report
+
+def gib(n: int | None) -> str:
+    """Bytes for people: GiB from 1 GiB up, MiB below."""
+    if n is None:
+        return "-"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def format_report(plans: list[Plan]) -> str:
+    """A per-device table, one column per plan (+ the difference when tied and untied are both there)."""
+    p0 = plans[0]
+    head = (f"{p0.name} on {p0.target.name}: {p0.target.num_devices} x {p0.target.device_kind}, mesh "
+            + " ".join(f"{k}={v}" for k, v in p0.mesh.items())
+            + f", batch {p0.global_batch_size} x {p0.seq_len} tokens; memory per device")
+    columns = ["tied" if p.tied else "untied" for p in plans]
+    diff = len(plans) == 2 and plans[0].tied != plans[1].tied
+    if diff:
+        columns.append("untying costs")
+
+    def row(label, values, fmt=gib):
+        cells = [fmt(v) for v in values]
+        if diff:
+            a, b = values
+            cells.append(fmt(b - a) if a is not None and b is not None and fmt is gib else "")
+        return f"  {label:<34}" + "".join(f"{c:>16}" for c in cells)
+
+    usable = p0.usable
+    lines = [head, f"  {'':<34}" + "".join(f"{c:>16}" for c in columns)]
+    lines.append(row("parameters (as sharded)", [p.params for p in plans]))
+    lines.append(row("optimizer state (as sharded)", [p.optimizer_state for p in plans]))
+    lines.append(row("train step: arguments", [p.train.arguments for p in plans]))
+    lines.append(row("train step: temporaries", [p.train.temporaries for p in plans]))
+    lines.append(row("train step: outputs (not aliased)", [p.train.outputs for p in plans]))
+    lines.append(row("train step: total", [p.train.total for p in plans]))
+    if all(p.eval for p in plans):
+        lines.append(row("eval step: total", [p.eval.total for p in plans]))
+    lines.append(row(f"usable memory ({p0.target.chip})", [usable for _ in plans]))
+    lines.append(row("left for the train step", [p.headroom for p in plans],
+                     fmt=lambda h: "-" if h is None else f"{h:.0%}"))
+    steps = lambda p: [p.train] + ([p.eval] if p.eval else [])  # noqa: E731
+    lines.append(row("compile time, wall (CPU)", [
+        (sum(s.compile_seconds for s in steps(p)), sum(s.cpu_seconds for s in steps(p))) for p in plans],
+        fmt=lambda t: f"{t[0]:.0f} s ({t[1]:.0f} s)"))
+    for p in plans:
+        label = "tied" if p.tied else "untied"
+        verdict = _verdict(p)
+        lines.append(f"{label}: {verdict}")
+        if p.train.largest:
+            lines.append("  largest temporaries of the train step (per device):")
+            for b in p.train.largest[:5 if not p.fits else 3]:
+                lines.append(f"    {gib(b.bytes):>10} {b.shape} x{b.count}  {b.op}")
+    return "\n".join(lines)
+
+
+def _verdict(p: Plan) -> str:
+    if p.fits:
+        h = p.headroom
+        warn = "" if h >= MIN_HEADROOM else f" (less than the {MIN_HEADROOM:.0%} a pod run should keep free)"
+        return f"fits, {h:.0%} of {gib(p.usable)} left{warn}"
+    parts = []
+    for label, step in (("train", p.train), ("eval", p.eval)):
+        if step is None:
+            continue
+        if step.out_of_memory and step.temporaries is None:
+            parts.append(f"{label} step did not compile (compiler: {step.out_of_memory})")
+        elif step.out_of_memory:
+            parts.append(f"{label} step needs {gib(step.temporaries)} of temporaries alone "
+                         f"(compiler: {step.out_of_memory})")
+        elif step.total is not None and step.total > p.usable:
+            parts.append(f"{label} step needs {gib(step.total)}")
+    if all("did not compile" in part for part in parts):
+        return "DID NOT COMPILE: " + "; ".join(parts)
+    return f"DOES NOT FIT in {gib(p.usable)}: " + "; ".join(parts)

@@ -1,0 +1,172 @@
+"""Compile targets for ``tieflax plan``: abstract TPU pods, GPU servers without a GPU, or the host's CPUs.
+
+A target is a list of devices JAX can compile for plus the memory one device has. Nothing runs on
+them: TPU topologies come from libtpu (``jax.experimental.topologies``, the ``tpu`` extra), GPUs from
+an XLA ``GpuTargetConfig`` text proto compiled through the CUDA plugin (the ``gpu`` extra) with no GPU
+attached.
+
+Topology names::
+
+    v4:2x2x1 ... v4:4x4x4    v5e:2x2 ... v5e:8x16    v5p:2x2x1 ... v5p:8x8x8    v6e:2x2 ... v6e:16x16
+    h100:8   a100:8 (80 GB)   a100_40gb:8   (1-8 GPUs per host; more as whole hosts of 8)
+    cpu      (the devices of this process)
+
+Memory per device. ``usable`` is what the TPU compiler accepts, read from its own out-of-memory error
+(``RESOURCE_EXHAUSTED: ... exceeds available HBM (15.75G)``, libtpu 0.0.42) when compiling a program
+that needs 168 GiB of temporaries for one device of ``v4:2x2x1``, ``v5e:2x2``, ``v5p:2x2x1`` and
+``v6e:2x2``; ``nominal`` is the chip's HBM as Google documents it. libtpu exposes a v4 chip as two
+TensorCore devices of 16 GiB each (``v4:2x2x1`` has 8 devices), so a v4 "device" is half a chip. For
+GPUs both are the target config's ``device_memory_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import tempfile
+from typing import Any
+
+GIB = 1 << 30
+
+# generation -> (nominal HBM per device, usable HBM per device as the compiler reports it)
+TPU_MEMORY: dict[str, tuple[float, float]] = {
+    "v4": (16.0, 15.25),     # 32 GiB per chip, two TensorCore devices
+    "v5e": (16.0, 15.75),
+    "v5p": (95.0, 95.74),
+    "v6e": (32.0, 31.25),
+}
+GPU_TARGETS = {            # name -> text proto shipped in tieflax/gpu_targets/
+    "h100": "h100.txtpb",
+    "a100": "a100_80gb.txtpb",
+    "a100_80gb": "a100_80gb.txtpb",
+    "a100_40gb": "a100_40gb.txtpb",
+}
+TPU_EXTRA = "pip install 'tieflax[tpu]'"
+GPU_EXTRA = "pip install 'tieflax[gpu]'"
+
+
+class TargetError(ValueError):
+    """The topology cannot be compiled for here; the message says why and what to install or type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str                 # as given: 'v5p:4x4x4', 'h100:8', 'cpu'
+    platform: str             # 'tpu' | 'cuda' | 'cpu'
+    chip: str                 # 'v5p', 'h100', 'cpu'
+    device_kind: str          # what the devices call themselves: 'TPU v5', 'NVIDIA H100 80GB HBM3'
+    devices: tuple            # jax.Device (abstract for tpu/cuda)
+    nominal_bytes: int        # memory per device, as sold
+    usable_bytes: int         # memory per device a program may use (fits are judged against this)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(name=self.name, platform=self.platform, chip=self.chip, device_kind=self.device_kind,
+                    num_devices=self.num_devices, nominal_bytes=self.nominal_bytes,
+                    usable_bytes=self.usable_bytes)
+
+
+def resolve(topology: str) -> Target:
+    """``'v5p:4x4x4'`` / ``'h100:8'`` / ``'cpu'`` -> Target; raises TargetError with the fix."""
+    name = topology.strip().lower()
+    if name == "cpu":
+        return _cpu_target()
+    kind, sep, shape = name.partition(":")
+    if kind in TPU_MEMORY and sep:
+        return _tpu_target(name, kind)
+    if kind in GPU_TARGETS and sep:
+        return _gpu_target(name, kind, shape)
+    raise TargetError(
+        f"--topology {topology!r}: expected a TPU slice (v4:2x2x1, v5e:2x2, v5p:2x2x1, v6e:2x2, ..., "
+        f"e.g. v5p:4x4x4), a GPU count ({', '.join(f'{k}:8' for k in GPU_TARGETS)}) or 'cpu'.")
+
+
+def _cpu_target() -> Target:
+    import jax  # noqa: PLC0415
+
+    devices = tuple(jax.devices("cpu"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_device = ram // len(devices)   # CPU devices of one process share the host's memory
+    return Target("cpu", "cpu", "cpu", devices[0].device_kind, devices, per_device, per_device)
+
+
+def _tpu_target(name: str, kind: str) -> Target:
+    if importlib.util.find_spec("libtpu") is None:
+        raise TargetError(f"compiling for {name} needs libtpu: {TPU_EXTRA}")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile only: never holds a TPU
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    try:
+        with quiet_stderr():
+            topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # noqa: BLE001 (libtpu raises RuntimeError / JaxRuntimeError / ValueError)
+        raise TargetError(f"--topology {name!r}: libtpu does not know this slice ({_first_line(e)}); "
+                          f"use e.g. {kind}:2x2{'x1' if kind in ('v4', 'v5p') else ''}") from None
+    nominal, usable = TPU_MEMORY[kind]
+    devices = tuple(topo.devices)
+    return Target(name, "tpu", kind, devices[0].device_kind, devices, int(nominal * GIB), int(usable * GIB))
+
+
+def _gpu_target(name: str, kind: str, shape: str) -> Target:
+    if not re.fullmatch(r"\d+", shape) or int(shape) < 1:
+        raise TargetError(f"--topology {name!r}: give the number of GPUs, e.g. {kind}:8")
+    count = int(shape)
+    if count > 8 and count % 8:
+        raise TargetError(f"--topology {name!r}: more than 8 GPUs come as whole hosts of 8; use a multiple "
+                          "of 8")
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        raise TargetError(f"compiling for {name} needs the CUDA plugin of JAX: {GPU_EXTRA}")
+    # No GPU is used, and one must not be required: the plugin compiles for the target config alone.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    proto = gpu_target_config(kind)
+    hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
+    topo = topologies.get_topology_desc(platform="cuda", target_config=proto,
+                                        topology=f"1x{hosts}x{per_host}")
+    memory = int(re.search(r"device_memory_size:\s*(\d+)", proto).group(1))
+    devices = tuple(topo.devices)
+    return Target(name, "cuda", kind, devices[0].device_kind, devices, memory, memory)
+
+
+def gpu_target_config(kind: str) -> str:
+    """The GpuTargetConfig text proto tieflax ships for ``kind`` (h100, a100, a100_40gb)."""
+    path = os.path.join(os.path.dirname(__file__), "gpu_targets", GPU_TARGETS[kind])
+    with open(path) as f:
+        return f.read()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+class quiet_stderr:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Sends file descriptor 2 to a temporary file while libtpu starts.
+
+    On a machine without a TPU, libtpu's C++ start-up writes lines ("could not determine TPU accelerator
+    type", an ``E0000 ... TPU_WORKER_HOSTNAMES`` error, a source trace) that do not concern a compile-only
+    run, and Python cannot filter them. ``captured`` holds them afterwards.
+    """
+
+    def __enter__(self):
+        import sys  # noqa: PLC0415
+
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        self.captured = ""
+        return self
+
+    def __exit__(self, *exc):
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        self.captured = self._file.read().decode(errors="replace")
+        self._file.close()
+        return False
