@@ -9,8 +9,11 @@ from tieflax.ops.embedding_lookup import vocab_parallel_embed
 from tieflax.sharding import make_mesh
 
 V_PAD, D, B, T = 40, 6, 8, 5
+# (data, fsdp, tensor); fsdp > 1 reads the table with its d split too (8 does not divide D = 6 and d
+# stays whole there, the fallback).
 MESHES = {"1dev": None, "2dev_1x2": (1, 1, 2), "4dev_2x2": (2, 1, 2), "8dev_1x8": (1, 1, 8),
-          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1)}
+          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1), "8dev_fsdp_2x2x2": (2, 2, 2),
+          "4dev_fsdp_1x2x2": (1, 2, 2), "8dev_fsdp_1x8x1": (1, 8, 1)}
 
 
 def _data():
