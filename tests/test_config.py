@@ -63,3 +63,12 @@ def test_missing_file_is_a_clear_error():
 def test_validation_happens_at_load_time():
     with pytest.raises(ConfigError, match="n_kv_heads"):
         load_config(TINY, ["model.n_kv_heads=3"])
+
+
+@pytest.mark.parametrize("raw, policy", [("none", "none"), ("None", "none"), ("full", "full"), ("True", "full"),
+                                         ("False", "none"), ("save_qkv_proj", "save_qkv_proj")])
+def test_remat_overrides_name_a_policy(raw, policy):
+    """`--config.model.remat=none` is the policy 'none', not Python's None (which validation refuses)."""
+    config = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tiny.py"))
+    apply_override(config, f"model.remat={raw}")
+    assert model_config(config).remat == policy

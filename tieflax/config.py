@@ -122,9 +122,10 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
     value = _parse(raw)
     current = node[leaf]
     if leaf == "remat":
-        # --config.model.remat=True still means 'full'; a saved config may hold the old bool.
+        # --config.model.remat=True still means 'full'; a saved config may hold the old bool; 'none' is a
+        # policy's name here, not Python's None.
         with node.ignore_type():
-            node[leaf] = remat_name(value)
+            node[leaf] = remat_name("none" if value is None else value)
         return
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
