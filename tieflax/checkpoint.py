@@ -348,7 +348,8 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
 
 
 class SaveWatch:
-    """Starts asynchronous saves and surfaces a failed one at the next step, as a CheckpointError whose
+    """Starts asynchronous saves and surfaces a failed one at the first step after orbax reports it ended
+    (and at the latest when the next save would start), as a CheckpointError whose
     message ends with the OS error (a full disk, a lost mount), instead of training on without saving."""
 
     def __init__(self, manager: ocp.CheckpointManager):
