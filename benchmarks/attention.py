@@ -38,7 +38,6 @@ from tieflax.model.config import ModelConfig  # noqa: E402
 from tieflax.model.layers import Attention  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_TARGETS = {"h100": "h100.txtpb"}
 TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v4": "v4:2x2x1", "v6e": "v6e:2x2"}
 
 
@@ -48,9 +47,10 @@ def one_chip(target: str):
 
     if target in TPU_TOPOLOGIES:
         return topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[target], platform="tpu").devices[0]
-    path = os.environ.get("TIEFLAX_GPU_TARGET") or os.path.join("/work/shared/gpu_targets", GPU_TARGETS[target])
-    with open(path) as f:
-        return topologies.get_topology_desc(platform="cuda", target_config=f.read(), topology="1x1x1").devices[0]
+    from tieflax.targets import gpu_target_config  # noqa: PLC0415
+
+    return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(target),
+                                        topology="1x1x1").devices[0]
 
 
 def measure(mc: ModelConfig, impl: str, seq_len: int, device) -> dict:
@@ -114,7 +114,7 @@ def measure_train_step(config_path: str, impl: str, seq_len: int, topology: str)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="v5e", choices=sorted(TPU_TOPOLOGIES) + sorted(GPU_TARGETS))
+    parser.add_argument("--target", default="v5e", choices=sorted(TPU_TOPOLOGIES) + ["a100", "a100_40gb", "h100"])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "models", "llama3_2_1b.py"))
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--impls", default="", help="comma-separated; default: xla and the target's kernel")

@@ -19,8 +19,6 @@ from tieflax.model.layers import Attention
 from tieflax.ops.attention import attention, xla_attention
 from tieflax.ops.splash_attention import splash_attention
 
-H100_TARGET = os.path.join(os.path.dirname(__file__), "data", "h100.txtpb")
-
 
 def qkv(b, t, h, kh, dh, seed=0):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
@@ -147,8 +145,10 @@ def test_auto_picks_splash_when_compiled_for_a_tpu():
 def _h100():
     from jax.experimental import topologies
 
-    with open(H100_TARGET) as f:
-        return topologies.get_topology_desc(platform="cuda", target_config=f.read(), topology="1x1x1").devices[0]
+    from tieflax.targets import gpu_target_config
+
+    return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config("h100"),
+                                        topology="1x1x1").devices[0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
