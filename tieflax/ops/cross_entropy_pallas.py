@@ -252,18 +252,25 @@ def _common(plan: Plan, h, w, b):
     return n, d, v, bt, bv, b is not None, _compute_dtype(h.dtype, w.dtype)
 
 
+def _block_inputs(h, w, b, y, bt, bv, tok, voc, bias_map):
+    """BlockSpecs and operands every kernel reads: h [bt, d], w [bv, d], the bias [1, bv] (if any) and the
+    labels [bt, 1]; ``tok``/``voc``/``bias_map`` are the grid's index maps for token and vocabulary blocks."""
+    n, d = h.shape
+    specs, args = [pl.BlockSpec((bt, d), tok), pl.BlockSpec((bv, d), voc)], [h, w]
+    if b is not None:
+        specs.append(pl.BlockSpec((1, bv), bias_map))
+        args.append(b.reshape(1, w.shape[0]))
+    specs.append(pl.BlockSpec((bt, 1), tok))
+    args.append(y.reshape(n, 1))
+    return specs, args
+
+
 def local_stats(plan: Plan, h, w, b, y, v_off, lo=0):
     """h [N, d], w [V, d], b [V] | None, y [N] int32, v_off int32 scalar -> (max, sumexp, label logit,
     logit sum), 4 x [N] fp32, over the rows ``lo:`` of ``w`` only."""
     n, d, v, bt, bv, hb, cdt = _common(plan, h, w, b)
     tok = lambda i, j, o: (i, 0)  # noqa: E731
-    specs = [pl.BlockSpec((bt, d), tok), pl.BlockSpec((bv, d), lambda i, j, o: (j, 0))]
-    args = [h, w]
-    if hb:
-        specs.append(pl.BlockSpec((1, bv), lambda i, j, o: (0, j)))
-        args.append(b.reshape(1, v))
-    specs.append(pl.BlockSpec((bt, 1), tok))
-    args.append(y.reshape(n, 1))
+    specs, args = _block_inputs(h, w, b, y, bt, bv, tok, lambda i, j, o: (j, 0), lambda i, j, o: (0, j))
     col = jax.ShapeDtypeStruct((n, 1), jnp.float32)
     out = _call(plan, functools.partial(_stats_kernel, plan.sem, cdt, bv, v, hb),
                 (pl.cdiv(n, bt), pl.cdiv(v, bv)), specs, [pl.BlockSpec((bt, 1), tok)] * 4, [col] * 4)(
@@ -275,13 +282,9 @@ def local_dh(plan: Plan, h, w, b, y, lse, coef, v_off, dh_in, lo=0):
     """dh_in + sum over this shard's rows of dZ @ W: [N, d] in dh_in's dtype (updated in place)."""
     n, d, v, bt, bv, hb, cdt = _common(plan, h, w, b)
     tok = lambda i, j, o: (i, 0)  # noqa: E731
-    specs = [pl.BlockSpec((bt, d), tok), pl.BlockSpec((bv, d), lambda i, j, o: (j, 0))]
-    args = [h, w]
-    if hb:
-        specs.append(pl.BlockSpec((1, bv), lambda i, j, o: (0, j)))
-        args.append(b.reshape(1, v))
-    specs += [pl.BlockSpec((bt, 1), tok)] * 3 + [pl.BlockSpec((bt, d), tok)]
-    args += [y.reshape(n, 1), lse.reshape(n, 1), coef.reshape(n, 1), dh_in]
+    specs, args = _block_inputs(h, w, b, y, bt, bv, tok, lambda i, j, o: (j, 0), lambda i, j, o: (0, j))
+    specs += [pl.BlockSpec((bt, 1), tok)] * 2 + [pl.BlockSpec((bt, d), tok)]
+    args += [lse.reshape(n, 1), coef.reshape(n, 1), dh_in]
     return _call(plan, functools.partial(_dh_kernel, plan.sem, cdt, bv, v, hb),
                  (pl.cdiv(n, bt), pl.cdiv(v, bv)), specs, pl.BlockSpec((bt, d), tok),
                  jax.ShapeDtypeStruct(dh_in.shape, dh_in.dtype), [pltpu.VMEM((bt, d), jnp.float32)],
@@ -293,13 +296,9 @@ def local_dw(plan: Plan, h, w, b, y, lse, coef, v_off, dw_dtype, lo=0):
     n, d, v, bt, bv, hb, cdt = _common(plan, h, w, b)
     tok = lambda j, i, o: (i, 0)  # noqa: E731
     voc = lambda j, i, o: (j, 0)  # noqa: E731
-    specs = [pl.BlockSpec((bt, d), tok), pl.BlockSpec((bv, d), voc)]
-    args = [h, w]
-    if hb:
-        specs.append(pl.BlockSpec((1, bv), lambda j, i, o: (0, j)))
-        args.append(b.reshape(1, v))
-    specs += [pl.BlockSpec((bt, 1), tok)] * 3
-    args += [y.reshape(n, 1), lse.reshape(n, 1), coef.reshape(n, 1)]
+    specs, args = _block_inputs(h, w, b, y, bt, bv, tok, voc, lambda j, i, o: (0, j))
+    specs += [pl.BlockSpec((bt, 1), tok)] * 2
+    args += [lse.reshape(n, 1), coef.reshape(n, 1)]
     dw, db = _call(plan, functools.partial(_dw_kernel, plan.sem, cdt, bt, n, bv, v, hb),
                    (pl.cdiv(v, bv), pl.cdiv(n, bt)), specs,
                    [pl.BlockSpec((bv, d), voc), pl.BlockSpec((1, bv), lambda j, i, o: (0, j))],
