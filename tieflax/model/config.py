@@ -89,6 +89,8 @@ class ModelConfig:
     attention: str = "auto"               # kernel: 'xla' (einsum), 'splash' (TPU), 'cudnn' (GPU), 'auto'
     remat: str = "none"                   # what the backward pass recomputes: REMAT_POLICIES (True = 'full')
     scan_layers: bool = False             # nn.scan over the blocks: stacked params, one compiled layer
+    offload_layer_inputs: bool = False    # keep each block's saved input in host memory (needs remat)
+    mlp_chunk: int = 0                    # >0: the MLP runs over this many tokens at a time (less memory)
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
@@ -195,6 +197,12 @@ def _validate(c: ModelConfig):
     _check(c.remat in REMAT_POLICIES, "remat",
            f"unknown policy {c.remat!r}; choose one of {REMAT_POLICIES} (True means 'full', False 'none')")
     _check(isinstance(c.scan_layers, bool), "scan_layers", f"must be True or False, got {c.scan_layers!r}")
+    _check(isinstance(c.offload_layer_inputs, bool), "offload_layer_inputs",
+           f"must be True or False, got {c.offload_layer_inputs!r}")
+    _check(not c.offload_layer_inputs or c.remat != "none", "offload_layer_inputs",
+           "offloads what the backward pass saves of each block, so it needs rematerialisation: set "
+           "config.model.remat (e.g. 'full') or drop offload_layer_inputs")
+    _check(c.mlp_chunk >= 0, "mlp_chunk", f"must be >= 0 (0 = the whole sequence at once), got {c.mlp_chunk}")
     if c.scan_layers:
         _check(c.n_layers % c.layers_per_scan_step == 0, "n_layers",
                f"{c.n_layers} layers cannot be scanned in steps of {c.layers_per_scan_step} (the local/global "

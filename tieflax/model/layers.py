@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from tieflax.model.config import ModelConfig
+from tieflax.model.config import ConfigError, ModelConfig
+from tieflax.model.remat import LAYER_INPUT
 from tieflax.ops.attention import attention
 
 Array = jax.Array
@@ -83,15 +84,39 @@ def rope_frequencies(c: ModelConfig) -> Array:
     return jnp.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """Rotary embedding in the rotate-half layout. x: [B, T, H, Dh]; positions: [B, T] int."""
+def _rotate(x: Array, positions: Array, inv_freq: Array, sign: float) -> Array:
+    """x rotated by ``sign`` * its angles, computed in fp32, returned in x's dtype (rotate-half layout)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = sign * jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+@jax.custom_vjp
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotary embedding in the rotate-half layout. x: [B, T, H, Dh]; positions: [B, T] int.
+
+    The gradient is the inverse rotation of the cotangent (a rotation's transpose), computed the same
+    way: automatic differentiation would instead keep fp32 [B, T, H, Dh/2] pieces of the slices and
+    concatenations, the largest temporaries of a long-sequence attention backward. ``inv_freq`` and
+    ``positions`` are constants of the model and get no gradient.
+    """
+    return _rotate(x, positions, inv_freq, 1.0)
+
+
+def _rope_fwd(x, positions, inv_freq):
+    return _rotate(x, positions, inv_freq, 1.0), (positions, inv_freq)
+
+
+def _rope_bwd(residuals, cotangent):
+    positions, inv_freq = residuals
+    return _rotate(cotangent, positions, inv_freq, -1.0), None, None
+
+
+apply_rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 class Attention(nn.Module):
@@ -158,30 +183,87 @@ class Projection(nn.Module):
         return y
 
 
+class DenseParams(nn.Module):
+    """The parameters of a dense layer, ``kernel`` [in, out] and ``bias`` [out], as ``nn.Dense`` names them.
+
+    Returns them uncast, so that the caller can run the matmul where it chooses (``Mlp``'s chunk loop).
+    """
+
+    features_in: int
+    features: int
+    axes: tuple[str, str]
+    use_bias: bool
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Optional[Array]]:
+        c = self.config
+        pdt = dtype_of(c.param_dtype)
+        kernel = self.param("kernel", dense_init(c.init_std, self.axes), (self.features_in, self.features), pdt)
+        bias = (self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[-1:]),
+                           (self.features,), pdt) if self.use_bias else None)
+        return kernel, bias
+
+
+def _gelu(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
 class Mlp(nn.Module):
-    """GELU MLP (GPT-2) or gated SwiGLU (Llama) / GeGLU (Gemma). x: [B, T, d] -> [B, T, d]."""
+    """GELU MLP (GPT-2) or gated SwiGLU (Llama) / GeGLU (Gemma). x: [B, T, d] -> [B, T, d].
+
+    With ``config.mlp_chunk = t`` (0 < t < T) the tokens go through in T / t chunks, one after another, each
+    rematerialised: the backward pass then holds the [B, t, d_ff] activations of one chunk instead of
+    [B, T, d_ff], which at long sequences are the widest tensors of a block. The weights are gathered once
+    per layer, outside the chunk loop; their gradients add up over the chunks in the compute dtype.
+    """
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         c = self.config
-        dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
+        dt = dtype_of(c.dtype)
 
-        def dense(name, features, names):
-            return nn.Dense(features, use_bias=c.mlp_bias, dtype=dt, param_dtype=pdt, name=name,
-                            kernel_init=dense_init(c.init_std, names),
-                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]))
+        def dense(name, features_in, features, axes):
+            kernel, bias = DenseParams(features_in, features, axes, c.mlp_bias, c, name=name)()
+            # Gathered (over 'fsdp') here, once, whatever the chunking: names map 'embed' to no axis.
+            kernel = nn.with_logical_constraint(kernel.astype(dt), tuple(f"activation_{a}" for a in axes))
+            return kernel, None if bias is None else bias.astype(dt)
 
-        up = dense("up", c.d_ff, ("embed", "mlp"))(x)
-        if c.mlp == "gelu":
-            hidden = jax.nn.gelu(up, approximate=True)
-        else:
-            gate = dense("gate", c.d_ff, ("embed", "mlp"))(x)
-            act = jax.nn.silu if c.mlp == "swiglu" else (lambda g: jax.nn.gelu(g, approximate=True))
-            hidden = act(gate) * up
-        hidden = nn.with_logical_constraint(hidden, BTF)
-        return dense("down", c.d_model, ("mlp", "embed"))(hidden)
+        d = x.shape[-1]
+        weights = {"up": dense("up", d, c.d_ff, ("embed", "mlp"))}
+        if c.mlp != "gelu":
+            weights["gate"] = dense("gate", d, c.d_ff, ("embed", "mlp"))
+        weights["down"] = dense("down", c.d_ff, c.d_model, ("mlp", "embed"))
+
+        def apply(w, h):  # h [B, t, d] -> [B, t, d]
+            def linear(name, v):
+                kernel, bias = w[name]
+                y = jnp.einsum("btd,df->btf", v, kernel)
+                return y if bias is None else y + bias
+
+            up = linear("up", h)
+            if c.mlp == "gelu":
+                hidden = _gelu(up)
+            else:
+                act = jax.nn.silu if c.mlp == "swiglu" else _gelu
+                hidden = act(linear("gate", h)) * up
+            hidden = nn.with_logical_constraint(hidden, BTF)
+            return linear("down", hidden)
+
+        x = x.astype(dt)
+        b, t = x.shape[:2]
+        chunk = c.mlp_chunk
+        if not chunk or chunk >= t:
+            return apply(weights, x)
+        if t % chunk:
+            raise ConfigError(f"config.model.mlp_chunk={chunk} does not divide the sequence length {t}; use a "
+                              f"divisor of {t}, or 0 to run the MLP over the whole sequence")
+        chunks = x.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)   # [n, B, t, d]
+        step = jax.checkpoint(apply, prevent_cse=False)   # inside a loop: nothing for CSE to merge
+        _, out = jax.lax.scan(lambda carry, h: (carry, step(weights, h)), None, chunks)
+        return out.swapaxes(0, 1).reshape(b, t, c.d_model)
 
 
 class Block(nn.Module):
@@ -194,6 +276,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         c = self.config
+        x = checkpoint_name(x, LAYER_INPUT)  # what every remat policy keeps; may be offloaded (model/remat.py)
         y = Attention(c, self.layer, mesh=self.mesh, name="attn")(Norm(c, name="attn_norm")(x), positions,
                                                                   segment_ids)
         y = checkpoint_name(y, "out_proj")  # the attention's output projection, for the remat policies

@@ -12,6 +12,11 @@
 * ``save_qkv_proj``: keeps the q, k and v projections only.
 
 The named policies find their tensors through ``checkpoint_name`` tags in ``tieflax.model.layers``.
+
+``config.model.offload_layer_inputs`` adds to any policy but ``none``: each block's input (``layer_input``,
+what every policy keeps, and with scanned layers the [layers, B, T, d] stack that dominates a long-sequence
+step) is copied to host memory (``pinned_host``) in the forward pass and back in the backward pass, so it
+occupies no accelerator memory in between. It costs host-device transfers, one [B, T, d] each way per layer.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import Offloadable
 
 from tieflax.model.config import REMAT_POLICIES
 
@@ -34,13 +40,35 @@ POLICIES: dict[str, Optional[Callable]] = {
 }
 assert set(POLICIES) | {"none"} == set(REMAT_POLICIES)
 
+LAYER_INPUT = "layer_input"  # the checkpoint_name of a block's input (tieflax.model.layers.Block)
 
-def remat_module(module_cls: type[nn.Module], policy: str, *, scanned: bool) -> type[nn.Module]:
+
+def offloading_layer_input(policy: Optional[Callable]) -> Callable:
+    """``policy`` (None: save nothing), except that the block input is kept in host memory."""
+    offload = _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+        offload_src="device", offload_dst="pinned_host")
+
+    def decide(prim, *args, **params):
+        choice = offload(prim, *args, **params)
+        if isinstance(choice, Offloadable):
+            return choice
+        return bool(policy(prim, *args, **params)) if policy is not None else False
+
+    return decide
+
+
+def remat_module(module_cls: type[nn.Module], policy: str, *, scanned: bool,
+                 offload_inputs: bool = False) -> type[nn.Module]:
     """``module_cls`` rematerialised with the named policy (``'none'``: unchanged).
 
+    ``offload_inputs`` keeps the block's input in host memory (see the module docstring).
     Inside ``nn.scan`` common-subexpression elimination cannot merge the recomputation into the forward
     pass, so ``prevent_cse`` (which costs some optimisations) is only needed when unrolled.
     """
     if policy == "none":
         return module_cls
-    return nn.remat(module_cls, policy=POLICIES[policy], prevent_cse=not scanned)
+    chosen = POLICIES[policy]
+    if offload_inputs:
+        chosen = offloading_layer_input(chosen)
+    return nn.remat(module_cls, policy=chosen, prevent_cse=not scanned)

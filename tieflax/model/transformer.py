@@ -49,7 +49,7 @@ class ScanStep(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
         c = self.config
-        block = remat_module(Block, c.remat, scanned=True)
+        block = remat_module(Block, c.remat, scanned=True, offload_inputs=c.offload_layer_inputs)
         for j in range(c.layers_per_scan_step):
             x = block(c, layer=j, mesh=self.mesh, name=f"block_{j}")(x, positions, segment_ids)
         return x, None
@@ -82,7 +82,7 @@ class TransformerLM(nn.Module):
                                   length=c.n_layers // c.layers_per_scan_step,
                                   metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})(c, mesh=self.mesh)
         else:
-            block = remat_module(Block, c.remat, scanned=False)
+            block = remat_module(Block, c.remat, scanned=False, offload_inputs=c.offload_layer_inputs)
             self.blocks = [block(c, layer=i, mesh=self.mesh, name=f"block_{i}") for i in range(c.n_layers)]
         self.final_norm = Norm(c)
         self.lm_head = LMHead(c, embed=self.embed)
