@@ -9,7 +9,8 @@ Cases: Gemma-2B on v5e:4x4 (16 chips) and Llama-3-8B on v5p:4x4x4 (64 chips), on
 mesh MaxText picks: ``ici_fsdp_parallelism=-1``, every other axis 1).
 
 - tieflax: ``tieflax plan --no-eval --json`` (the real train step), tied and untied, each in its own
-  process with ``TIEFLAX_OVERRIDES``.
+  process with ``TIEFLAX_OVERRIDES``; the published config as it is (``mlp_chunk=1024``), and with
+  ``offload_layer_inputs=True`` (each layer's saved input in host memory; ``--variants`` picks).
 - MaxText: ``python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=...
   per_device_batch_size=1 max_target_length=...`` with its defaults (scanned layers, remat 'full',
   attention chosen by MaxText) and with ``num_vocab_tiling=16``; its log's ``Memory analysis`` line gives
@@ -41,6 +42,7 @@ TIEFLAX_OVERRIDES = ["--config.model.dtype=bfloat16", "--config.model.remat=full
                      "--config.model.scan_layers=True"]
 MESH = ["--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1"]
 MAXTEXT_VARIANTS = {"default": [], "num_vocab_tiling=16": ["num_vocab_tiling=16"]}
+TIEFLAX_VARIANTS = {"config": [], "offload": ["--config.model.offload_layer_inputs=True"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +84,10 @@ def _timed(cmd: list[str], env: dict, log_path: str | None = None) -> tuple[subp
     return proc, wall, cpu
 
 
-def run_tieflax(case: Case, seq_len: int, tied: bool, extra: list[str]) -> Figures:
+def run_tieflax(case: Case, seq_len: int, tied: bool, extra: list[str], variant: str = "config") -> Figures:
     cmd = [sys.executable, "-m", "tieflax.cli", "plan", "--config", case.config, "--topology", case.topology,
            "--tie", "tied" if tied else "untied", "--no-eval", "--json",
-           f"--config.train.seq_len={seq_len}", *MESH, *TIEFLAX_OVERRIDES, *extra]
+           f"--config.train.seq_len={seq_len}", *MESH, *TIEFLAX_OVERRIDES, *TIEFLAX_VARIANTS[variant], *extra]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc, wall, cpu = _timed(cmd, env)
     try:
@@ -95,7 +97,8 @@ def run_tieflax(case: Case, seq_len: int, tied: bool, extra: list[str]) -> Figur
     train = d["train"]
     mesh = " ".join(f"{k}={v}" for k, v in d["mesh"].items() if v > 1)
     note = "" if d["fits"] else "does not fit"
-    return Figures(f"tieflax {'tied' if tied else 'untied'}", train["arguments"], train["temporaries"],
+    label = f"tieflax {'tied' if tied else 'untied'}" + ("" if variant == "config" else f", {variant}")
+    return Figures(label, train["arguments"], train["temporaries"],
                    wall, cpu, mesh, note)
 
 
@@ -170,6 +173,8 @@ def main() -> None:
     parser.add_argument("--maxtext", default=None, help="a Python with maxtext[tpu] installed: recompile")
     parser.add_argument("--maxtext-logs", default="/tmp/pod_memory_maxtext")
     parser.add_argument("--skip-tieflax", action="store_true", help="MaxText figures only")
+    parser.add_argument("--variants", default=",".join(TIEFLAX_VARIANTS),
+                        help=f"tieflax variants, comma-separated, of {sorted(TIEFLAX_VARIANTS)}")
     parser.add_argument("--tieflax-override", action="append", default=[],
                         help="extra --config.a.b=v for tieflax plan (repeatable)")
     args = parser.parse_args()
@@ -180,9 +185,12 @@ def main() -> None:
         case = CASES[model]
         figures = []
         if not args.skip_tieflax:
-            for tied in (True, False):
-                figures.append(run_tieflax(case, args.seq_len, tied, args.tieflax_override))
-                print(f"[{model}] {figures[-1]}", file=sys.stderr, flush=True)
+            for variant in args.variants.split(","):
+                if variant not in TIEFLAX_VARIANTS:
+                    parser.error(f"--variants: unknown {variant!r}; choose from {sorted(TIEFLAX_VARIANTS)}")
+                for tied in (True, False):
+                    figures.append(run_tieflax(case, args.seq_len, tied, args.tieflax_override, variant))
+                    print(f"[{model}] {figures[-1]}", file=sys.stderr, flush=True)
         for variant in MAXTEXT_VARIANTS:
             if args.maxtext:
                 os.makedirs(args.maxtext_logs, exist_ok=True)

@@ -27,5 +27,6 @@ def get_config():
         tie_embeddings=True,
         scan_layers=True,    # pod defaults: one compiled layer, stacked params
         remat='full',        # the least memory; see benchmarks/README.md for the others
+        mlp_chunk=1024,      # the MLP 1024 tokens at a time: a long sequence's widest activations shrink
     )
     return config

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from tieflax.model.config import ConfigError, ModelConfig
+from tieflax.model.config import ModelConfig
 from tieflax.model.remat import LAYER_INPUT
 from tieflax.ops.attention import attention
 
@@ -212,10 +212,11 @@ def _gelu(x: Array) -> Array:
 class Mlp(nn.Module):
     """GELU MLP (GPT-2) or gated SwiGLU (Llama) / GeGLU (Gemma). x: [B, T, d] -> [B, T, d].
 
-    With ``config.mlp_chunk = t`` (0 < t < T) the tokens go through in T / t chunks, one after another, each
-    rematerialised: the backward pass then holds the [B, t, d_ff] activations of one chunk instead of
-    [B, T, d_ff], which at long sequences are the widest tensors of a block. The weights are gathered once
-    per layer, outside the chunk loop; their gradients add up over the chunks in the compute dtype.
+    With ``config.mlp_chunk = t`` (0 < t < T) the tokens go through t at a time (the last chunk may be
+    shorter), one chunk after another, each rematerialised: the backward pass then holds the [B, t, d_ff]
+    activations of one chunk instead of [B, T, d_ff], which at long sequences are the widest tensors of a
+    block. The weights are gathered once per layer, outside the chunk loop; their gradients add up over the
+    chunks in the compute dtype.
     """
 
     config: ModelConfig
@@ -257,13 +258,14 @@ class Mlp(nn.Module):
         chunk = c.mlp_chunk
         if not chunk or chunk >= t:
             return apply(weights, x)
-        if t % chunk:
-            raise ConfigError(f"config.model.mlp_chunk={chunk} does not divide the sequence length {t}; use a "
-                              f"divisor of {t}, or 0 to run the MLP over the whole sequence")
-        chunks = x.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)   # [n, B, t, d]
         step = jax.checkpoint(apply, prevent_cse=False)   # inside a loop: nothing for CSE to merge
+        n = t // chunk
+        chunks = x[:, :n * chunk].reshape(b, n, chunk, d).swapaxes(0, 1)   # [n, B, chunk, d]
         _, out = jax.lax.scan(lambda carry, h: (carry, step(weights, h)), None, chunks)
-        return out.swapaxes(0, 1).reshape(b, t, c.d_model)
+        out = out.swapaxes(0, 1).reshape(b, n * chunk, c.d_model)
+        if n * chunk < t:   # a shorter last chunk
+            out = jnp.concatenate([out, step(weights, x[:, n * chunk:])], axis=1)
+        return out
 
 
 class Block(nn.Module):

@@ -1,0 +1,123 @@
+"""Memory options of the model: the chunked MLP, layer inputs offloaded to host memory, RoPE's own VJP.
+
+Each must leave the function unchanged (same loss and gradients as the plain model) and do what it is
+for (the offloaded input is moved to host memory; chunking lowers a TPU step's temporaries).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tieflax.model import ConfigError, ModelConfig, TransformerLM
+from tieflax.model import layers
+from tieflax.model.layout import to_layout
+
+V, B, T = 64, 2, 12
+BASE = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=48, remat="full")
+FAMILIES = {
+    "llama": ModelConfig(family="llama", **BASE),                       # SwiGLU, RoPE
+    "gemma2": ModelConfig(family="gemma2", mlp="geglu", sandwich_norms=True, norm_unit_offset=True,
+                          sliding_window=4, sliding_window_every=2, **BASE),
+    "gpt2": ModelConfig(family="gpt2", mlp="gelu", mlp_bias=True, norm="layernorm", position="learned",
+                        **BASE),
+}
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, V, (B, T)), jnp.int32)
+TARGETS = jnp.roll(TOKENS, -1, axis=1)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _loss_fn(c: ModelConfig):
+    model = TransformerLM(c)
+    return lambda p: model.apply({"params": p}, TOKENS, TARGETS, method="loss")[0].mean()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_chunked_mlp_and_offloaded_inputs_keep_loss_and_gradients(family):
+    """Chunks of 4 (T = 12: three), of 5 (a shorter last chunk), offloading, both; scanned and unrolled."""
+    base = FAMILIES[family]
+    params = nn.unbox(TransformerLM(base).init(jax.random.key(0), TOKENS)["params"])
+    variants = [dict(mlp_chunk=4), dict(mlp_chunk=5), dict(offload_layer_inputs=True),
+                dict(mlp_chunk=4, offload_layer_inputs=True, scan_layers=True), dict(mlp_chunk=T)]
+    configs = [base] + [base.replace(**v) for v in variants]
+    everything = jax.jit(
+        lambda p: [jax.value_and_grad(_loss_fn(c))(to_layout(p, c)) for c in configs],
+        compiler_options=FAST_COMPILE)
+    (loss, grads), *others = everything(params)
+    assert 2.0 < float(loss) < 6.0
+    for v, c, (loss_v, grads_v) in zip(variants, configs[1:], others):
+        np.testing.assert_allclose(loss_v, loss, rtol=1e-6, err_msg=str(v))
+        grads_v = to_layout(grads_v, base)   # scanned variants: back to per-layer
+        for path, (a, b) in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                zip(jax.tree.leaves(grads), jax.tree.leaves(grads_v))):
+            np.testing.assert_allclose(b, a, atol=3e-6, rtol=1e-5, err_msg=f"{v} {path[0]}")
+
+
+def test_offloaded_layer_input_goes_to_host_memory():
+    """The gradient program moves each block's input to pinned host memory and back; without the
+    option it does not."""
+    c = FAMILIES["llama"]
+    params = nn.unbox(TransformerLM(c).init(jax.random.key(0), TOKENS)["params"])
+
+    def program(config):
+        return str(jax.make_jaxpr(jax.grad(_loss_fn(config)))(params))
+
+    offloaded = program(c.replace(offload_layer_inputs=True))
+    # device_put to MemorySpace.Host in the forward pass; the saved [B, T, d] values typed f32<host>.
+    assert "MemorySpace.Host" in offloaded and f"f32<host>[{B},{T},16]" in offloaded
+    assert "MemorySpace.Host" not in program(c)
+
+
+def test_memory_options_are_validated_by_name():
+    with pytest.raises(ConfigError, match=r"config.model.offload_layer_inputs: .*needs rematerialisation"):
+        FAMILIES["llama"].replace(remat="none", offload_layer_inputs=True)
+    with pytest.raises(ConfigError, match=r"config.model.mlp_chunk: must be >= 0"):
+        FAMILIES["llama"].replace(mlp_chunk=-1)
+
+
+def test_rope_gradient_is_the_inverse_rotation():
+    """apply_rope's VJP equals automatic differentiation of the same rotation, and undoes it."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 6, 3, 8)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 500, (2, 6)), jnp.int32)
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, 8, 2, dtype=jnp.float32) / 8))
+    y, vjp = jax.vjp(lambda v: layers.apply_rope(v, positions, inv_freq), x)
+    y_auto, vjp_auto = jax.vjp(lambda v: layers._rotate(v, positions, inv_freq, 1.0), x)
+    np.testing.assert_allclose(y, y_auto, rtol=1e-6)
+    np.testing.assert_allclose(vjp(cotangent)[0], vjp_auto(cotangent)[0], atol=1e-6)
+    np.testing.assert_allclose(vjp(y)[0], x, atol=1e-5)   # a rotation's transpose is its inverse
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'tieflax[tpu]'; the test extra brings it)")
+def test_chunking_and_offloading_lower_tpu_temporaries():
+    """One v5e chip, T = 4096, d_ff = 8192: the TPU compiler's own figures for the gradient program."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    device = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices[0]
+    replicated = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    c = ModelConfig(family="llama", vocab_size=1024, d_model=512, n_layers=4, n_heads=4, d_ff=8192,
+                    max_seq_len=4096, dtype="bfloat16", remat="full", scan_layers=True, attention="splash")
+    tokens = jax.ShapeDtypeStruct((1, 4096), jnp.int32, sharding=replicated)
+    params = jax.eval_shape(lambda: nn.unbox(TransformerLM(c).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), params)
+
+    def memory(config):
+        model = TransformerLM(config)
+        f = jax.grad(lambda p, t: model.apply({"params": p}, t, t, method="loss")[0].mean())
+        return jax.jit(f, out_shardings=replicated).lower(params, tokens).compile().memory_analysis()
+
+    plain, chunked = memory(c), memory(c.replace(mlp_chunk=512))
+    offloaded = memory(c.replace(mlp_chunk=512, offload_layer_inputs=True))
+    # One layer's [T, d_ff] bf16 activation is 64 MiB; chunks of 512 tokens hold 8 MiB each.
+    assert chunked.temp_size_in_bytes < plain.temp_size_in_bytes - 100 * 2**20
+    # The stacked layer inputs, [4, 1, 4096, 512] bf16 = 16 MiB, move to host memory.
+    assert offloaded.host_temp_size_in_bytes >= 16 * 2**20
+    assert offloaded.temp_size_in_bytes < chunked.temp_size_in_bytes
