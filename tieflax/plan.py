@@ -108,6 +108,7 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
     target's devices (-1 = the rest). ``dump_dir`` keeps XLA's dump there (default: a temporary folder).
     ``progress(str)`` is called before each compile.
     """
+    import flax.linen as nn  # noqa: PLC0415
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -127,20 +128,24 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
     train.check_fits_mesh(config, mc, dict(zip(shd.MESH_AXES, sizes)), process_count=1)
     mesh = shd.make_mesh(*sizes, devices=list(target.devices))
 
-    s = train.build(config, mesh)
     t = config.train
     batch = {k: jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), np.int32,
                                      sharding=shd.batch_sharding(mesh)) for k in train.BATCH_KEYS}
     note = progress or (lambda _: None)
-    note(f"compiling the train step of {name} ({'tied' if mc.tie_embeddings else 'untied'}) for "
-         f"{target.name}")
-    train_memory = _compile(train.make_train_step(config, s), (s.abstract_state, batch), target, dump_dir,
-                            "train")
-    eval_memory = None
-    if with_eval:
-        note(f"compiling the eval step of {name} for {target.name}")
-        eval_memory = _compile(train.make_eval_step(config, s), (s.abstract_state["params"], batch), target,
-                               dump_dir, "eval")
+    s = train.build(config, mesh)
+    # As in training (tieflax.train.train), the rules and the mesh make the model's logical sharding
+    # constraints (activations, gathered weights) part of the traced program; without them they are
+    # no-ops and the compiler would be judging another program.
+    with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+        note(f"compiling the train step of {name} ({'tied' if mc.tie_embeddings else 'untied'}) for "
+             f"{target.name}")
+        train_memory = _compile(train.make_train_step(config, s), (s.abstract_state, batch), target,
+                                dump_dir, "train")
+        eval_memory = None
+        if with_eval:
+            note(f"compiling the eval step of {name} for {target.name}")
+            eval_memory = _compile(train.make_eval_step(config, s), (s.abstract_state["params"], batch),
+                                   target, dump_dir, "eval")
     return Plan(name=name, tied=mc.tie_embeddings, target=target, mesh=dict(zip(shd.MESH_AXES, sizes)),
                 global_batch_size=t.global_batch_size, seq_len=t.seq_len,
                 params=_shard_bytes(s.abstract_state["params"]),

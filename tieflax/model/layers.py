@@ -215,8 +215,8 @@ class Mlp(nn.Module):
     With ``config.mlp_chunk = t`` (0 < t < T) the tokens go through t at a time (the last chunk may be
     shorter), one chunk after another, each rematerialised: the backward pass then holds the [B, t, d_ff]
     activations of one chunk instead of [B, T, d_ff], which at long sequences are the widest tensors of a
-    block. The weights are gathered once per layer, outside the chunk loop; their gradients add up over the
-    chunks in the compute dtype.
+    block. The weights are cast once, outside the chunk loop; their gradients add up over the chunks in the
+    compute dtype.
     """
 
     config: ModelConfig
@@ -228,9 +228,7 @@ class Mlp(nn.Module):
 
         def dense(name, features_in, features, axes):
             kernel, bias = DenseParams(features_in, features, axes, c.mlp_bias, c, name=name)()
-            # Gathered (over 'fsdp') here, once, whatever the chunking: names map 'embed' to no axis.
-            kernel = nn.with_logical_constraint(kernel.astype(dt), tuple(f"activation_{a}" for a in axes))
-            return kernel, None if bias is None else bias.astype(dt)
+            return kernel.astype(dt), None if bias is None else bias.astype(dt)
 
         d = x.shape[-1]
         weights = {"up": dense("up", d, c.d_ff, ("embed", "mlp"))}
