@@ -41,7 +41,14 @@ GIB = 1 << 30
 TIEFLAX_OVERRIDES = ["--config.model.dtype=bfloat16", "--config.model.remat=full",
                      "--config.model.scan_layers=True"]
 MESH = ["--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1"]
-MAXTEXT_VARIANTS = {"default": [], "num_vocab_tiling=16": ["num_vocab_tiling=16"]}
+MAXTEXT_VARIANTS = {
+    "default": [],
+    "num_vocab_tiling=16": ["num_vocab_tiling=16"],
+    # MaxText's own offload of each decoder layer's input (its 'custom' remat policy, the rest recomputed):
+    # the counterpart of tieflax's offload_layer_inputs.
+    "num_vocab_tiling=16, decoder_layer_input=offload": ["num_vocab_tiling=16", "remat_policy=custom",
+                                                         "decoder_layer_input=offload"],
+}
 TIEFLAX_VARIANTS = {"config": [], "offload": ["--config.model.offload_layer_inputs=True"]}
 
 
@@ -111,7 +118,7 @@ def run_maxtext(python: str, case: Case, seq_len: int, variant: str, log_dir: st
            "dataset_type=synthetic", f"base_output_directory={log_dir}", "run_name=pod_memory",
            *MAXTEXT_VARIANTS[variant]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    log = os.path.join(log_dir, f"{case.maxtext_model}_{variant.replace('=', '')}.log")
+    log = os.path.join(log_dir, f"{case.maxtext_model}_{re.sub(r'[^A-Za-z0-9_]+', '_', variant)}.log")
     proc, wall, cpu = _timed(cmd, env, log)
     text = proc.stdout + proc.stderr
     stats = dict(re.findall(r"(\w+_size_in_bytes)=(\d+)", text))
@@ -173,6 +180,9 @@ def main() -> None:
     parser.add_argument("--maxtext", default=None, help="a Python with maxtext[tpu] installed: recompile")
     parser.add_argument("--maxtext-logs", default="/tmp/pod_memory_maxtext")
     parser.add_argument("--skip-tieflax", action="store_true", help="MaxText figures only")
+    parser.add_argument("--maxtext-variants", default=None,
+                        help=f"with --maxtext: which to compile, separated by ';' (default all: "
+                             f"{'; '.join(MAXTEXT_VARIANTS)})")
     parser.add_argument("--variants", default=",".join(TIEFLAX_VARIANTS),
                         help=f"tieflax variants, comma-separated, of {sorted(TIEFLAX_VARIANTS)}")
     parser.add_argument("--tieflax-override", action="append", default=[],
@@ -191,7 +201,11 @@ def main() -> None:
                 for tied in (True, False):
                     figures.append(run_tieflax(case, args.seq_len, tied, args.tieflax_override, variant))
                     print(f"[{model}] {figures[-1]}", file=sys.stderr, flush=True)
-        for variant in MAXTEXT_VARIANTS:
+        maxtext_variants = (args.maxtext_variants.split(";") if args.maxtext and args.maxtext_variants
+                            else list(MAXTEXT_VARIANTS))
+        for variant in maxtext_variants:
+            if variant not in MAXTEXT_VARIANTS:
+                parser.error(f"--maxtext-variants: unknown {variant!r}; choose from {list(MAXTEXT_VARIANTS)}")
             if args.maxtext:
                 os.makedirs(args.maxtext_logs, exist_ok=True)
                 f = run_maxtext(args.maxtext, case, args.seq_len, variant, args.maxtext_logs)

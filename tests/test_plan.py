@@ -90,7 +90,11 @@ def test_largest_temporaries_follow_fusions_to_the_jax_op(tmp_path):
         " value: <3 fusion.7{1} @0> (size=4096,offset=0): f32[32,32]{1,0:T(8,128)}\n"
         " value: <4 fusion.8{1} @0> (size=4096,offset=4096): f32[32,32]{1,0:T(8,128)}\n"
         " value: <5 add.2 @0> (size=512,offset=8192): f32[128]{0}\n"
-        " value: <6 tuple.3 @0> (size=64,offset=8704): (f32[128]{0}, f32[128]{0})\n")
+        " value: <6 tuple.3 @0> (size=64,offset=8704): (f32[128]{0}, f32[128]{0})\n"
+        # One place written twice (a loop's buffer and its result): counted once, named after its writer.
+        " value: <7 dus.4 @0> (size=256,offset=8768): f32[64]{0}\n"
+        " value: <8 zeros.5 @0> (size=256,offset=8768): f32[64]{0}\n"
+        " value: <9 dus.4.1 @0> (size=256,offset=8768): f32[64]{0}\n")
     (tmp_path / "m.jit_step.after_optimizations.txt").write_text(
         "HloModule jit_step\n\n"
         "%fused_computation.1 (param_0: f32[32,32]) -> (f32[32], f32[32,32]) {\n"
@@ -102,10 +106,14 @@ def test_largest_temporaries_follow_fusions_to_the_jax_op(tmp_path):
         '  %fusion.7 = (f32[32], f32[32,32]) fusion(%x), kind=kLoop, calls=%fused_computation.1, '
         'metadata={op_name="jit(step)/sum"}\n'
         '  %fusion.8 = (f32[32], f32[32,32]) fusion(%y), kind=kLoop, calls=%fused_computation.1\n'
+        '  %zeros.5 = f32[64]{0} broadcast(%c), metadata={op_name="jit(step)/broadcast_in_dim"}\n'
+        '  %dus.4 = f32[64]{0} dynamic-update-slice(%zeros.5, %u, %i), metadata={op_name="jit(step)/dus"}\n'
+        '  %dus.4.1 = f32[64]{0} dynamic-update-slice(%dus.4, %u, %j), metadata={op_name="jit(step)/dus"}\n'
         '  ROOT %add.2 = f32[128]{0} add(%a, %b), metadata={op_name="jit(step)/add"}\n}\n')
     buffers = hlo_buffers.largest_temporaries(str(tmp_path))
     assert [(b.bytes, b.shape, b.op, b.count) for b in buffers] == [
-        (4096, "f32[32,32]", "jvp(M.loss)/block_*/attn/exp", 2), (512, "f32[128]", "add", 1)]
+        (4096, "f32[32,32]", "jvp(M.loss)/block_*/attn/exp", 2), (512, "f32[128]", "add", 1),
+        (256, "f32[64]", "dus", 1)]
     assert hlo_buffers.largest_temporaries(str(tmp_path / "empty")) == []
 
 

@@ -8,9 +8,11 @@ per-device size, offset and shape). The TPU compiler writes both even when it fa
 which is when they matter most: its error says only how much was needed.
 
 Temporaries live in the allocations marked ``preallocated-temp`` in memory space 0 (HBM; TPU's other
-colours are on-chip memories). Values of one shape made by one operation (per layer: ``block_*``) are
-grouped, so "3.00 GiB f32[48,4,2048,2048] x 8, block_*/attn/..." reads as eight such buffers over the
-program's life; the per-device sizes include the TPU's tile padding.
+colours are on-chip memories). Values that share a place (offset and size) in that allocation, such as
+a buffer that a loop updates in place and the loop's result, occupy it once and count once, named after
+the operation that wrote most of them. Places of one shape filled by one operation (per layer:
+``block_*``) are grouped, so "3.00 GiB f32[48,4,2048,2048] x 8, block_*/attn/..." reads as eight such
+buffers; the per-device sizes include the TPU's tile padding.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 from collections import Counter
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*):\s*$")
-_VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+_VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 _INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -50,22 +52,31 @@ def largest_temporaries(dump_dir: str, top: int = 5) -> list[Buffer]:
     best, best_values = None, []
     for path in assignments:
         values = _temp_values(path)
-        if sum(size for _, size, _ in values) > sum(size for _, size, _ in best_values) or best is None:
+        if sum(v[1] for v in _places(values)) > sum(v[1] for v in _places(best_values)) or best is None:
             best, best_values = path, values
     if not best_values:
         return []
     hlo = best.replace("-buffer-assignment.txt", ".txt")
     ops = _OpNames(hlo) if os.path.isfile(hlo) else None
     groups: Counter = Counter()
-    for name, size, shape in best_values:
-        op = short_op_name(ops.of(name) if ops else "")
+    for names, size, shape in _places(best_values):
+        named = Counter(short_op_name(ops.of(name)) if ops else "" for name in names)
+        op = max(named, key=lambda o: (bool(o), named[o]))   # the most frequent name; a name over none
         groups[(size, _strip_layout(shape), op)] += 1
     ranked = sorted(groups.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1]))
     return [Buffer(size, shape, op, count) for (size, shape, op), count in ranked[:top]]
 
 
-def _temp_values(path: str) -> list[tuple[str, int, str]]:
-    """(value name, bytes, shape) of every value in an HBM ``preallocated-temp`` allocation."""
+def _places(values: list[tuple[str, int, int, str]]) -> list[tuple[list[str], int, str]]:
+    """Values grouped by their place in the allocation: ([value names], bytes, shape of the first)."""
+    places: dict[tuple[int, int], list] = {}
+    for name, size, offset, shape in values:
+        places.setdefault((offset, size), [[], size, shape])[0].append(name)
+    return [tuple(p) for p in places.values()]
+
+
+def _temp_values(path: str) -> list[tuple[str, int, int, str]]:
+    """(value name, bytes, offset, shape) of every value in an HBM ``preallocated-temp`` allocation."""
     values, in_temp = [], False
     with open(path, errors="replace") as f:
         for line in f:
@@ -76,8 +87,8 @@ def _temp_values(path: str) -> list[tuple[str, int, str]]:
                 continue
             if in_temp:
                 v = _VALUE.match(line)
-                if v and not v.group(3).startswith("("):  # tuples are tables of pointers, not data
-                    values.append((v.group(1), int(v.group(2)), v.group(3)))
+                if v and not v.group(4).startswith("("):  # tuples are tables of pointers, not data
+                    values.append((v.group(1), int(v.group(2)), int(v.group(3)), v.group(4)))
     return values
 
 

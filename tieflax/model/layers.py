@@ -85,14 +85,21 @@ def rope_frequencies(c: ModelConfig) -> Array:
 
 
 def _rotate(x: Array, positions: Array, inv_freq: Array, sign: float) -> Array:
-    """x rotated by ``sign`` * its angles, computed in fp32, returned in x's dtype (rotate-half layout)."""
+    """x rotated by ``sign`` * its angles (rotate-half layout), in fp32, returned in x's dtype.
+
+    The half-swap ``[-x2, x1]`` is a product with a signed permutation matrix, exact in any dtype (one
+    +-1 term per output), rather than slices and a concatenation, which the TPU compiler materialises
+    as fp32 [B, T, H, Dh/2] pieces: the largest temporaries of a long-sequence step.
+    """
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
     sin = sign * jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    eye = jnp.eye(half, dtype=x.dtype)
+    zero = jnp.zeros_like(eye)
+    swap = jnp.block([[zero, eye], [-eye, zero]])   # [Dh, Dh]: x @ swap = [-x2, x1]
+    rotated = jnp.einsum("bthd,de->bthe", x, swap, precision=jax.lax.Precision.HIGHEST)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
 @jax.custom_vjp
