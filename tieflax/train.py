@@ -393,9 +393,11 @@ def _check_resume_matches(workdir: str, config: ml_collections.ConfigDict) -> No
         return
     saved = model_config(ckpt.load_workdir_config(workdir))
     mine = model_config(config)
-    # The remat policy changes what is recomputed, not the parameters or the function: free to change.
+    # Memory switches change what is recomputed, kept or chunked, not the parameters or the function:
+    # free to change on resume.
+    free = ("remat", "mlp_chunk", "offload_layer_inputs")
     diff = {f.name: (getattr(saved, f.name), getattr(mine, f.name)) for f in dataclasses.fields(mine)
-            if getattr(saved, f.name) != getattr(mine, f.name) and f.name != "remat"}
+            if getattr(saved, f.name) != getattr(mine, f.name) and f.name not in free}
     if diff:
         raise ConfigError(f"{workdir} holds a run of a different model (saved, now): {diff}; use a fresh "
                           "--workdir or the saved config.")

@@ -52,7 +52,7 @@ _TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 # tieflax fields that only concern initialisation, numerics or memory: a checkpoint does not carry them.
 NOT_IN_CHECKPOINTS = ("vocab_pad_multiple", "init_std", "embed_init_std", "head_init_std", "head_init",
                        "head_rng_stream", "logits_fp32", "dtype", "param_dtype", "remat",
-                       "scan_layers")
+                       "scan_layers", "offload_layer_inputs", "mlp_chunk")
 
 
 class UnsupportedHFConfig(ValueError):
