@@ -54,7 +54,8 @@ def measure(config_path: str, topology: str, seq_len: int, scan: bool, remat: st
                  for k in BATCH_KEYS}
         t0, cpu0 = time.perf_counter(), time.process_time()
         try:
-            m = step.lower(s.abstract_state, batch).compile().memory_analysis()
+            with jax.set_mesh(mesh):   # as in training: the model's sharding constraints take effect
+                m = step.lower(s.abstract_state, batch).compile().memory_analysis()
             args_b, temp_b, fits = int(m.argument_size_in_bytes), int(m.temp_size_in_bytes), True
         except jax.errors.JaxRuntimeError as e:
             # XLA:TPU refuses a program that does not fit HBM; its message states the temporaries needed

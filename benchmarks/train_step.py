@@ -45,7 +45,8 @@ def measure(vocab: int, tied: bool, loss_impl: str, args) -> dict:
                          + [f"train.{k}={v}" for k, v in args.blocks.items()])
     t = config.train
     mesh = setup_mesh(config)
-    with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
+    # As in training (tieflax.train): under the mesh and the rules, the model's sharding constraints apply.
+    with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
         s = build(config, mesh)
         step = make_train_step(config, s)
         rng = np.random.default_rng(0)
