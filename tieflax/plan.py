@@ -134,7 +134,7 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
     note = progress or (lambda _: None)
     s = train.build(config, mesh)
     # As in training (tieflax.train.train), the rules and the mesh make the model's logical sharding
-    # constraints (activations, gathered weights) part of the traced program; without them they are
+    # constraints (the activations' layouts) part of the traced program; without them they are
     # no-ops and the compiler would be judging another program.
     with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
         note(f"compiling the train step of {name} ({'tied' if mc.tie_embeddings else 'untied'}) for "
