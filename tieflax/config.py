@@ -50,6 +50,18 @@ def _add_optional_sections(config: ml_collections.ConfigDict) -> None:
     config.train = default_train_config()
 
 
+def section_with_defaults(config: ml_collections.ConfigDict, name: str,
+                          defaults: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``defaults`` updated with ``config.<name>`` if the config has that section; an unknown field in it
+    is an error that names the field and the known ones."""
+    if name in config:
+        unknown = sorted(set(config[name].keys()) - set(defaults.keys()))
+        if unknown:
+            raise ValueError(f"config.{name} has unknown field(s) {unknown}; known: {sorted(defaults.keys())}")
+        defaults.update(config[name])
+    return defaults
+
+
 def validate_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """Checks every section's ranges (model, train, data, mesh, seed), naming the field; returns the
     validated ``ModelConfig``. Runs when a config is loaded, before anything is written."""

@@ -27,6 +27,7 @@ import time
 
 import ml_collections
 
+from tieflax.config import section_with_defaults
 from tieflax.model.params import param_report
 
 # Variants a user can name; DEFAULT_VARIANTS is what `tieflax compare` trains unless told otherwise.
@@ -63,12 +64,7 @@ def default_compare_config() -> ml_collections.ConfigDict:
 
 def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """``config.compare`` completed with the defaults; errors name the bad field."""
-    cc = default_compare_config()
-    if "compare" in config:
-        unknown = sorted(set(config.compare.keys()) - set(cc.keys()))
-        if unknown:
-            raise ValueError(f"config.compare has unknown field(s) {unknown}; known: {sorted(cc.keys())}")
-        cc.update(config.compare)
+    cc = section_with_defaults(config, "compare", default_compare_config())
     bad = [v for v in cc.variants if v not in VARIANTS]
     if bad or not cc.variants:
         raise ValueError(f"config.compare.variants = {tuple(cc.variants)}: choose a non-empty subset of {VARIANTS}")

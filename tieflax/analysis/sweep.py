@@ -33,6 +33,7 @@ import numpy as np
 
 from tieflax.analysis import stats as st
 from tieflax.analysis.jsonable import to_jsonable
+from tieflax.config import section_with_defaults
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
 RESULT = "sweep_result.json"
@@ -51,12 +52,7 @@ def default_sweep_config() -> ml_collections.ConfigDict:
 
 def sweep_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """``config.sweep`` completed with defaults; errors name the field."""
-    c = default_sweep_config()
-    if "sweep" in config:
-        unknown = sorted(set(config.sweep.keys()) - set(c.keys()))
-        if unknown:
-            raise ValueError(f"config.sweep has unknown field(s) {unknown}; known: {sorted(c.keys())}")
-        c.update(config.sweep)
+    c = section_with_defaults(config, "sweep", default_sweep_config())
     if not c.sizes or any(len(s) != 4 for s in c.sizes):
         raise ValueError("config.sweep.sizes must be a non-empty tuple of (d_model, n_layers, d_ff, n_heads)")
     bad = [v for v in c.variants if v not in SWEEP_VARIANTS]
