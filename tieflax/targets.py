@@ -37,6 +37,46 @@ TPU_MEMORY: dict[str, tuple[float, float]] = {
     "v5p": (95.0, 95.74),
     "v6e": (32.0, 31.25),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """What one device can do at best: dense bf16 FLOP/s and HBM bytes/s (vendors' published figures)."""
+    flops: float
+    hbm_bytes_per_second: float
+
+
+# chip -> peak of one chip: dense bf16 (no sparsity) and HBM bandwidth, from Google's Cloud TPU system
+# architecture pages and NVIDIA's data sheets (SXM parts).
+CHIP_PEAKS: dict[str, Peak] = {
+    "v4": Peak(275e12, 1200e9),
+    "v5e": Peak(197e12, 819e9),
+    "v5p": Peak(459e12, 2765e9),
+    "v6e": Peak(918e12, 1640e9),
+    "h100": Peak(989e12, 3350e9),
+    "a100": Peak(312e12, 2039e9),
+    "a100_80gb": Peak(312e12, 2039e9),
+    "a100_40gb": Peak(312e12, 1555e9),
+}
+# Compile targets per chip: libtpu's v4 topologies expose each TensorCore as a device (see above).
+DEVICES_PER_CHIP = {"v4": 2}
+# What JAX devices call themselves (``device_kind``, lower case) -> chip, for training logs' MFU. A v4 in
+# its usual megacore mode is one device per chip.
+DEVICE_KINDS = (("tpu v5 lite", "v5e"), ("tpu v5e", "v5e"), ("tpu v5p", "v5p"), ("tpu v5", "v5p"),
+                ("tpu v6 lite", "v6e"), ("tpu v6e", "v6e"), ("tpu v4", "v4"), ("h100", "h100"),
+                ("a100-sxm4-40gb", "a100_40gb"), ("a100", "a100"))
+
+
+def device_peak(device_kind: str) -> Peak | None:
+    """The peak of one device of this ``device_kind`` ('TPU v5 lite', 'NVIDIA H100 80GB HBM3'); None
+    where it is not known (a CPU, an unlisted chip)."""
+    kind = device_kind.lower()
+    for prefix, chip in DEVICE_KINDS:
+        if prefix in kind:
+            return CHIP_PEAKS[chip]
+    return None
+
+
 GPU_TARGETS = {            # name -> text proto shipped in tieflax/gpu_targets/
     "h100": "h100.txtpb",
     "a100": "a100_80gb.txtpb",
@@ -64,6 +104,15 @@ class Target:
     @property
     def num_devices(self) -> int:
         return len(self.devices)
+
+    @property
+    def peak(self) -> Peak | None:
+        """One device's peak (a v4 compile target is half a chip); None on a CPU."""
+        chip = CHIP_PEAKS.get(self.chip)
+        if chip is None:
+            return None
+        share = DEVICES_PER_CHIP.get(self.chip, 1)
+        return Peak(chip.flops / share, chip.hbm_bytes_per_second / share)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(name=self.name, platform=self.platform, chip=self.chip, device_kind=self.device_kind,
