@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tieflax import checkpoint as ckpt
+from tieflax import flops
 from tieflax import sharding as shd
 from tieflax.config import model_config, validate_config
 from tieflax.metrics import MetricWriter, progress_bar, read_metrics
@@ -476,6 +477,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             start = 0
 
         writer = MetricWriter(workdir, enabled=is_main)
+        step_model_flops = flops.step_flops(mc, t.global_batch_size, t.seq_len).train
         stop = _StopSignal()
         diagnostics = _diagnostics_fn() if t.analyze_every else None
         if diagnostics is not None and jax.process_count() > 1:
@@ -519,6 +521,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                 timing["seconds"] += now - timing["t0"]
                 timing["tokens"] += tokens
                 summary["tokens_per_second"] = tokens / (now - timing["t0"])
+                # model TFLOP/s per device, and MFU where the devices' peak is known (tieflax/flops.py)
+                summary.update(flops.throughput(step_model_flops, (now - timing["t0"]) / len(buffer),
+                                                jax.devices()))
             timing["t0"] = now
             buffer = []
             health_check(summary, at_step)
