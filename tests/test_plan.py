@@ -6,8 +6,8 @@ import os
 import jax
 import pytest
 
-from tieflax import cli, hlo_buffers, plan, targets
-from tieflax.config import load_config
+from tieflax import cli, flops, hlo_buffers, plan, targets
+from tieflax.config import load_config, model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "experiments", "tiny.py")
@@ -43,6 +43,17 @@ def test_tiny_config_fits_on_four_v5e_chips():
     assert d["params"] == p.params and d["train"]["total"] == p.train.total
     text = plan.format_report([p])
     assert "tied: fits" in text and "usable memory (v5e)" in text and "15.75 GiB" in text
+
+    # FLOPs: the model's count (tieflax/flops.py) for the step's 4 x 128 tokens, a lower bound on the step
+    # time from v5e's peak, and no compiled count: the fused loss runs Pallas kernels XLA does not count.
+    model = flops.step_flops(model_config(load_config(TINY)), 4, 128)
+    assert d["model_tflops_per_step"] == pytest.approx(model.train / 1e12)
+    assert d["model_tflops_per_device"] == pytest.approx(model.train / 4 / 1e12)
+    assert d["step_time_lower_bound"] == pytest.approx(max(model.train / 4 / 197e12,
+                                                           p.train.traffic / 819e9))
+    assert d["recompute_factor"] is None and p.train.compiled_flops_note
+    assert "model TFLOPs per step (all devices)" in text and "compiled FLOPs not shown" in text
+    assert "197 TFLOP/s and 819 GB/s per device" in text
 
     # The host's CPU devices are untouched: the rest of the suite still runs on them.
     assert jax.devices()[0].platform == "cpu" and len(jax.devices()) == 8
@@ -125,3 +136,24 @@ def test_out_of_memory_message_gives_the_bytes_needed():
     vmem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. "
             "Used 270.51M of 128.00M vmem. Exceeded vmem capacity by 142.51M.")
     assert plan._needed_bytes(vmem) is None   # a kernel's on-chip scratch, not the step's HBM
+
+
+def test_compiled_flops_give_the_recompute_factor_where_xla_counts_the_whole_step():
+    """On this machine's CPU, a step without loops or kernels (unscanned, dense loss, einsum attention):
+    XLA's count is the model's plus what the model count leaves out (the einsum attention computes the
+    whole T x T square, RoPE's permutation matmul, ...); with remat 'full' the forward runs again."""
+    overrides = ["--config.train.loss_impl=dense", "--config.model.attention=xla"]
+    target = targets.resolve("cpu")
+    factors = {}
+    for remat in ("none", "full"):
+        config = load_config(TINY, overrides + [f"--config.model.remat={remat}"])
+        p = plan.plan_config(config, target, name="tiny", global_batch_size=len(target.devices),
+                             with_eval=False)
+        assert p.flops.train == flops.step_flops(model_config(config), p.global_batch_size, 128).train
+        factors[remat] = p.recompute_factor
+    assert 1.0 < factors["none"] < 1.3, factors
+    # 'full' recomputes each block's forward in the backward: up to 4/3 of the block's matmuls more.
+    assert factors["none"] * 1.1 < factors["full"] < factors["none"] * 4 / 3 + 0.05, factors
+    looped = plan.plan_config(load_config(TINY, ["--config.model.scan_layers=True"]), target, name="tiny",
+                              global_batch_size=len(target.devices), with_eval=False)
+    assert looped.recompute_factor is None and "loop" in looped.train.compiled_flops_note

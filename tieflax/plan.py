@@ -45,6 +45,11 @@ class StepMemory:
     cpu_seconds: float            # CPU time of this process meanwhile (all threads): load-independent
     largest: list                 # tieflax.hlo_buffers.Buffer, biggest temporaries first
     out_of_memory: str = ""       # the compiler's message when it refused
+    all_outputs: int | None = None  # every output, aliased or not (what the step writes back)
+    # FLOPs per device of the compiled program (XLA's cost_analysis), None where it cannot be read as
+    # the whole step: XLA counts the body of a loop (a scan over layers, a chunked MLP) once.
+    compiled_flops: float | None = None
+    compiled_flops_note: str = ""
 
     @property
     def total(self) -> int | None:
@@ -57,6 +62,13 @@ class StepMemory:
         d["total"] = self.total
         d["largest"] = [b.as_dict() for b in self.largest]
         return d
+
+    @property
+    def traffic(self) -> int | None:
+        """HBM bytes the step must move at the least: read every argument once, write every output once."""
+        if self.arguments is None:
+            return None
+        return self.arguments + (self.all_outputs if self.all_outputs is not None else self.outputs or 0)
 
 
 @dataclasses.dataclass
@@ -73,6 +85,7 @@ class Plan:
     batch: int                    # bytes per device of one batch
     train: StepMemory
     eval: StepMemory | None
+    flops: Any = None             # tieflax.flops.StepFlops of the train step (the whole batch)
 
     @property
     def usable(self) -> int:
@@ -89,12 +102,37 @@ class Plan:
         total = self.train.total
         return None if total is None else 1.0 - total / self.usable
 
+    @property
+    def model_flops_per_device(self) -> float:
+        return self.flops.per_device(self.target.num_devices)
+
+    @property
+    def recompute_factor(self) -> float | None:
+        """Compiled FLOPs over model FLOPs per device (remat, RoPE's permutation, the loss's recomputed
+        tiles...), where XLA reports the whole step's FLOPs (no loops, no kernels); else None."""
+        compiled = self.train.compiled_flops
+        return None if compiled is None else compiled / self.model_flops_per_device
+
+    @property
+    def step_time_lower_bound(self) -> float | None:
+        """Seconds per step at the least on one device: model FLOPs at peak FLOP/s, or the step's minimum
+        HBM traffic (read the arguments, write the outputs) at peak bandwidth. None without a peak."""
+        from tieflax.flops import step_time_lower_bound  # noqa: PLC0415
+
+        return step_time_lower_bound(self.model_flops_per_device, self.train.traffic or 0, self.target.peak)
+
     def as_dict(self) -> dict[str, Any]:
         return dict(name=self.name, tied=self.tied, target=self.target.as_dict(), mesh=self.mesh,
                     global_batch_size=self.global_batch_size, seq_len=self.seq_len, params=self.params,
                     optimizer_state=self.optimizer_state, batch=self.batch, fits=self.fits,
                     headroom=self.headroom, train=self.train.as_dict(),
-                    eval=self.eval.as_dict() if self.eval else None)
+                    eval=self.eval.as_dict() if self.eval else None,
+                    model_tflops_per_step=self.flops.train / 1e12,
+                    model_tflops_per_device=self.model_flops_per_device / 1e12,
+                    model_tflops_terms={k: 3 * v / 1e12 for k, v in
+                                        {**self.flops.weights, "attention": self.flops.attention}.items()},
+                    recompute_factor=self.recompute_factor,
+                    step_time_lower_bound=self.step_time_lower_bound)
 
 
 # ================================================================================================ planning
@@ -114,6 +152,7 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
 
     from tieflax import sharding as shd  # noqa: PLC0415
     from tieflax import train  # noqa: PLC0415
+    from tieflax.flops import step_flops  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415
 
     config = config.copy_and_resolve_references()  # the caller's config stays as given
@@ -151,7 +190,8 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
                 params=_shard_bytes(s.abstract_state["params"]),
                 optimizer_state=_shard_bytes(s.abstract_state["opt_state"]) + _shard_bytes(
                     s.abstract_state["step"]),
-                batch=_shard_bytes(batch), train=train_memory, eval=eval_memory)
+                batch=_shard_bytes(batch), train=train_memory, eval=eval_memory,
+                flops=step_flops(mc, t.global_batch_size, t.seq_len))
 
 
 def plan_variants(config: ml_collections.ConfigDict, target: Target, tie: str = "config",
@@ -202,10 +242,36 @@ def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, 
                               largest=largest_temporaries(folder), out_of_memory=_first_line(str(e)))
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         m = compiled.memory_analysis()
+        flops, note = _compiled_flops(compiled)
         return StepMemory(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
                           outputs=max(m.output_size_in_bytes - m.alias_size_in_bytes, 0),
                           generated_code=m.generated_code_size_in_bytes, compile_seconds=seconds,
-                          cpu_seconds=cpu, largest=largest_temporaries(folder))
+                          cpu_seconds=cpu, largest=largest_temporaries(folder),
+                          all_outputs=m.output_size_in_bytes, compiled_flops=flops, compiled_flops_note=note)
+
+
+def _compiled_flops(compiled) -> tuple[float | None, str]:
+    """(FLOPs per device, '') from XLA's cost analysis, or (None, why not).
+
+    XLA's cost analysis counts the body of a while loop once, whatever its trip count, so a program with
+    loops (scanned layers, the chunked MLP, the fused loss's blocks) reports a fraction of its work; a
+    custom call (a Pallas kernel: splash attention, the loss on TPU) counts nothing. Only a program with
+    neither is read as the whole step.
+    """
+    try:
+        text = compiled.as_text()
+        cost = compiled.cost_analysis()
+    except Exception as e:  # noqa: BLE001 (not every backend implements both)
+        return None, f"no cost analysis ({type(e).__name__})"
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    if not cost or "flops" not in cost:
+        return None, "no cost analysis"
+    if re.search(r"\bwhile\(", text):
+        return None, "loops: XLA counts a loop body once"
+    if "custom_call_target=\"tpu_custom_call\"" in text or "__gpu$xla.gpu.triton" in text:
+        return None, "Pallas kernels: XLA does not count them"
+    return float(cost["flops"]), ""
 
 
 def _needed_bytes(message: str) -> int | None:
@@ -266,10 +332,25 @@ def format_report(plans: list[Plan]) -> str:
     lines.append(row(f"usable memory ({p0.target.chip})", [usable for _ in plans]))
     lines.append(row("left for the train step", [p.headroom for p in plans],
                      fmt=lambda h: "-" if h is None else f"{h:.0%}"))
+    lines.append(row("model TFLOPs per step (all devices)", [p.flops.train / 1e12 for p in plans], fmt=_tflops))
+    lines.append(row("model TFLOPs per device", [p.model_flops_per_device / 1e12 for p in plans], fmt=_tflops))
+    lines.append(row("compiled / model FLOPs", [p.recompute_factor for p in plans],
+                     fmt=lambda v: "-" if v is None else f"{v:.2f}x"))
+    peak = p0.target.peak
+    lines.append(row("step time, lower bound per device", [p.step_time_lower_bound for p in plans],
+                     fmt=lambda v: "-" if v is None else (f"{v:.3f} s" if v >= 0.1 else f"{v * 1e3:.2f} ms")))
     steps = lambda p: [p.train] + ([p.eval] if p.eval else [])  # noqa: E731
     lines.append(row("compile time, wall (CPU)", [
         (sum(s.compile_seconds for s in steps(p)), sum(s.cpu_seconds for s in steps(p))) for p in plans],
         fmt=lambda t: f"{t[0]:.0f} s ({t[1]:.0f} s)"))
+    lines.append("  model FLOPs: 6 x weights x tokens (head included, the input lookup not: tied = untied) + "
+                 "causal attention, tieflax/flops.py" + ("" if peak is None else
+                 f"; lower bound at {peak.flops / 1e12:.0f} TFLOP/s and {peak.hbm_bytes_per_second / 1e9:,.0f}"
+                 " GB/s per device"))
+    notes = {p.train.compiled_flops_note for p in plans if p.recompute_factor is None and
+             p.train.compiled_flops_note}
+    if notes:
+        lines.append("  compiled FLOPs not shown: " + "; ".join(sorted(notes)))
     for p in plans:
         label = "tied" if p.tied else "untied"
         verdict = _verdict(p)
@@ -279,6 +360,10 @@ def format_report(plans: list[Plan]) -> str:
             for b in p.train.largest[:5 if not p.fits else 3]:
                 lines.append(f"    {gib(b.bytes):>10} {b.shape} x{b.count}  {b.op}")
     return "\n".join(lines)
+
+
+def _tflops(v: float) -> str:
+    return f"{v:,.1f}" if v >= 1 else f"{v:.2e}"
 
 
 def _verdict(p: Plan) -> str:
