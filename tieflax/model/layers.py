@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from tieflax.model.config import ModelConfig
+from tieflax.model.kv_cache import cached_attention
 from tieflax.model.remat import LAYER_INPUT
 from tieflax.ops.attention import attention
 
@@ -139,7 +140,9 @@ class Attention(nn.Module):
     mesh: Optional[Mesh] = None
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
+    def __call__(self, x: Array, positions: Array, segment_ids: Array, kv_cache: Optional[tuple] = None):
+        """-> [B, T, d]; with ``kv_cache`` = (this layer's {'k', 'v'}, the cache, see
+        ``tieflax.model.kv_cache``) -> ([B, T, d], the layer's updated {'k', 'v'}) (generation)."""
         c = self.config
         h, kvh, dh = c.n_heads, c.kv_heads, c.dim_per_head
 
@@ -155,11 +158,19 @@ class Attention(nn.Module):
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
         window = c.sliding_window if c.is_local_attention_layer(self.layer) else 0
-        out = attention(q, k, v, segment_ids, scale=(c.query_pre_attn_scalar or dh) ** -0.5,
-                        softcap=c.attn_softcap, window=window, implementation=c.attention, mesh=self.mesh)
+        scale = (c.query_pre_attn_scalar or dh) ** -0.5
+        if kv_cache is None:
+            out = attention(q, k, v, segment_ids, scale=scale, softcap=c.attn_softcap, window=window,
+                            implementation=c.attention, mesh=self.mesh)
+        else:
+            layer, cache = kv_cache
+            out, layer = cached_attention(q, k, v, layer, positions=positions, slot_positions=cache["positions"],
+                                          slot_valid=cache["valid"], index=cache["index"], scale=scale,
+                                          softcap=c.attn_softcap, window=window)
         out = nn.with_logical_constraint(out, BTHD)
-        return Projection((h, dh, c.d_model), ("heads", "head_dim", "embed"), "bthk,hkd->btd",
-                          use_bias=c.attn_out_bias, config=c, name="out")(out)
+        out = Projection((h, dh, c.d_model), ("heads", "head_dim", "embed"), "bthk,hkd->btd",
+                         use_bias=c.attn_out_bias, config=c, name="out")(out)
+        return out if kv_cache is None else (out, layer)
 
 
 class Projection(nn.Module):
@@ -281,11 +292,14 @@ class Block(nn.Module):
     mesh: Optional[Mesh] = None  # passed to the attention kernel
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
+    def __call__(self, x: Array, positions: Array, segment_ids: Array, kv_cache: Optional[tuple] = None):
+        """-> x [B, T, d]; with ``kv_cache`` (see ``Attention``) -> (x, the layer's updated {'k', 'v'})."""
         c = self.config
         x = checkpoint_name(x, LAYER_INPUT)  # what every remat policy keeps; may be offloaded (model/remat.py)
         y = Attention(c, self.layer, mesh=self.mesh, name="attn")(Norm(c, name="attn_norm")(x), positions,
-                                                                  segment_ids)
+                                                                  segment_ids, kv_cache)
+        if kv_cache is not None:
+            y, layer = y
         y = checkpoint_name(y, "out_proj")  # the attention's output projection, for the remat policies
         if c.sandwich_norms:
             y = Norm(c, name="attn_post_norm")(y)
@@ -293,4 +307,5 @@ class Block(nn.Module):
         y = checkpoint_name(Mlp(c, name="mlp")(Norm(c, name="mlp_norm")(x)), "mlpwo")
         if c.sandwich_norms:
             y = Norm(c, name="mlp_post_norm")(y)
-        return nn.with_logical_constraint(x + y, BTD)
+        x = nn.with_logical_constraint(x + y, BTD)
+        return x if kv_cache is None else (x, layer)

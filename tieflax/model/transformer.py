@@ -5,6 +5,8 @@ Three ways to run it (``model.apply(variables, tokens, method=...)``):
 * ``__call__`` -> logits [B, T, V_pad]: dense, for evaluation and generation at small vocabularies.
 * ``features`` -> (hidden [B, T, d], head weight [V_pad, d], head bias [V_pad] or None): everything the
   fused loss needs, with no logits.
+* ``decode`` -> (logits [B, t, V_pad], cache): t new tokens over a static key/value cache (generation;
+  ``tieflax.model.kv_cache``, driven by ``tieflax.eval.decode``).
 * ``loss`` -> (loss per token [B, T] fp32, aux): the fused, blockwise cross-entropy from ``features``;
   tied and untied models share this one code path.
 
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from tieflax.model import kv_cache
 from tieflax.model.config import ModelConfig
 from tieflax.model.embedding import EMBED_AXES, Embed, LMHead
 from tieflax.model.layout import LAYERS_AXIS
@@ -131,6 +134,30 @@ class TransformerLM(nn.Module):
         logits = self.lm_head(self.hidden_states(tokens, positions, segment_ids), self.head_bias_or_none())
         valid = jnp.arange(c.padded_vocab) < c.vocab_size
         return jnp.where(valid, logits, -jnp.inf)
+
+    def decode(self, tokens: Array, positions: Array, valid: Array, cache: dict) -> tuple[Array, dict]:
+        """Generation with a static key/value cache (``tieflax.model.kv_cache``), per-layer params only.
+
+        tokens, positions [B, t] int32, valid [B, t] bool (False for left padding): t new tokens, written
+        at the cache's ``index`` (t = prompt length for the prefill, then 1 per step).
+        Returns (logits [B, t, V_pad] as ``__call__``, padded rows -inf; the updated cache).
+        """
+        c = self.config
+        if c.scan_layers:
+            raise ValueError("decode runs per-layer parameters: unstack scanned ones first "
+                             "(tieflax.model.layout.unstack_layers, config.replace(scan_layers=False))")
+        cache = kv_cache.write_slots(cache, positions, valid)
+        x = self.embed(tokens)
+        if c.position == "learned":
+            x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
+        x = nn.with_logical_constraint(x, BTD)
+        layers = []
+        for block, layer in zip(self.blocks, cache["layers"]):
+            x, layer = block(x, positions, None, (layer, cache))
+            layers.append(layer)
+        logits = self.lm_head(self.final_norm(x), self.head_bias_or_none())
+        logits = jnp.where(jnp.arange(c.padded_vocab) < c.vocab_size, logits, -jnp.inf)
+        return logits, kv_cache.advance({**cache, "layers": layers}, tokens.shape[1])
 
     def loss(self, tokens: Array, targets: Array, positions: Optional[Array] = None,
              segment_ids: Optional[Array] = None, **loss_options: Any) -> tuple[Array, dict]:
