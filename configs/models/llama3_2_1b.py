@@ -27,8 +27,13 @@ def get_config():
         rope_high_freq_factor=4.0,
         rope_original_max_len=8192,
         tie_embeddings=True,
-        scan_layers=True,    # pod defaults: one compiled layer, stacked params
+        dtype='bfloat16',    # pod defaults: bf16 compute, fp32 parameters and Adam state
+        param_dtype='float32',
+        scan_layers=True,    # one compiled layer, stacked params
         remat='full',        # the least memory; see benchmarks/README.md for the others
         mlp_chunk=1024,      # the MLP 1024 tokens at a time: a long sequence's widest activations shrink
     )
+    # FSDP over all chips (MaxText's default mesh): parameters and Adam state sharded, gathered a layer
+    # at a time by the scan. Pure data parallelism would replicate them on every chip.
+    config.mesh.update(data=1, fsdp=-1, tensor=1)
     return config
