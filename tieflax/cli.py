@@ -26,6 +26,7 @@ COMMANDS = {
     "sweep": "tieflax.commands.sweep",
     "convert": "tieflax.commands.convert",
     "plan": "tieflax.commands.plan",
+    "evaluate": "tieflax.commands.evaluate", "sample": "tieflax.commands.sample",
 }
 
 HELP = {
@@ -37,6 +38,7 @@ HELP = {
     "sweep": "tied vs untied across model sizes: loss-vs-parameters curves and the crossover estimate",
     "convert": "Hugging Face import/export, and tie/untie surgery on checkpoints",
     "plan": "per-device memory of the train step on a TPU pod or GPU server, compiled from this machine",
+    "evaluate": "lm-evaluation-harness tasks on a checkpoint", "sample": "generate text from a checkpoint",
 }
 
 

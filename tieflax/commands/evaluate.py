@@ -1,0 +1,39 @@
+"""``tieflax evaluate --workdir RUN --tasks T1,T2``: lm-evaluation-harness tasks on a run's checkpoint.
+
+The run's latest checkpoint (or ``--step N``) is scored on its mesh through ``tieflax.eval.harness``
+(loglikelihood, rolling loglikelihood and generation with a KV cache). Prints lm-eval's results table;
+``--output DIR`` writes lm-eval's own results file (and with ``--log-samples`` its per-task samples
+files), exactly as ``lm_eval --output_path DIR --log_samples`` would. Tasks come from lm-eval's registry
+or from YAML files under ``--include-path DIR`` (offline: set HF_DATASETS_OFFLINE=1 and use local data).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "lm-evaluation-harness tasks (MMLU, HellaSwag, local YAMLs) on a run's checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workdir", required=True, help="a run folder written by `tieflax train`")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
+    parser.add_argument("--include-path", default=None, help="a folder of extra task YAML files")
+    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")
+    parser.add_argument("--limit", type=float, default=None, help="items per task (a fraction if < 1)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per generation batch")
+    parser.add_argument("--token-budget", type=int, default=4096,
+                        help="tokens per loglikelihood batch (rows = budget / padded length)")
+    parser.add_argument("--log-samples", action="store_true", help="keep per-sample records (with --output)")
+    parser.add_argument("--output", default=None, help="folder for lm-eval's results (and samples) files")
+    parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of sampled generations")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tieflax.eval.tasks import evaluate_workdir  # noqa: PLC0415
+
+    evaluate_workdir(args.workdir, tasks=args.tasks.split(","), include_path=args.include_path,
+                     num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
+                     token_budget=args.token_budget, log_samples=args.log_samples, output=args.output,
+                     step=args.step, seed=args.seed, show=True)
+    return 0

@@ -1,0 +1,36 @@
+"""``tieflax sample --workdir RUN --prompt TEXT``: continue a prompt with a run's checkpoint (KV cache).
+
+Greedy by default; ``--temperature T`` samples, reproducibly for a given ``--seed``. Stops at the run's
+EOS token or after ``--max-new-tokens``. Prints the continuation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "generate text from a checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workdir", required=True, help="a run folder written by `tieflax train`")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tieflax.eval.decode import EvalError  # noqa: PLC0415
+    from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
+
+    if args.max_new_tokens < 1 or args.temperature < 0:
+        raise EvalError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    lm = TieflaxLM.from_workdir(args.workdir, step=args.step, batch_size=1)
+    shards = lm.shards
+    prompt = lm.tok_encode(args.prompt) or [lm.prefix_token_id]
+    out = lm.generator.generate(lm.generator.layer_params(lm.params), [prompt] * shards,
+                                max_new_tokens=args.max_new_tokens, stop_ids=(lm.eot_token_id,),
+                                temperature=args.temperature, seed=args.seed)
+    print(lm.tok_decode(out.tokens[0, :out.lengths[0]].tolist()))
+    return 0
