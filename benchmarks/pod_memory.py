@@ -9,8 +9,9 @@ Cases: Gemma-2B on v5e:4x4 (16 chips) and Llama-3-8B on v5p:4x4x4 (64 chips), on
 mesh MaxText picks: ``ici_fsdp_parallelism=-1``, every other axis 1).
 
 - tieflax: ``tieflax plan --no-eval --json`` (the real train step), tied and untied, each in its own
-  process with ``TIEFLAX_OVERRIDES``; the published config as it is (``mlp_chunk=1024``), and with
-  ``offload_layer_inputs=True`` (each layer's saved input in host memory; ``--variants`` picks).
+  process; the published config as it is (its own defaults: bf16 compute, FSDP over all chips, scanned
+  layers, remat 'full', ``mlp_chunk=1024``), and with ``offload_layer_inputs=True`` (each layer's saved
+  input in host memory; ``--variants`` picks).
 - MaxText: ``python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=...
   per_device_batch_size=1 max_target_length=...`` with its defaults (scanned layers, remat 'full',
   attention chosen by MaxText) and with ``num_vocab_tiling=16``; its log's ``Memory analysis`` line gives
@@ -19,7 +20,10 @@ mesh MaxText picks: ``ici_fsdp_parallelism=-1``, every other axis 1).
 
 Per chip: arguments (parameters + optimizer state + batch), temporaries (``temp_size_in_bytes``), and
 compile time of the whole process (wall; CPU time of the process and its threads, which a loaded
-machine distorts less). Prints a Markdown table and one JSON line.
+machine distorts less); model TFLOPs per step per chip, tieflax's (``tieflax/flops.py``) beside
+MaxText's own count (``calculate_tflops_training_per_device``, re-derived in ``tieflax.flops`` with
+MaxText's model config, e.g. its gemma-2b vocabulary of 256,128). Prints a Markdown table and one JSON
+line.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "benchmarks", "README.md")
 GIB = 1 << 30
-# What a pod run sets beyond sequence length, batch and mesh (attention is auto: splash on TPU).
-TIEFLAX_OVERRIDES = ["--config.model.dtype=bfloat16", "--config.model.remat=full",
-                     "--config.model.scan_layers=True"]
-MESH = ["--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1"]
+# The published configs carry the pod defaults (bf16 compute, FSDP over all chips, scanned layers, remat
+# 'full'; attention auto = splash on TPU): only the sequence length is given.
+TIEFLAX_OVERRIDES: list[str] = []
+MESH: list[str] = []
 MAXTEXT_VARIANTS = {
     "default": [],
     "num_vocab_tiling=16": ["num_vocab_tiling=16"],
@@ -58,11 +62,12 @@ class Case:
     topology: str            # tieflax's name
     maxtext_model: str
     maxtext_topology: str    # MaxText's name for the same slice
+    maxtext_vocab: int       # its model config's vocab_size (what its FLOPs count uses)
 
 
 CASES = {
-    "gemma_2b": Case("configs/models/gemma_2b.py", "v5e:4x4", "gemma-2b", "v5e-16"),
-    "llama3_8b": Case("configs/models/llama3_8b.py", "v5p:4x4x4", "llama3-8b", "v5p-128"),
+    "gemma_2b": Case("configs/models/gemma_2b.py", "v5e:4x4", "gemma-2b", "v5e-16", 256128),
+    "llama3_8b": Case("configs/models/llama3_8b.py", "v5p:4x4x4", "llama3-8b", "v5p-128", 128256),
 }
 
 
@@ -75,6 +80,7 @@ class Figures:
     cpu_seconds: float
     mesh: str = ""
     note: str = ""
+    tflops: float | None = None   # model TFLOPs per step per chip, by the tool's own count
 
 
 def _timed(cmd: list[str], env: dict, log_path: str | None = None) -> tuple[subprocess.CompletedProcess,
@@ -106,7 +112,7 @@ def run_tieflax(case: Case, seq_len: int, tied: bool, extra: list[str], variant:
     note = "" if d["fits"] else "does not fit"
     label = f"tieflax {'tied' if tied else 'untied'}" + ("" if variant == "config" else f", {variant}")
     return Figures(label, train["arguments"], train["temporaries"],
-                   wall, cpu, mesh, note)
+                   wall, cpu, mesh, note, d.get("model_tflops_per_device"))
 
 
 def run_maxtext(python: str, case: Case, seq_len: int, variant: str, log_dir: str) -> Figures:
@@ -169,6 +175,15 @@ def recorded_row(model: str, seq_len: int, variant: str, f: Figures) -> str:
             f"| {f.cpu_seconds:.0f} s | {f.mesh} |")
 
 
+def maxtext_tflops(case: Case, seq_len: int) -> float:
+    """MaxText's count for its model, one sequence per chip (what its training log prints)."""
+    from tieflax.config import load_config, model_config  # noqa: PLC0415
+    from tieflax.flops import maxtext_tflops_per_device  # noqa: PLC0415
+
+    c = model_config(load_config(os.path.join(ROOT, case.config)))
+    return maxtext_tflops_per_device(c, 1, seq_len, vocab_size=case.maxtext_vocab)["total"]
+
+
 def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
@@ -214,15 +229,17 @@ def main() -> None:
             else:
                 f = recorded.get((model, str(args.seq_len), variant))
             if f:
+                f.tflops = maxtext_tflops(case, args.seq_len)
                 figures.append(f)
         for f in figures:
+            tflops = "-" if f.tflops is None else f"{f.tflops:.1f}"
             rows.append(f"| {model} | {case.topology} | {f.tool} | {gib(f.temporaries)} | {gib(f.arguments)} | "
-                        f"{f.wall_seconds:.0f} s | {f.cpu_seconds:.0f} s | {f.mesh} | {f.note} |")
+                        f"{tflops} | {f.wall_seconds:.0f} s | {f.cpu_seconds:.0f} s | {f.mesh} | {f.note} |")
             results.append(dict(model=model, topology=case.topology, seq_len=args.seq_len,
                                 **dataclasses.asdict(f)))
     print(f"Per chip, T = {args.seq_len}, one sequence per chip (GiB; compile = the whole process)\n")
-    print("| model | topology | tool | temporaries | arguments | compile wall | compile CPU | mesh | |")
-    print("|---|---|---|---:|---:|---:|---:|---|---|")
+    print("| model | topology | tool | temporaries | arguments | model TFLOPs | compile wall | compile CPU | mesh | |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---|")
     print("\n".join(rows))
     if record_lines:
         print(f"\nMaxText rows for benchmarks/README.md ({maxtext_versions(args.maxtext)}):")
