@@ -7,3 +7,27 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A Cloud Storage protocol server on 127.0.0.1 for the session (``tests/object_store.py``); the
+    standard variables point gcsfs, google-cloud-storage and tensorstore at it, here and in
+    subprocesses. ``gcs.new_bucket()`` returns a fresh ``gs://`` bucket."""
+    from object_store import GcsServer  # noqa: PLC0415
+
+    server = GcsServer()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,86 @@
+"""Object-store servers for the tests, on 127.0.0.1 only, each started once per test session.
+
+``GcsServer`` runs ``tests/gcs_emulator.py`` (gcp-storage-emulator with Cloud Storage's generation
+preconditions) in a subprocess and points every client at it through the standard variables:
+``STORAGE_EMULATOR_HOST`` (gcsfs, google-cloud-storage), ``TENSORSTORE_GCS_HTTP_URL`` and
+``GOOGLE_AUTH_TOKEN_FOR_TESTING`` (tensorstore). Subprocesses the tests start inherit them.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.time() > deadline:
+                raise TimeoutError(f"no server answered at {url} within {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+class GcsServer:
+    """The emulator in a subprocess; ``env`` holds the variables that point clients at it."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_emulator.py"),
+                                         "--port", str(self.port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(self.url + "/")
+        except TimeoutError:
+            self.process.kill()
+            raise
+        self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
+                    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "GOOGLE_CLOUD_PROJECT": "test"}
+
+    def new_bucket(self, prefix: str = "tieflax") -> str:
+        """Creates a fresh bucket; returns ``gs://<name>``."""
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", method="POST",
+                                         data=json.dumps({"name": name}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+        return f"gs://{name}"
+
+    def objects(self, bucket_url: str, prefix: str = "") -> list[str]:
+        """Every object name under ``prefix`` in the bucket (JSON API listing, paged)."""
+        bucket = bucket_url.split("://", 1)[1].split("/", 1)[0]
+        names, token = [], None
+        while True:
+            query = f"prefix={urllib.parse.quote(prefix)}" + (f"&pageToken={token}" if token else "")
+            with urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=10) as r:
+                page = json.load(r)
+            names += [item["name"] for item in page.get("items", [])]
+            token = page.get("nextPageToken")
+            if not token:
+                return names
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+

@@ -1,0 +1,76 @@
+"""tieflax.storage: one path layer for local folders and Cloud Storage (against a real protocol server)."""
+
+import os
+
+import pytest
+
+from tieflax import storage
+
+
+def test_resolve_refuses_what_would_become_a_local_folder(tmp_path):
+    assert storage.resolve("gs://b/run/") == "gs://b/run"
+    assert storage.resolve("s3://b//a/b") == "s3://b/a/b"
+    assert storage.resolve(tmp_path / "x") == str(tmp_path / "x")
+    for bad, says in (("gs:/b/run", "slash missing"), ("http://h/x", "not supported"), ("gs://", "no bucket"),
+                      ("gs://b/../x", "'..'")):
+        with pytest.raises(storage.StorageError, match=says):
+            storage.resolve(bad)
+
+
+def test_join_parent_name():
+    assert storage.join("gs://b/run", "checkpoints", "1") == "gs://b/run/checkpoints/1"
+    assert storage.parent("gs://b/run/config.json") == "gs://b/run"
+    assert storage.name("gs://b/run/config.json") == "config.json"
+    assert storage.parent("gs://b") == "gs://b"
+
+
+def _roundtrip(root):
+    path = storage.join(root, "sub", "a.json")
+    assert not storage.exists(path)
+    storage.write_text(path, "one")
+    assert storage.read_text(path) == "one" and storage.is_file(path) and storage.is_dir(storage.parent(path))
+    storage.write_text(path, "two")  # whole-object replace
+    assert storage.read_text(path) == "two"
+    assert storage.create_new(storage.join(root, "claim"), b"first")
+    assert not storage.create_new(storage.join(root, "claim"), b"second")
+    assert storage.read_bytes(storage.join(root, "claim")) == b"first"
+    storage.write_bytes(storage.join(root, "sub", "b.bin"), b"\x00\x01")
+    assert storage.listdir(storage.join(root, "sub")) == ["a.json", "b.bin"]
+    assert storage.glob(storage.join(root, "sub", "*.json")) == [path]
+    assert storage.glob(storage.join(root, "**", "*.bin")) == [storage.join(root, "sub", "b.bin")]
+    data, stamp = storage.read_with_stamp(path)
+    assert data == b"two"
+    new = storage.compare_and_set(path, b"three", stamp)
+    assert new is not None and storage.read_text(path) == "three"
+    assert storage.compare_and_set(path, b"four", stamp) is None, "a stale generation must not write"
+    assert storage.read_text(path) == "three"
+    storage.rmtree(storage.join(root, "sub"))
+    assert storage.listdir(storage.join(root, "sub")) == []
+    storage.delete(storage.join(root, "claim"))
+    assert not storage.exists(storage.join(root, "claim"))
+
+
+def test_local_roundtrip(tmp_path):
+    _roundtrip(str(tmp_path))
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_gcs_roundtrip(gcs):
+    _roundtrip(gcs.new_bucket() + "/prefix")
+
+
+def test_gcs_create_new_has_one_winner(gcs):
+    """Two writers racing for one object: exactly one create succeeds (the emulator enforces
+    ifGenerationMatch=0 as Cloud Storage does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = gcs.new_bucket() + "/run/claim"
+    with ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(lambda i: storage.create_new(path, str(i).encode()), range(8)))
+    assert sum(wins) == 1
+    assert storage.read_text(path) == str(wins.index(True))
+
+
+def test_gcs_missing_bucket_is_one_line(gcs):
+    with pytest.raises(storage.StorageError, match=r"gs://no-such-bucket-x.*does not exist"):
+        storage.check_writable("gs://no-such-bucket-x/run")
