@@ -41,13 +41,15 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tieflax.errors import UserError
+
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 INITIAL_PARAMS_DIR = "initial_params"
 ITEMS = ("state", "data")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the step or folder and what to do."""
 
 

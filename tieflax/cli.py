@@ -8,6 +8,7 @@ light commands such as ``tieflax params``, stay fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import importlib.util
@@ -72,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = list(getattr(args, "overrides", None) or []) + overrides
     debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
+    module = importlib.import_module(args._module)
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
-    except (KeyboardInterrupt, GeneratorExit):
+        with _signals_as_exceptions():
+            return int(module.run(args) or 0)
+    except Interrupted as e:  # SIGTERM/SIGINT outside the trainer's own handling: one line, locks released
+        print(f"tieflax {args.command}: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except GeneratorExit:
         raise
     except BaseException as e:  # noqa: BLE001 (known failures become one line; the rest propagate)
         line = None if debug else one_line(e)
@@ -84,7 +90,54 @@ def main(argv: list[str] | None = None) -> int:
         line = re.sub(rf"^tieflax {args.command}( [^:]*)?: ", lambda m: (m.group(1) or "").strip() + ": "
                       if m.group(1) else "", line)
         print(f"tieflax {args.command}: {line}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, SystemExit) else 1
+        if isinstance(e, SystemExit):
+            return 2
+        # A command may give bad input its own code (plan: 1 means "does not fit", so bad input is 2).
+        return int(getattr(module, "USER_ERROR_CODE", 1))
+
+
+# ------------------------------------------------------------------------------------------- signals
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while a command ran: raised where the program was, so every ``with``
+    block on the way out (the workdir lock, partial folders) is left and cleaned up as on any error.
+    A BaseException, like KeyboardInterrupt, so that ``except Exception`` handlers do not swallow it."""
+
+    def __init__(self, signum: int):
+        import signal  # noqa: PLC0415
+
+        self.code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+        what = signal.Signals(signum).name
+        super().__init__(f"stopped by {what}; the workdir's lock is released and finished work is kept: "
+                         "rerun the same command to continue")
+
+
+@contextlib.contextmanager
+def _signals_as_exceptions():
+    """SIGTERM and SIGINT raise :class:`Interrupted` for the block (in the main thread only). The trainer
+    installs its own SIGTERM handler while it trains (finish the step, checkpoint, return 'preempted')
+    and restores this one afterwards."""
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupted(signum, frame):
+        # Once: a second signal while the first unwinds must not cut the clean-up (lock, partial folder)
+        # short; `kill -9` remains for a clean-up that hangs.
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+        signal.signal(s, raise_interrupted)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # ------------------------------------------------------------------------------------------ failures
@@ -106,20 +159,15 @@ _OS_FIXES = {
 
 def one_line(e: BaseException) -> str | None:
     """``<what> (<file or field>): <fix>`` for a failure of the input or the environment, or None for a
-    failure that is a bug (whose traceback the user should see and report)."""
-    try:
-        from tieflax.checkpoint import CheckpointError  # noqa: PLC0415
-        from tieflax.data.config import DataError  # noqa: PLC0415
-        from tieflax.model.config import ConfigError  # noqa: PLC0415
-        from tieflax.workdir import WorkdirError  # noqa: PLC0415
-    except ImportError:  # a broken installation: the original traceback says more
-        return None
+    failure that is a bug (whose traceback the user should see and report).
 
-    project = (ConfigError, DataError, CheckpointError, WorkdirError)
-    project += tuple(_optional_error_types())
+    The package's own user errors all derive from :class:`tieflax.errors.UserError`; OS errors and the
+    libraries' errors about damaged input files are recognised here."""
+    from tieflax.errors import UserError  # noqa: PLC0415
+
     if isinstance(e, SystemExit):
         return e.code if isinstance(e.code, str) else None
-    if isinstance(e, project):
+    if isinstance(e, UserError):
         return _flat(str(e))
     if isinstance(e, json.JSONDecodeError):
         return _flat(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; the file is damaged: restore "
@@ -133,16 +181,6 @@ def one_line(e: BaseException) -> str | None:
     if type(e).__module__.split(".")[0] in _LIBRARY_MODULES:
         return _flat(f"{type(e).__name__}: {e}") + " (run with --debug for the traceback)"
     return None
-
-
-def _optional_error_types():
-    """Error types of modules that may be absent from a build (each is imported only if present)."""
-    for module, name in (("tieflax.train", "TrainingError"), ("tieflax.metrics", "MetricsFileError"),
-                         ("tieflax.interop.hf", "UnsafeCheckpoint"), ("tieflax.interop.hf", "DamagedCheckpoint"),
-                         ("tieflax.interop.hf_config", "UnsupportedHFConfig"),
-                         ("tieflax.interop.hf_weights", "CheckpointMismatch")):
-        if module in sys.modules:  # only a module that ran can have raised its error
-            yield getattr(sys.modules[module], name)
 
 
 def _flat(text: str, limit: int = 600) -> str:

@@ -57,7 +57,7 @@ def section_with_defaults(config: ml_collections.ConfigDict, name: str,
     if name in config:
         unknown = sorted(set(config[name].keys()) - set(defaults.keys()))
         if unknown:
-            raise ValueError(f"config.{name} has unknown field(s) {unknown}; known: {sorted(defaults.keys())}")
+            raise ConfigError(f"config.{name} has unknown field(s) {unknown}; known: {sorted(defaults.keys())}")
         defaults.update(config[name])
     return defaults
 
@@ -107,7 +107,12 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
     if arg and not inspect.signature(module.get_config).parameters:
         raise ConfigError(f"config file {path!r} has no variants (its get_config() takes no argument): drop "
                           f"':{arg}' from --config")
-    config = module.get_config(arg) if arg else module.get_config()
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except ValueError as e:  # a config file's own refusal (an unknown ':arg'): one line naming the file
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config file {path!r}{':' + arg if arg else ''}: {e}") from None
     for item in overrides:
         apply_override(config, item)
     if "train" in config and "data" in config:

@@ -14,10 +14,12 @@ import math
 import os
 from typing import Mapping
 
+from tieflax.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 
 
-class MetricsFileError(ValueError):
+class MetricsFileError(UserError, ValueError):
     """``metrics.jsonl`` holds a line that is not JSON; the message names the file, the line and the fix."""
 
 

@@ -26,11 +26,12 @@ from typing import Any, Sequence
 import ml_collections
 
 from tieflax.targets import GIB, Target
+from tieflax.errors import UserError
 
 MIN_HEADROOM = 0.2    # the fraction of memory a pod run should keep free (fragmentation, runtime, eval)
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The config cannot be planned on this target; the message names the field and the fix."""
 
 
@@ -154,6 +155,7 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
     from tieflax import train  # noqa: PLC0415
     from tieflax.flops import step_flops  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415
+    from tieflax.ops.attention import check_platform  # noqa: PLC0415
 
     config = config.copy_and_resolve_references()  # the caller's config stays as given
     if global_batch_size is None:
@@ -164,6 +166,7 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
     except ValueError as e:
         raise PlanError(f"{e} ({target.name} has {target.num_devices} devices)") from None
     mc = model_config(config)
+    check_platform(mc.attention, target.platform)  # before tracing: init traces without the target's mesh
     train.check_fits_mesh(config, mc, dict(zip(shd.MESH_AXES, sizes)), process_count=1)
     mesh = shd.make_mesh(*sizes, devices=list(target.devices))
 

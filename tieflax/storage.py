@@ -32,6 +32,8 @@ import os
 import tempfile
 from typing import Iterator
 
+from tieflax.errors import UserError
+
 # gcsfs >= 2025 first asks a bucket's layout over gRPC (zonal/hierarchical buckets). tieflax needs no
 # feature of those bucket kinds, the plain JSON-API file system reads and writes them all, and the probe
 # logs an error per bucket wherever gRPC is not answered (test servers, some proxies). Set before gcsfs
@@ -41,7 +43,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 REMOTE_SCHEMES = ("gs", "s3")
 
 
-class StorageError(RuntimeError):
+class StorageError(UserError, RuntimeError):
     """A path cannot be used as asked; the message names the path and what to do."""
 
 

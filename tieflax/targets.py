@@ -28,6 +28,8 @@ import re
 import tempfile
 from typing import Any
 
+from tieflax.errors import UserError
+
 GIB = 1 << 30
 
 # generation -> (nominal HBM per device, usable HBM per device as the compiler reports it)
@@ -87,7 +89,7 @@ TPU_EXTRA = "pip install 'tieflax[tpu]'"
 GPU_EXTRA = "pip install 'tieflax[gpu]'"
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """The topology cannot be compiled for here; the message says why and what to install or type."""
 
 

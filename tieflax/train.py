@@ -48,12 +48,13 @@ from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
 from tieflax.model.params import param_report
 from tieflax.optim import make_optimizer
+from tieflax.errors import UserError
 
 log = logging.getLogger(__name__)
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training stopped on purpose (non-finite loss, invalid labels); the message says why and what to do."""
 
 

@@ -21,11 +21,13 @@ import socket
 import sys
 import time
 
+from tieflax.errors import UserError
+
 LOCK_FILE = "tieflax.lock"
 PARTIAL_TAG = ".partial-"
 
 
-class WorkdirError(RuntimeError):
+class WorkdirError(UserError, RuntimeError):
     """The workdir cannot be used as asked; the message names it and what to do."""
 
 

@@ -39,5 +39,5 @@ def get_config(arg: str = ""):
                             lrs=(3e-3, 1e-2), lr_size=0, bootstrap=200)
         t.update(num_steps=4, global_batch_size=8, seq_len=32, warmup_steps=1, log_every=2)
     elif arg:
-        raise ValueError(f"unknown config argument {arg!r}; use '' or 'smoke'")
+        raise ValueError(f"unknown config argument {arg!r}; use '' (the default), 'smoke' or 'pod'")
     return config

@@ -28,6 +28,7 @@ import time
 import ml_collections
 
 from tieflax.config import section_with_defaults
+from tieflax.errors import ConfigValueError
 from tieflax.model.params import param_report
 
 # Variants a user can name; DEFAULT_VARIANTS is what `tieflax compare` trains unless told otherwise.
@@ -67,15 +68,18 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     cc = section_with_defaults(config, "compare", default_compare_config())
     bad = [v for v in cc.variants if v not in VARIANTS]
     if bad or not cc.variants:
-        raise ValueError(f"config.compare.variants = {tuple(cc.variants)}: choose a non-empty subset of {VARIANTS}")
+        what = f"{', '.join(map(repr, bad))} unknown; " if bad else ""
+        raise ConfigValueError(f"config.compare.variants = {tuple(cc.variants)}: {what}choose a non-empty subset "
+                               f"of {VARIANTS}")
     if "tied" not in cc.variants:
-        raise ValueError("config.compare.variants must include 'tied': every comparison is paired against it")
+        raise ConfigValueError(f"config.compare.variants = {tuple(cc.variants)} must include 'tied': every "
+                               "comparison is paired against it; add it, e.g. ('tied', 'untied')")
     if not cc.seeds:
-        raise ValueError("config.compare.seeds is empty: give at least one seed, e.g. (0, 1, 2)")
+        raise ConfigValueError("config.compare.seeds is empty: give at least one seed, e.g. (0, 1, 2)")
     if cc.analysis_points < 1:
-        raise ValueError(f"config.compare.analysis_points = {cc.analysis_points}: must be >= 1")
+        raise ConfigValueError(f"config.compare.analysis_points = {cc.analysis_points}: must be >= 1")
     if cc.grad_batches < 1:
-        raise ValueError(f"config.compare.grad_batches = {cc.grad_batches}: must be >= 1")
+        raise ConfigValueError(f"config.compare.grad_batches = {cc.grad_batches}: must be >= 1")
     return cc
 
 
@@ -99,7 +103,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
     both shapes, both totals and the relative mismatch.
     """
     if strategy not in MATCH_STRATEGIES:
-        raise ValueError(f"match strategy {strategy!r}: choose one of {MATCH_STRATEGIES}")
+        raise ConfigValueError(f"match strategy {strategy!r}: choose one of {MATCH_STRATEGIES}")
     base = mc.replace(tie_embeddings=True, head_init="normal", head_init_std=0.0)
     target = param_report(base).total_tied
     untied = base.replace(tie_embeddings=False)
@@ -107,7 +111,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
         t1, t2 = _untied_total(untied.replace(embed_dim=1)), _untied_total(untied.replace(embed_dim=2))
         e = round((target - t1) / max(t2 - t1, 1)) + 1  # the nearest total (E is coarse: 2 (V + d) a step)
         if e < 1:
-            raise ValueError(f"no embedding width fits the untied model in {target:,} parameters")
+            raise ConfigValueError(f"no embedding width fits the untied model in {target:,} parameters")
         matched = untied.replace(embed_dim=int(e))
         total = _untied_total(matched)
         return matched, dict(strategy=strategy, target_total=target, matched_total=total,
@@ -124,7 +128,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
                 break
             d -= step
         if d <= 0:
-            raise ValueError(f"no untied width of this model fits in {target:,} parameters (the two V x d "
+            raise ConfigValueError(f"no untied width of this model fits in {target:,} parameters (the two V x d "
                              "matrices alone exceed it); use the 'untied_depth' variant or a larger body")
     else:
         layers = mc.n_layers
@@ -132,7 +136,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
         while layers > 0 and _untied_total(cand := untied.replace(n_layers=layers)) > target:
             layers -= 1
         if layers == 0:
-            raise ValueError(
+            raise ConfigValueError(
                 f"an untied model needs {mc.vocab_size * mc.d_model:,} more parameters than the tied one, "
                 f"more than {mc.n_layers} layers hold: even one layer exceeds the tied total {target:,}. "
                 "Use the 'untied_width' or 'untied_matched' variant.")
@@ -234,7 +238,7 @@ def study_data(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collectio
         if cc.val_batches and len(batches) >= cc.val_batches:
             break
     if not batches:
-        raise ValueError("the validation split is empty: raise config.data.val_fraction")
+        raise ConfigValueError("the validation split is empty: raise config.data.val_fraction")
     opener = prepared.bos_id if getattr(prepared, "bos_id", None) is not None else prepared.eos_id
     ids = document_ids(np.concatenate([b["inputs"] for b in batches]), opener)
     doc_ids = np.split(ids, np.cumsum([len(b["inputs"]) for b in batches])[:-1])
@@ -305,9 +309,9 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
 
     is_main = jax.process_index() == 0
     workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    cc = compare_config(config)
+    cc = compare_config(config)  # every config error before anything is written
     variants, match = variant_configs(config)
+    os.makedirs(workdir, exist_ok=True)
     tokenizer = shared_tokenizer(config, workdir)
     runs, data = [], None
     total = len(variants) * len(cc.seeds)

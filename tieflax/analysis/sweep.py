@@ -34,6 +34,7 @@ import numpy as np
 from tieflax.analysis import stats as st
 from tieflax.analysis.jsonable import to_jsonable
 from tieflax.config import section_with_defaults
+from tieflax.errors import ConfigValueError
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
 RESULT = "sweep_result.json"
@@ -54,14 +55,16 @@ def sweep_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     """``config.sweep`` completed with defaults; errors name the field."""
     c = section_with_defaults(config, "sweep", default_sweep_config())
     if not c.sizes or any(len(s) != 4 for s in c.sizes):
-        raise ValueError("config.sweep.sizes must be a non-empty tuple of (d_model, n_layers, d_ff, n_heads)")
+        raise ConfigValueError("config.sweep.sizes must be a non-empty tuple of (d_model, n_layers, d_ff, n_heads)")
     bad = [v for v in c.variants if v not in SWEEP_VARIANTS]
     if bad or "tied" not in c.variants:
-        raise ValueError(f"config.sweep.variants = {tuple(c.variants)}: include 'tied', choose from {SWEEP_VARIANTS}")
+        what = f"{', '.join(map(repr, bad))} unknown; " if bad else "'tied' missing; "
+        raise ConfigValueError(f"config.sweep.variants = {tuple(c.variants)}: {what}include 'tied' and choose "
+                               f"from {SWEEP_VARIANTS}")
     if not c.seeds or not c.lrs:
-        raise ValueError("config.sweep.seeds and config.sweep.lrs must be non-empty")
+        raise ConfigValueError("config.sweep.seeds and config.sweep.lrs must be non-empty")
     if not 0 <= c.lr_size < len(c.sizes):
-        raise ValueError(f"config.sweep.lr_size = {c.lr_size}: an index into config.sweep.sizes "
+        raise ConfigValueError(f"config.sweep.lr_size = {c.lr_size}: an index into config.sweep.sizes "
                          f"(0..{len(c.sizes) - 1})")
     return c
 
@@ -117,9 +120,9 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
     if os.path.isdir(os.path.join(workdir, "runs")) and not resume:
         raise FileExistsError(f"{workdir!r} already holds a sweep; pass --resume to continue it, "
                               "or use a new --workdir")
+    runs = plan(config, sc)  # every variant validated at every size before anything is written
     os.makedirs(workdir, exist_ok=True)
     tokenizer = shared_tokenizer(config, workdir)
-    runs = plan(config, sc)
     best: dict[str, float] = {}
     done, t0 = [], time.perf_counter()
     for k, r in enumerate(runs):

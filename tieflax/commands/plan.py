@@ -16,6 +16,7 @@ import os
 import sys
 
 HELP = "per-device memory of a config's train step on a TPU pod or GPU server, compiled here"
+USER_ERROR_CODE = 2  # exit codes: 0 fits, 1 does not fit, 2 bad input (config, topology, mesh, --xla-dump)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     except targets.TargetError as e:
         print(f"tieflax plan: {e}", file=sys.stderr)
         return 2
+    if args.xla_dump:
+        _check_dump_dir(args.xla_dump)
     progress = None if args.json else (lambda text: print(text + " ...", file=sys.stderr, flush=True))
     name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
     plans = plan.plan_variants(config, target, tie=args.tie, name=name,
@@ -55,3 +58,21 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan.format_report(plans))
     return 0 if all(p.fits for p in plans) else 1
+
+
+def _check_dump_dir(folder: str) -> None:
+    """Before compiling: XLA writes its dump with plain file calls and, when it cannot, logs an error per
+    file and goes on (the largest-temporaries table, read from the dump, would be missing)."""
+    from tieflax.plan import PlanError  # noqa: PLC0415
+
+    if "://" in folder:
+        raise PlanError(f"--xla-dump {folder}: XLA writes its dump to a local folder only; give a local path")
+    probe = os.path.join(folder, f".tieflax-probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        raise PlanError(f"--xla-dump {folder} is not a writable folder ({e.strerror or e}): choose a folder "
+                        "you can write, or leave --xla-dump out") from None

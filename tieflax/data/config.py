@@ -9,10 +9,12 @@ from __future__ import annotations
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from tieflax.errors import UserError
+
 SOURCES = ("kjv", "python_stdlib", "files", "hf", "tokens")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A bad data input or setting. The message names the input or config field and the fix."""
 
 

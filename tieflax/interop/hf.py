@@ -24,6 +24,7 @@ import numpy as np
 from tieflax.interop.hf_config import config_from_hf, config_to_hf
 from tieflax.interop.hf_weights import params_from_state, state_from_params
 from tieflax.model.config import ModelConfig
+from tieflax.errors import UserError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -34,11 +35,11 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "vocab.json", "merges.txt", "generation_config.json")
 
 
-class UnsafeCheckpoint(ValueError):
+class UnsafeCheckpoint(UserError, ValueError):
     """The folder holds pickled weights only; loading pickles can execute code."""
 
 
-class DamagedCheckpoint(ValueError):
+class DamagedCheckpoint(UserError, ValueError):
     """A file of the checkpoint cannot be parsed (truncated, zeroed); the message names it."""
 
 

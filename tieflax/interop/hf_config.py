@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from tieflax.model.config import ModelConfig
+from tieflax.errors import UserError
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt2")
 
@@ -55,7 +56,7 @@ NOT_IN_CHECKPOINTS = ("vocab_pad_multiple", "init_std", "embed_init_std", "head_
                        "scan_layers", "offload_layer_inputs", "mlp_chunk")
 
 
-class UnsupportedHFConfig(ValueError):
+class UnsupportedHFConfig(UserError, ValueError):
     """A Hugging Face config uses a model type or an option that tieflax cannot reproduce exactly."""
 
 

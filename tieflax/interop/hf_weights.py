@@ -31,12 +31,13 @@ import numpy as np
 from tieflax.model.config import ModelConfig
 from tieflax.model.layout import is_stacked, stack_layers, unstack_layers
 from tieflax.model.params import abstract_params
+from tieflax.errors import UserError
 
 # Non-parameter buffers that some checkpoints carry; they hold nothing a model needs.
 _BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(UserError, ValueError):
     """The checkpoint's tensors do not match its config (missing, unexpected or wrongly shaped)."""
 
 

@@ -14,6 +14,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from tieflax.errors import UserError
+
 FAMILIES = ("gpt2", "llama", "mistral", "gemma", "gemma2", "qwen2")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")
@@ -25,7 +27,7 @@ ATTENTIONS = ("auto", "xla", "splash", "cudnn")  # tieflax.ops.attention.IMPLEME
 REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 

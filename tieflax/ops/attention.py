@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from tieflax.errors import ConfigValueError
 from tieflax.ops import cudnn_attention as cudnn_lib
 from tieflax.ops.splash_attention import splash_attention
 
@@ -101,14 +102,14 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float,
       [B, T, H, Dh] in q's dtype.
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation {implementation!r} is not one of {IMPLEMENTATIONS} "
+        raise ConfigValueError(f"attention implementation {implementation!r} is not one of {IMPLEMENTATIONS} "
                          "(set config.model.attention)")
     options = dict(scale=scale, softcap=softcap, window=window)
     dtype, head_dim = jnp.dtype(q.dtype).name, q.shape[-1]
     reason = cudnn_lib.unsupported_reason(dtype=dtype, head_dim=head_dim, softcap=softcap)
     if implementation == "cudnn":
         if reason:
-            raise ValueError(f"config.model.attention='cudnn': {reason[1]} (config.model.{reason[0]}); "
+            raise ConfigValueError(f"config.model.attention='cudnn': {reason[1]} (config.model.{reason[0]}); "
                              "use 'auto' or 'xla'")
     if mesh is not None:
         platform = mesh_platform(mesh)
@@ -120,8 +121,7 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float,
         return xla_attention(q, k, v, segment_ids, **options)
     if implementation == "cudnn":
         if not cudnn_lib.cudnn_available():
-            raise ValueError("config.model.attention='cudnn' needs the CUDA plugin with cuDNN "
-                             "(pip install 'jax[cuda12]'); use 'auto' or 'xla'")
+            raise ConfigValueError(_cudnn_elsewhere(jax.default_backend()))
         return _run("cudnn", "cuda", options, None, q, k, v, segment_ids)
     # No mesh: the platform is known only when lowering; platform_dependent keeps the branch of the
     # platform the program is lowered for.
@@ -142,15 +142,32 @@ def _run(implementation: str, platform: str, options: dict, mesh: Optional[Mesh]
     if implementation == "splash":
         local = functools.partial(splash_attention, **options, interpret=platform != "tpu")
     else:
-        if platform not in CUDA_PLATFORMS:
-            raise ValueError(f"config.model.attention='cudnn' runs on CUDA GPUs only, but the program is "
-                             f"compiled for {platform!r}; use 'auto' or 'xla'")
+        if platform not in CUDA_PLATFORMS or not cudnn_lib.cudnn_available():
+            raise ConfigValueError(_cudnn_elsewhere(platform))
         local = functools.partial(cudnn_lib.cudnn_attention, scale=options["scale"], window=options["window"])
     if mesh is None:
         return local(q, k, v, segment_ids)
     q_spec, kv_spec, k, v = _shard_specs(q, k, v, mesh)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
                          out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
+
+
+def check_platform(implementation: str, platform: str) -> None:
+    """Refuses, before tracing, an implementation that cannot run on ``platform`` ('tpu', 'cuda', 'cpu')."""
+    if implementation == "cudnn" and (platform not in CUDA_PLATFORMS or not cudnn_lib.cudnn_available()):
+        raise ConfigValueError(_cudnn_elsewhere(platform))
+
+
+def _cudnn_elsewhere(platform: str) -> str:
+    """Why 'cudnn' cannot run for ``platform``, with the fix that is right there."""
+    head = "config.model.attention='cudnn' is the NVIDIA GPU kernel"
+    if platform == "tpu":
+        return f"{head}, but the program is compiled for a TPU: use 'splash' (the TPU flash kernel) or 'auto'"
+    if platform in CUDA_PLATFORMS:
+        return (f"{head} and needs JAX's CUDA plugin with cuDNN, which is not installed: pip install "
+                "'jax[cuda12]', or use 'auto' or 'xla'")
+    return (f"{head}, but the program runs on {platform!r} (no NVIDIA GPU): use 'auto' or 'xla' here, and "
+            "'cudnn' on a GPU machine")
 
 
 def _shard_specs(q: Array, k: Array, v: Array, mesh: Mesh):

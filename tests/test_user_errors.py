@@ -1,0 +1,135 @@
+"""One line for every user error of every command, one exit code per outcome, and signals that leave no
+lock. Nothing here trains or compiles: each case fails before that, which is the point."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+
+from test_train_support import REPO
+from tieflax import cli
+from tieflax.cli import main
+from tieflax.errors import UserError
+
+COMPARE = os.path.join(REPO, "configs", "experiments", "tie_vs_untie.py")
+SCALING = os.path.join(REPO, "configs", "experiments", "tie_scaling.py")
+TINY = os.path.join(REPO, "configs", "experiments", "tiny.py")
+
+
+def _one_line(capsys, argv, code=1) -> str:
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"tieflax {argv[0]}: "), err
+    return err
+
+
+def test_every_error_type_of_the_package_is_a_user_error():
+    from tieflax.checkpoint import CheckpointError, CheckpointMismatchError
+    from tieflax.data.config import DataError
+    from tieflax.interop.hf import DamagedCheckpoint, UnsafeCheckpoint
+    from tieflax.interop.hf_config import UnsupportedHFConfig
+    from tieflax.interop.hf_weights import CheckpointMismatch
+    from tieflax.metrics import MetricsFileError
+    from tieflax.model.config import ConfigError
+    from tieflax.plan import PlanError
+    from tieflax.storage import StorageError
+    from tieflax.targets import TargetError
+    from tieflax.train import TrainingError
+    from tieflax.workdir import WorkdirError
+
+    for cls in (CheckpointError, CheckpointMismatchError, DataError, DamagedCheckpoint, UnsafeCheckpoint,
+                UnsupportedHFConfig, CheckpointMismatch, MetricsFileError, ConfigError, PlanError, StorageError,
+                TargetError, TrainingError, WorkdirError):
+        assert issubclass(cls, UserError), cls
+    # The console's catch list is that one type: a new subclass anywhere is one line without a change there.
+    assert cli.one_line(type("NewError", (UserError,), {})("x (y): do z")) == "x (y): do z"
+    assert cli.one_line(ValueError("a bug")) is None
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("compare.variants=('tied', 'untyed')", "'untyed' unknown; choose a non-empty subset of"),
+    ("compare.variants=('untied',)", "must include 'tied'"),
+    ("compare.seeds=()", "config.compare.seeds is empty"),
+    ("compare.bogus=1", "no field 'bogus' in config.compare"),
+])
+def test_compare_config_errors_are_one_line_and_leave_no_workdir(tmp_path, capsys, override, expected):
+    workdir = tmp_path / "compare"
+    err = _one_line(capsys, ["compare", "--config", COMPARE, "--workdir", str(workdir), f"--config.{override}"])
+    assert expected in err
+    assert not workdir.exists()
+
+
+def test_sweep_errors_are_one_line_and_name_the_choices(tmp_path, capsys):
+    workdir = tmp_path / "sweep"
+    err = _one_line(capsys, ["sweep", "--config", SCALING, "--workdir", str(workdir),
+                             "--config.sweep.variants=('tied', 'untyed')"])
+    assert "'untyed' unknown" in err and "untied_width" in err
+    err = _one_line(capsys, ["sweep", "--config", SCALING + ":bogus", "--workdir", str(workdir)])
+    assert "'bogus'" in err and "'smoke'" in err and "'pod'" in err
+    assert not workdir.exists()
+
+
+def test_plan_exit_codes_tell_bad_input_from_does_not_fit(tmp_path, capsys):
+    """0 fits, 1 does not fit (tests/test_plan.py), 2 bad input."""
+    assert "does not exist" in _one_line(capsys, ["plan", "--config", str(tmp_path / "none.py"), "--topology",
+                                                  "cpu"], code=2)
+    err = _one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--config.mesh.fsdp=3"], code=2)
+    assert "config.mesh" in err and "does not divide" in err
+    (tmp_path / "afile").write_text("x")
+    err = _one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--xla-dump",
+                             str(tmp_path / "afile" / "dump")], code=2)
+    assert "--xla-dump" in err and "not a writable folder" in err
+
+
+def test_cudnn_attention_where_it_cannot_run_names_the_fix_for_that_target(capsys):
+    from tieflax.ops.attention import check_platform
+
+    with pytest.raises(UserError, match="compiled for a TPU: use 'splash'"):
+        check_platform("cudnn", "tpu")
+    with pytest.raises(UserError, match="runs on 'cpu'.*use 'auto' or 'xla'"):
+        check_platform("cudnn", "cpu")
+    check_platform("xla", "cpu")
+    err = _one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--config.model.attention=cudnn",
+                             "--config.model.dtype=bfloat16"], code=2)
+    assert "NVIDIA GPU kernel" in err and "install" not in err
+
+
+# ------------------------------------------------------------------------------------------- signals
+SIGNAL_COMMAND = '''
+"""A stand-in command: takes a workdir's lock, then receives a signal in the middle of its work."""
+import os, signal, time
+HELP = "test"
+
+def add_arguments(parser):
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--signal", default="SIGTERM")
+
+def run(args):
+    from tieflax.workdir import workdir_lock
+    with workdir_lock(args.workdir, "compare"):
+        os.kill(os.getpid(), getattr(signal, args.signal))
+        time.sleep(5)  # the handler raises before this ends
+    return 0
+'''
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_at_any_moment_is_one_line_an_exit_code_and_no_stale_lock(tmp_path, monkeypatch, capsys,
+                                                                           signame, code):
+    (tmp_path / "signal_command.py").write_text(textwrap.dedent(SIGNAL_COMMAND))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "signaltest", "signal_command")
+    monkeypatch.setitem(cli.HELP, "signaltest", "test")
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    err = _one_line(capsys, ["signaltest", "--workdir", str(workdir), "--signal", signame], code=code)
+    assert f"stopped by {signame}" in err and "rerun" in err
+    assert os.listdir(workdir) == []  # the lock is gone
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
