@@ -4,6 +4,7 @@
     python benchmarks/cross_entropy.py --sweep    # also the block-size sweep behind the defaults
     python benchmarks/cross_entropy.py --tpu v5e:2x4   # compiled for TPU chips (libtpu, from a CPU)
     python benchmarks/cross_entropy.py --gpu h100      # compiled for 8 H100s (jax[cuda12], no GPU needed)
+    python benchmarks/cross_entropy.py --tpu v5e:2x4 --layouts   # every head layout, fsdp 2 x tensor 4
 
 ``--tpu``/``--gpu``: loss + gradient at the Gemma-2-2B head width (N = 8192, d = 2304, hidden bf16) for
 V = 64,000 / 128,256 / 256,000, W bf16 and fp32, on one chip and per chip on a mesh of fsdp 2 x tensor 4
@@ -238,13 +239,59 @@ def compiled_table(tpu: str | None, gpu: str | None):
     return dict(device=kind, chips=len(devices), rows=rows)
 
 
+# The head layouts a model may hand the loss on a (data, fsdp, tensor) mesh: W [V, d] as a parameter.
+# Each with the loss's declaration of that layout (W's rows sharded over tensor or whole, its d sharded over
+# fsdp or not); "undeclared" passes a tensor-only head with the loss's defaults (the model's layout).
+HEAD_LAYOUTS = {"replicated": (P(None, None), dict(weight_embed_axis=None, weight_rows_sharded=False)),
+                "tensor only": (P("tensor", None), dict(weight_embed_axis=None)),
+                "tensor x fsdp": (P("tensor", "fsdp"), dict(weight_embed_axis="fsdp")),
+                "tensor only, undeclared": (P("tensor", None), {})}
+
+
+def layout_table(tpu: str, vocabs=(64000, 256000), layouts=None):
+    """Per-chip temp MiB of the fused loss + gradient in every head layout, W fp32/bf16, XLA and Pallas, at
+    the Gemma-2-2B head (N = 8192, d = 2304, hidden bf16) on fsdp 2 x tensor 4; compile only."""
+    devices = _topology_devices(tpu, None)
+    mesh = make_mesh(1, 2, 4, devices=devices[:8])
+    n, d = 8192, 2304
+    rows = []
+    print(f"# {devices[0].device_kind}, fsdp 2 x tensor 4, jax {jax.__version__}; per-chip temp MiB of loss+grad")
+    print(f"{'V':>7s} {'layout':24s} {'W':8s} {'impl':7s} {'temp MiB':>10s}", flush=True)
+    for v in vocabs:
+        for layout in layouts or list(HEAD_LAYOUTS)[:3]:
+            spec, declared = HEAD_LAYOUTS[layout]
+            for wdt in (jnp.float32, jnp.bfloat16):
+                for impl in ("xla", "pallas"):
+                    sh = [NamedSharding(mesh, s) for s in (P(BATCH, None), spec, P(BATCH))]
+                    args = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh[0]),
+                            jax.ShapeDtypeStruct((v, d), wdt, sharding=sh[1]),
+                            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh[2]))
+                    fn = (lambda impl, v, kw: lambda h, w, y: cross_entropy(
+                        h, w, y, valid_vocab=v, mesh=mesh, impl=impl, **kw)[0].sum())(impl, v, declared)
+                    # The gradient leaves in W's own layout, as a parameter's does under jit.
+                    f = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), out_shardings=(None, (sh[0], sh[1])))
+                    mib = f.lower(*args).compile().memory_analysis().temp_size_in_bytes / MB
+                    rows.append(dict(vocab=v, layout=layout, w=jnp.dtype(wdt).name, impl=impl,
+                                     temp_mib=round(mib, 1)))
+                    print(f"{v:7d} {layout:24s} {jnp.dtype(wdt).name:8s} {impl:7s} {mib:10.1f}", flush=True)
+    return dict(device=devices[0].device_kind, rows=rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", action="store_true",
+                    help="with --tpu: the loss in every head layout (replicated, tensor only, tensor x fsdp)")
+    ap.add_argument("--layout", action="append", choices=list(HEAD_LAYOUTS), help="with --layouts: only these")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per variant (median)")
     ap.add_argument("--sweep", action="store_true", help="also run the block-size sweep")
     ap.add_argument("--tpu", metavar="TOPOLOGY", help="compile for this TPU topology (e.g. v5e:2x4) instead")
     ap.add_argument("--gpu", metavar="NAME", help="compile for 8 GPUs described by tieflax/gpu_targets (h100, a100, a100_40gb)")
     args = ap.parse_args()
+    if args.layouts:
+        if not args.tpu:
+            ap.error("--layouts needs --tpu TOPOLOGY (e.g. v5e:2x4)")
+        print("JSON " + json.dumps(layout_table(args.tpu, layouts=args.layout or None)))
+        return
     if args.tpu or args.gpu:
         print("JSON " + json.dumps(compiled_table(args.tpu, args.gpu)))
         return

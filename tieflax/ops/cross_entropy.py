@@ -105,6 +105,7 @@ class _Cfg:
     embed_axis: str | None = None  # mesh axis sharding W's d (dW is reduce-scattered over it)
     pallas: pallas_ce.Blocks = pallas_ce.Blocks(512, 512, 28)
     chunk: int = 0  # Pallas path, W's d sharded: vocab rows gathered per step
+    rows_whole: bool = False  # W's rows not sharded in its layout: each device reads its shard in place
 
 
 # ----------------------------------------------------------------------------------------- tile math
@@ -190,11 +191,12 @@ def _matmul_block(w_blk, h_dtype):
                                   default=lambda x: x)
 
 
-def _local_stats(cfg: _Cfg, h, w, b, y, v_off, take_w=_slice_rows):
+def _local_stats(cfg: _Cfg, h, w, b, y, v_off, take_w=_slice_rows, row0=0, v_local=None):
     """Forward statistics over the local vocabulary. h [N, d], w [V, d_local], y [N] -> 4 x [N] acc;
-    ``take_w(w, v0, bv)`` returns rows ``v0:v0+bv`` with the full d (gathered when d is sharded)."""
+    ``take_w(w, v0, bv)`` returns rows ``v0:v0+bv`` with the full d (gathered when d is sharded). The
+    local vocabulary is rows ``row0 : row0 + v_local`` of ``w`` (default: all of them)."""
     acc = _acc_dtype(h.dtype, w.dtype)
-    n, v = h.shape[0], w.shape[0]
+    n, v = h.shape[0], v_local or w.shape[0]
     bt, nt = _blocks(n, cfg.token_block)
     bv, nv = _blocks(v, cfg.vocab_block)
 
@@ -208,8 +210,8 @@ def _local_stats(cfg: _Cfg, h, w, b, y, v_off, take_w=_slice_rows):
             v0 = _block_start(k, bv, v)
             cols = v_off + v0 + jnp.arange(bv)
             ok = _fresh(v0, k, bv) & (cols < cfg.valid_vocab)
-            b_blk = None if b is None else lax.dynamic_slice_in_dim(b, v0, bv)
-            z = _tile(cfg, h_blk, _matmul_block(take_w(w, v0, bv), h.dtype), b_blk, ok, acc)
+            b_blk = None if b is None else lax.dynamic_slice_in_dim(b, row0 + v0, bv)
+            z = _tile(cfg, h_blk, _matmul_block(take_w(w, row0 + v0, bv), h.dtype), b_blk, ok, acc)
             tm, ts, tzy, tsz = _tile_stats(cfg, z, ok, cols, y_blk)
             m_new = jnp.maximum(m, tm)
             s = s * jnp.exp(m - m_new) + ts * jnp.exp(tm - m_new)
@@ -223,14 +225,17 @@ def _local_stats(cfg: _Cfg, h, w, b, y, v_off, take_w=_slice_rows):
     return lax.fori_loop(0, nt, token_step, out)
 
 
-def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x, take_w=_slice_rows):
+def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x, take_w=_slice_rows,
+                 row0=0, v_local=None, put=None):
     """Recompute backward over the local shard. Returns dH [N, d] acc (partial over vocab shards),
     dW [V, d_local] w.dtype and db [V] acc; ``reduce_blk`` sums a finished ([bv, d], [bv]) block over
     the batch shards (into [bv, d_local] when d is sharded), so the loop-carried dW is already the
-    final buffer (no second weight-sized copy)."""
+    final buffer (no second weight-sized copy). ``row0``, ``v_local``: as in ``_local_stats``;
+    ``put(dw, db, v0, dw_blk, db_blk)`` adds a finished block into dW and db (``_put_block``)."""
     acc = _acc_dtype(h.dtype, w.dtype)
     cdt = jnp.result_type(h.dtype, w.dtype)
-    n, v = h.shape[0], w.shape[0]
+    n, v = h.shape[0], v_local or w.shape[0]
+    put = put or _add_block
     bt, nt = _blocks(n, cfg.token_block)
     bv, nv = _blocks(v, cfg.vocab_block)
 
@@ -239,8 +244,8 @@ def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x
         v0 = _block_start(k, bv, v)
         cols = v_off + v0 + jnp.arange(bv)
         ok = _fresh(v0, k, bv) & (cols < cfg.valid_vocab)
-        w_blk = _matmul_block(take_w(w, v0, bv), h.dtype)
-        b_blk = None if b is None else lax.dynamic_slice_in_dim(b, v0, bv)
+        w_blk = _matmul_block(take_w(w, row0 + v0, bv), h.dtype)
+        b_blk = None if b is None else lax.dynamic_slice_in_dim(b, row0 + v0, bv)
 
         def token_step(i, inner):
             dh, dw_blk, db_blk = inner
@@ -261,14 +266,37 @@ def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x
         init = (dh, jnp.zeros((bv, h.shape[1]), acc), jnp.zeros((bv,), acc))
         dh, dw_blk, db_blk = lax.fori_loop(0, nt, token_step, init)
         dw_blk, db_blk = reduce_blk((dw_blk, db_blk))
-        # Rows shared with the previous block got zero here (masked), so adding is exact.
-        dw = lax.dynamic_update_slice_in_dim(
-            dw, lax.dynamic_slice_in_dim(dw, v0, bv) + dw_blk.astype(dw.dtype), v0, 0)
-        db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, v0, bv) + db_blk, v0, 0)
+        dw, db = put(dw, db, v0, dw_blk, db_blk)
         return dh, dw, db
 
-    init = (jnp.zeros(h.shape, acc), jnp.zeros(w.shape, w.dtype), jnp.zeros((v,), acc))
+    init = (jnp.zeros(h.shape, acc), jnp.zeros(w.shape, w.dtype), jnp.zeros((w.shape[0],), acc))
     return lax.fori_loop(0, nv, vocab_step, init)
+
+
+def _add_block(dw, db, v0, dw_blk, db_blk):
+    """dW[v0 : v0 + rows] += dw_blk (and db). Rows shared with the previous block got zero gradient
+    (masked), so adding is exact."""
+    rows = dw_blk.shape[0]
+    dw = lax.dynamic_update_slice_in_dim(dw, _slice_rows(dw, v0, rows) + dw_blk.astype(dw.dtype), v0, 0)
+    db = lax.dynamic_update_slice_in_dim(db, _slice_rows(db, v0, rows) + db_blk.astype(db.dtype), v0, 0)
+    return dw, db
+
+
+def _put_block(cfg: _Cfg, v_local: int):
+    """How a finished gradient block enters dW: added in place, or, when W's rows are whole on every
+    device (``rows_whole``), all-gathered over the vocab axis (one [shards, rows, d] block, never the
+    shard) and added at each shard's rows, so dW leaves whole as W came."""
+    if not cfg.rows_whole:
+        return _add_block
+
+    def put(dw, db, v0, dw_blk, db_blk):
+        gw = lax.all_gather(dw_blk, cfg.vocab_axis)   # [shards, rows, d_local]
+        gb = lax.all_gather(db_blk, cfg.vocab_axis)
+        for t in range(gw.shape[0]):
+            dw, db = _add_block(dw, db, t * v_local + v0, gw[t], gb[t])
+        return dw, db
+
+    return put
 
 
 def _local_fused(cfg: _Cfg, h, w, b, y, aw, v_off, combine, psum_vocab):
@@ -330,7 +358,18 @@ def _combine_vocab(axis, m, s, zy, sz):
 
 def _specs(cfg: _Cfg):
     bax = cfg.batch_axes if cfg.batch_axes else None
-    return dict(h=P(bax, None), w=P(cfg.vocab_axis, cfg.embed_axis), b=P(cfg.vocab_axis), n=P(bax))
+    rows = None if cfg.rows_whole else cfg.vocab_axis
+    return dict(h=P(bax, None), w=P(rows, cfg.embed_axis), b=P(rows), n=P(bax))
+
+
+def _local_view(cfg: _Cfg, w) -> tuple[Any, int, int]:
+    """(v_off, row0, v_local) inside the map: the global index of this shard's first vocabulary row,
+    where that row sits in the ``w`` the device holds (0 unless W's rows are whole), and how many."""
+    if not cfg.rows_whole:
+        return _v_offset(cfg, w.shape[0]), 0, w.shape[0]
+    v_local = w.shape[0] // cfg.mesh.shape[cfg.vocab_axis]
+    v_off = _v_offset(cfg, v_local)
+    return v_off, v_off, v_local
 
 
 def _shmap(cfg: _Cfg, fn, in_specs, out_specs):
@@ -407,7 +446,8 @@ def _stats_xla(cfg: _Cfg, h, w, b, y):
     sp = _specs(cfg)
 
     def body(h, w, b, y):
-        loc = _local_stats(cfg, h, w, b, y, _v_offset(cfg, w.shape[0]), _take_w(cfg))
+        v_off, row0, v_local = _local_view(cfg, w)
+        loc = _local_stats(cfg, h, w, b, y, v_off, _take_w(cfg), row0, v_local)
         return _combine_vocab(cfg.vocab_axis, *loc)
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"]),
@@ -422,8 +462,10 @@ def _grads_xla(cfg: _Cfg, h, w, b, y, lse, coef):
 
     def body(h, w, b, y, lse, coef):
         # The data-parallel weight-gradient reduction, one [bv, d] block at a time.
-        dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, _v_offset(cfg, w.shape[0]),
-                                  _reduce_dw(cfg) if cfg.batch_axes else (lambda x: x), _take_w(cfg))
+        v_off, row0, v_local = _local_view(cfg, w)
+        dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, v_off,
+                                  _reduce_dw(cfg) if cfg.batch_axes else (lambda x: x), _take_w(cfg),
+                                  row0, v_local, _put_block(cfg, v_local))
         return lax.psum(dh, cfg.vocab_axis).astype(h.dtype), dw, db
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"], sp["n"],
@@ -439,11 +481,18 @@ def _fused(cfg: _Cfg, h, w, b, y, aw):
     def body(h, w, b, y, aw):
         if cfg.embed_axis is not None:  # fused mode holds weight-sized buffers anyway
             w = lax.all_gather(w, cfg.embed_axis, axis=1, tiled=True)
-        stats, dh, dw, db = _local_fused(cfg, h, w, b, y, aw, _v_offset(cfg, w.shape[0]),
+        v_off, row0, v_local = _local_view(cfg, w)
+        if cfg.rows_whole:   # (so does this slice of the local shard)
+            w = lax.dynamic_slice_in_dim(w, row0, v_local)
+            b = None if b is None else lax.dynamic_slice_in_dim(b, row0, v_local)
+        stats, dh, dw, db = _local_fused(cfg, h, w, b, y, aw, v_off,
                                          functools.partial(_combine_vocab, cfg.vocab_axis),
                                          functools.partial(lax.psum, axis_name=cfg.vocab_axis))
         if cfg.batch_axes:  # the data-parallel weight-gradient reduction, [V_local, d]
             dw, db = _reduce_dw(cfg)((dw, db))
+        if cfg.rows_whole:
+            dw = lax.all_gather(dw, cfg.vocab_axis, axis=0, tiled=True)
+            db = lax.all_gather(db, cfg.vocab_axis, axis=0, tiled=True)
         return stats, dh, dw.astype(w.dtype), db
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"], sp["n"]),
@@ -463,23 +512,24 @@ def _chunks(cfg: _Cfg, v: int, d: int) -> tuple[int, int]:
     return _blocks(v, cfg.chunk or max(128, PALLAS_CHUNK_BYTES // (d * 4) // 128 * 128))
 
 
-def _chunk_loop(cfg: _Cfg, w, b, d: int, body, init):
+def _chunk_loop(cfg: _Cfg, w, b, d: int, body, init, row0=0, v_local=None):
     """fori_loop over vocab chunks: body(c, carry, v0, lo, w_chunk [rows, d], b_chunk) -> carry.
-    The last chunk is shifted back to end at V_local; its first ``lo`` rows belong to the previous one."""
-    v = w.shape[0]
+    The last chunk is shifted back to end at V_local; its first ``lo`` rows belong to the previous one.
+    The local vocabulary is rows ``row0 : row0 + v_local`` of ``w``; ``v0`` counts from ``row0``."""
+    v = v_local or w.shape[0]
     rows, nc = _chunks(cfg, v, d)
     take = _take_w(cfg)
 
     def step(c, carry):
         v0 = _block_start(c, rows, v)
-        bc = None if b is None else _slice_rows(b, v0, rows)
-        return body(carry, v0, c * rows - v0, take(w, v0, rows), bc)
+        bc = None if b is None else _slice_rows(b, row0 + v0, rows)
+        return body(carry, v0, c * rows - v0, take(w, row0 + v0, rows), bc)
 
     return lax.fori_loop(0, nc, step, init)
 
 
-def _pallas_local_stats(cfg: _Cfg, plan, h, w, b, y, v_base):
-    if cfg.embed_axis is None:
+def _pallas_local_stats(cfg: _Cfg, plan, h, w, b, y, v_base, row0=0, v_local=None):
+    if cfg.embed_axis is None and not cfg.rows_whole:
         return pallas_ce.local_stats(plan, h, w, b, y, v_base)
 
     def body(carry, v0, lo, wc, bc):
@@ -490,7 +540,7 @@ def _pallas_local_stats(cfg: _Cfg, plan, h, w, b, y, v_base):
 
     n = h.shape[0]
     init = (jnp.full((n,), _MASK, jnp.float32),) + (jnp.zeros((n,), jnp.float32),) * 3
-    return _chunk_loop(cfg, w, b, h.shape[1], body, init)
+    return _chunk_loop(cfg, w, b, h.shape[1], body, init, row0, v_local)
 
 
 def _stats_pallas(cfg: _Cfg, interpret: bool, h, w, b, y):
@@ -501,19 +551,23 @@ def _stats_pallas(cfg: _Cfg, interpret: bool, h, w, b, y):
     sp = _specs(cfg)
 
     def body(h, w, b, y):
-        loc = _pallas_local_stats(cfg, plan, h, w, b, y, _v_offset(cfg, w.shape[0]))
+        v_off, row0, v_local = _local_view(cfg, w)
+        loc = _pallas_local_stats(cfg, plan, h, w, b, y, v_off, row0, v_local)
         return tuple(x.astype(acc) for x in _combine_vocab(cfg.vocab_axis, *loc))
 
     return _shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"]),
                   (sp["n"],) * 4)(h, w, b, y)
 
 
-def _pallas_local_grads(cfg: _Cfg, plan, h, w, b, y, lse, coef, v_base, dh_dtype, reduce):
+def _pallas_local_grads(cfg: _Cfg, plan, h, w, b, y, lse, coef, v_base, dh_dtype, reduce, row0=0,
+                        v_local=None):
     """dH [N, d] dh_dtype (partial over vocab shards), dW [V, d_local] w.dtype, db [V] fp32.
     ``reduce`` (None: nothing to reduce) sums a dW/db chunk over the batch shards."""
     lse, coef = lse.astype(jnp.float32), coef.astype(jnp.float32)
     dh0 = jnp.zeros(h.shape, dh_dtype)
-    if cfg.embed_axis is None:
+    chunked_dh = cfg.embed_axis is not None or cfg.rows_whole   # W's rows arrive chunk by chunk
+    put = _put_block(cfg, v_local or w.shape[0])
+    if not chunked_dh:
         # W is whole here: one dH kernel over all rows; dW in one piece when nothing is reduced.
         dh = pallas_ce.local_dh(plan, h, w, b, y, lse, coef, v_base, dh0)
         if reduce is None:
@@ -521,20 +575,16 @@ def _pallas_local_grads(cfg: _Cfg, plan, h, w, b, y, lse, coef, v_base, dh_dtype
 
     def body(carry, v0, lo, wc, bc):
         dh, dw, db = carry
-        if cfg.embed_axis is not None:  # W's rows arrive chunk by chunk: dH accumulates over them
+        if chunked_dh:  # dH accumulates over the chunks
             dh = pallas_ce.local_dh(plan, h, wc, bc, y, lse, coef, v_base + v0, dh, lo)
         dwc, dbc = pallas_ce.local_dw(plan, h, wc, bc, y, lse, coef, v_base + v0, jnp.float32, lo)
         if reduce is not None:
             dwc, dbc = reduce((dwc, dbc))
-        # Rows shared with the previous chunk got zero here (masked), so adding is exact.
-        rows = dwc.shape[0]
-        dw = lax.dynamic_update_slice_in_dim(dw, _slice_rows(dw, v0, rows) + dwc.astype(dw.dtype), v0, 0)
-        db = lax.dynamic_update_slice_in_dim(db, _slice_rows(db, v0, rows) + dbc, v0, 0)
+        dw, db = put(dw, db, v0, dwc, dbc)
         return dh, dw, db
 
-    init = (dh0 if cfg.embed_axis is not None else dh, jnp.zeros(w.shape, w.dtype),
-            jnp.zeros((w.shape[0],), jnp.float32))
-    return _chunk_loop(cfg, w, b, h.shape[1], body, init)
+    init = (dh0 if chunked_dh else dh, jnp.zeros(w.shape, w.dtype), jnp.zeros((w.shape[0],), jnp.float32))
+    return _chunk_loop(cfg, w, b, h.shape[1], body, init, row0, v_local)
 
 
 def _grads_pallas(cfg: _Cfg, interpret: bool, h, w, b, y, lse, coef):
@@ -545,12 +595,13 @@ def _grads_pallas(cfg: _Cfg, interpret: bool, h, w, b, y, lse, coef):
         return dh, dw, db.astype(acc)
     sp = _specs(cfg)
     # The vocab shards' dH partials are summed in fp32; alone, the kernel writes h.dtype directly.
-    summed = cfg.mesh.shape[cfg.vocab_axis] > 1 or cfg.embed_axis is not None
+    summed = cfg.mesh.shape[cfg.vocab_axis] > 1 or cfg.embed_axis is not None or cfg.rows_whole
     reduce = _reduce_dw(cfg) if cfg.batch_axes and _batch_size(cfg) > 1 else None
 
     def body(h, w, b, y, lse, coef):
-        dh, dw, db = _pallas_local_grads(cfg, plan, h, w, b, y, lse, coef, _v_offset(cfg, w.shape[0]),
-                                         jnp.float32 if summed else h.dtype, reduce)
+        v_off, row0, v_local = _local_view(cfg, w)
+        dh, dw, db = _pallas_local_grads(cfg, plan, h, w, b, y, lse, coef, v_off,
+                                         jnp.float32 if summed else h.dtype, reduce, row0, v_local)
         if cfg.mesh.shape[cfg.vocab_axis] > 1:
             dh = lax.psum(dh, cfg.vocab_axis)
         return dh.astype(h.dtype), dw, db.astype(acc)
@@ -690,7 +741,7 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
                   token_block: int | None = None, vocab_block: int | None = None,
                   mode: str = "recompute", mesh: Mesh | None = None, vocab_axis: str = "tensor",
                   batch_axes: tuple[str, ...] = ("data", "fsdp"), impl: str = "auto",
-                  weight_embed_axis: str | None = "fsdp",
+                  weight_embed_axis: str | None = "fsdp", weight_rows_sharded: bool = True,
                   vocab_chunk: int | None = None) -> tuple[jax.Array, dict]:
     """Softmax cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising logits.
 
@@ -718,7 +769,13 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
         is ``P('tensor', 'fsdp')``). When that axis has size > 1, W's rows are gathered over it one
         block at a time and dW is reduce-scattered back over it, so the gradient leaves in the
         parameter's own layout. Used when it is one of ``batch_axes`` and divides d; otherwise (and
-        with ``None``) W enters replicated over d.
+        with ``None``) W enters replicated over d. Declare W's layout here: a W whose d is not sharded
+        (Megatron's ``P('tensor', None)``, or replicated) passed with the default ``'fsdp'`` is resliced
+        by the compiler on the way in, a copy of half the local shard.
+      weight_rows_sharded: W's rows are sharded over ``vocab_axis`` in its layout (the default, the
+        model's). ``False``: W's rows are whole on every device (a replicated head); each device reads
+        its vocabulary shard's rows in place, block by block, and dW comes back whole, each finished
+        block all-gathered over ``vocab_axis``; no slice of W nor of dW is ever copied.
       vocab_chunk: Pallas path with W's d sharded, or dW reduced over batch shards: local vocab rows
         gathered / reduced per step (default: an fp32 ``[rows, d]`` of about 4 MiB, rows a multiple of
         128). Larger chunks cost memory; smaller ones re-read the fp32 dH accumulator more often.
@@ -740,7 +797,8 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
                None if softcap is None else float(softcap), int(token_block),
                int(vocab_block or DEFAULT_VOCAB_BLOCK), mode, mesh, vocab_axis, tuple(batch_axes),
                "xla" if impl == "auto" and mode == "fused" else impl,
-               _embed_axis(mesh, weight_embed_axis, tuple(batch_axes), d), pallas, int(vocab_chunk or 0))
+               _embed_axis(mesh, weight_embed_axis, tuple(batch_axes), d), pallas, int(vocab_chunk or 0),
+               mesh is not None and not weight_rows_sharded)
     _check(cfg, hidden, weight, labels, weights, bias)
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
