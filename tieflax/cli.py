@@ -28,6 +28,7 @@ COMMANDS = {
     "convert": "tieflax.commands.convert",
     "plan": "tieflax.commands.plan",
     "evaluate": "tieflax.commands.evaluate", "sample": "tieflax.commands.sample",
+    "prepare": "tieflax.commands.prepare",
 }
 
 HELP = {
@@ -39,6 +40,7 @@ HELP = {
     "sweep": "tied vs untied across model sizes: loss-vs-parameters curves and the crossover estimate",
     "convert": "Hugging Face import/export, and tie/untie surgery on checkpoints",
     "plan": "per-device memory of the train step on a TPU pod or GPU server, compiled from this machine",
+    "prepare": "tokenise a config's corpus into a token store (parallel, resumable, local or gs://)",
     "evaluate": "lm-evaluation-harness tasks on a checkpoint", "sample": "generate text from a checkpoint",
 }
 

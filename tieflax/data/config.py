@@ -42,6 +42,8 @@ def default_data_config() -> ml_collections.ConfigDict:
     # '' = one document per file. Otherwise each file is split into documents on this string (for
     # example '\n\n' for paragraphs); pieces that are only whitespace are separators, not documents.
     c.files.split_on = ""
+    # .jsonl and .parquet files give one document per row: the text of this field / column.
+    c.files.text_field = "text"
 
     c.hf = ml_collections.ConfigDict()
     c.hf.path = ""  # a hub name ('wikitext') or a loader plus data_files ('json')
@@ -50,13 +52,17 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.hf.split = "train"
     c.hf.text_field = "text"
     c.hf.revision = placeholder(str)
-    c.hf.max_documents = 100_000  # streaming reads only this many; the split is made from them
+    c.hf.max_documents = 100_000  # streaming reads only this many (0 = all); the split is made from them
 
     # Pre-tokenised data: a flat stream of ids in which `eos_id` separates documents, as a NumPy
     # `.npy` file or a raw little-endian `.bin` of `dtype`, memory-mapped in place (never copied);
     # or ArrayRecord files (`.array_record`, one document per record, raw ids of `dtype`), converted
     # once into the cache. With no `val_path`, whole documents are held out of `train_path`.
     c.tokens = ml_collections.ConfigDict()
+    # A token store made by `tieflax prepare` (local, gs:// or s3://): both splits, the tokenizer and
+    # the vocabulary come from it, and each process reads only the windows of its own rows. When set,
+    # the token-file fields below are unused.
+    c.tokens.path = ""
     c.tokens.train_path = ""
     c.tokens.val_path = ""
     # '' = read it from the file's sidecar <file>.json (required for .bin and ArrayRecord, which do not
@@ -107,10 +113,11 @@ def validate_data_config(c: ml_collections.ConfigDict) -> None:
     if c.source == "hf" and not c.hf.path:
         raise DataError("data.source = 'hf' but data.hf.path is empty: name a dataset, e.g. "
                         "data.hf.path = 'wikitext', data.hf.name = 'wikitext-2-raw-v1'.")
-    if c.source == "tokens":
+    if c.source == "tokens" and not c.tokens.path:
         if not c.tokens.train_path:
-            raise DataError("data.source = 'tokens' but data.tokens.train_path is empty: give the "
-                            "pre-tokenised train file (.npy, .bin or .array_record).")
+            raise DataError("data.source = 'tokens' but data.tokens.path and data.tokens.train_path are "
+                            "empty: give a token store (tieflax prepare) or the pre-tokenised train file "
+                            "(.npy, .bin or .array_record).")
         if not c.tokenizer.path and (c.tokens.vocab_size <= 0 or c.tokens.eos_id < 0):
             raise DataError("data.source = 'tokens' with no data.tokenizer.path needs "
                             "data.tokens.vocab_size and data.tokens.eos_id set to the values the files "

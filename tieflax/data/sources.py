@@ -16,10 +16,11 @@ import logging
 import os
 import sysconfig
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import ml_collections
 
+from tieflax import storage
 from tieflax.data.config import DataError
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,20 @@ class Document(NamedTuple):
 
 def load_documents(c: ml_collections.ConfigDict) -> list[Document]:
     """The documents of text source ``c.source``, in a deterministic order."""
-    readers = {"kjv": kjv_documents, "python_stdlib": python_stdlib_documents,
-               "files": file_documents, "hf": hf_documents}
-    if c.source not in readers:
-        raise DataError(f"data.source = {c.source!r} is not a text source; use one of {tuple(readers)}.")
-    docs = readers[c.source](c)
+    docs = list(iter_documents(c))
     if not docs:
         raise DataError(f"data.source = {c.source!r} produced no documents; check its settings.")
     return docs
+
+
+def iter_documents(c: ml_collections.ConfigDict) -> Iterator[Document]:
+    """The documents of text source ``c.source`` one at a time (memory bounded by one file / row), in
+    the same deterministic order as :func:`load_documents`: what ``tieflax prepare`` streams."""
+    readers = {"kjv": kjv_documents, "python_stdlib": iter_python_stdlib, "files": iter_file_documents,
+               "hf": iter_hf_documents}
+    if c.source not in readers:
+        raise DataError(f"data.source = {c.source!r} is not a text source; use one of {tuple(readers)}.")
+    yield from readers[c.source](c)
 
 
 def kjv_documents(c: ml_collections.ConfigDict | None = None) -> list[Document]:
@@ -71,6 +78,11 @@ def kjv_documents(c: ml_collections.ConfigDict | None = None) -> list[Document]:
 
 
 def python_stdlib_documents(c: ml_collections.ConfigDict) -> list[Document]:
+    """The running Python's standard library ``.py`` sources as a list (see :func:`iter_python_stdlib`)."""
+    return list(iter_python_stdlib(c))
+
+
+def iter_python_stdlib(c: ml_collections.ConfigDict) -> Iterator[Document]:
     """The running Python's standard library ``.py`` sources, one document per file, in path order.
 
     Installed packages (``site-packages``) are excluded, so the corpus depends only on the Python
@@ -87,37 +99,48 @@ def python_stdlib_documents(c: ml_collections.ConfigDict) -> list[Document]:
     files.sort(key=str)
     if c.python_stdlib.max_files:
         files = files[:c.python_stdlib.max_files]
-    docs = []
     for p in files:
         # A few stdlib files are deliberately not UTF-8 (encoding tests); decode them leniently
         # rather than lose them, since this corpus is a fixed demo source.
         text = p.read_text(encoding="utf-8", errors="replace")
         if text.strip():  # empty __init__.py files are markers, not documents
-            docs.append(Document(str(p.relative_to(root)), text))
-    return docs
+            yield Document(str(p.relative_to(root)), text)
 
 
-def expand_paths(patterns: list[str]) -> list[Path]:
-    """Each path or glob in ``patterns`` expanded (``~`` and ``**`` too), de-duplicated, in order.
+def expand_paths(patterns: list[str]) -> list[str]:
+    """Each path or glob in ``patterns`` expanded (``~`` and ``**`` too; ``gs://`` / ``s3://`` globs
+    through :mod:`tieflax.storage`), de-duplicated, in order.
 
     A path or glob that matches nothing is an error: a typo should not shrink the corpus silently.
     """
-    out: list[Path] = []
+    out: list[str] = []
     for pattern in patterns:
-        expanded = os.path.expanduser(str(pattern))
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
-            [expanded] if os.path.exists(expanded) else [])
-        matches = [m for m in matches if os.path.isfile(m)]
+        if storage.is_remote(str(pattern)):
+            try:
+                matches = storage.glob(storage.resolve(str(pattern)))
+            except storage.StorageError as e:
+                raise DataError(f"data.files.paths entry {pattern!r}: {e}") from None
+            if not matches and not any(ch in str(pattern) for ch in "*?["):
+                matches = [storage.resolve(str(pattern))] if storage.is_file(str(pattern)) else []
+        else:
+            expanded = os.path.expanduser(str(pattern))
+            matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
+                [expanded] if os.path.exists(expanded) else [])
+            matches = [str(Path(m)) for m in matches if os.path.isfile(m)]
         if not matches:
             raise DataError(f"data.files.paths entry {pattern!r} matches no file: check the path "
                             "(relative paths start from the current directory).")
-        out.extend(Path(m) for m in matches if Path(m) not in out)
+        out.extend(m for m in matches if m not in out)
     return out
 
 
-def read_text_file(path: Path, encoding: str = "utf-8", errors: str = "strict") -> str:
-    """The text of ``path``; an empty file or undecodable bytes raise a :class:`DataError`."""
-    data = path.read_bytes()
+def read_text_file(path: str, encoding: str = "utf-8", errors: str = "strict") -> str:
+    """The text of ``path`` (local or on a bucket); an empty file or undecodable bytes raise a
+    :class:`DataError`."""
+    return decode_text(storage.read_bytes(str(path)), path, encoding, errors)
+
+
+def decode_text(data: bytes, path: str, encoding: str = "utf-8", errors: str = "strict") -> str:
     if not data.strip():
         raise DataError(f"text file {path} is empty: remove it from data.files.paths or give it text.")
     try:
@@ -136,20 +159,59 @@ def read_text_file(path: Path, encoding: str = "utf-8", errors: str = "strict") 
 
 
 def file_documents(c: ml_collections.ConfigDict) -> list[Document]:
-    """Local text files: one document per file, or per ``data.files.split_on`` piece of each file."""
-    docs = []
+    """Text files: one document per file, or per ``data.files.split_on`` piece of each file; ``.jsonl``
+    and ``.parquet`` files give one document per row (its ``data.files.text_field``)."""
+    return list(iter_file_documents(c))
+
+
+def iter_file_documents(c: ml_collections.ConfigDict) -> Iterator[Document]:
     paths = c.files.paths
     for path in expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths)):
+        if path.endswith((".jsonl", ".parquet")):
+            yield from _row_documents(path, c.files.text_field)
+            continue
         text = read_text_file(path, c.files.encoding, c.files.errors)
         if not c.files.split_on:
-            docs.append(Document(str(path), text))
+            yield Document(str(path), text)
             continue
         pieces = [p for p in text.split(c.files.split_on) if p.strip()]
-        docs.extend(Document(f"{path}#{i}", p) for i, p in enumerate(pieces))
-    return docs
+        yield from (Document(f"{path}#{i}", p) for i, p in enumerate(pieces))
+
+
+def _row_documents(path: str, field: str) -> Iterator[Document]:
+    """One document per row of a ``.jsonl`` or ``.parquet`` file: its text column ``field``; rows whose
+    text is empty are skipped and counted; a missing column is an error naming the columns there are."""
+    empty = 0
+    if path.endswith(".jsonl"):
+        rows = (json.loads(line) for line in storage.read_text(path).splitlines() if line.strip())
+    else:
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        with storage.local_copy(path) as local:
+            table = pq.read_table(local)
+        if field not in table.column_names:
+            raise DataError(f"data.files.text_field = {field!r} is not a column of {path}; its columns "
+                            f"are {table.column_names}.")
+        rows = ({field: t} for t in table.column(field).to_pylist())
+    for i, row in enumerate(rows):
+        if field not in row:
+            raise DataError(f"data.files.text_field = {field!r} is not a field of row {i} of {path}; its "
+                            f"fields are {sorted(row)}.")
+        text = row[field]
+        if not isinstance(text, str) or not text.strip():
+            empty += 1
+            continue
+        yield Document(f"{path}[{i}]", text)
+    if empty:
+        log.warning("%s: %d rows with an empty %r field are not documents", path, empty, field)
 
 
 def hf_documents(c: ml_collections.ConfigDict) -> list[Document]:
+    """The rows of :func:`iter_hf_documents` as a list."""
+    return list(iter_hf_documents(c))
+
+
+def iter_hf_documents(c: ml_collections.ConfigDict) -> Iterator[Document]:
     """The first ``data.hf.max_documents`` rows of a Hugging Face dataset, streamed.
 
     Needs the optional ``datasets`` package and, for hub datasets, network. Local loaders work offline:
@@ -164,9 +226,9 @@ def hf_documents(c: ml_collections.ConfigDict) -> list[Document]:
     h = c.hf
     stream = datasets.load_dataset(h.path, h.name, split=h.split, data_files=h.data_files,
                                    revision=h.revision, streaming=True)
-    docs, empty = [], 0
+    empty = 0
     for i, row in enumerate(stream):
-        if i >= h.max_documents:
+        if h.max_documents and i >= h.max_documents:
             break
         if h.text_field not in row:
             raise DataError(f"data.hf.text_field = {h.text_field!r} is not a field of {h.path!r}; "
@@ -175,8 +237,7 @@ def hf_documents(c: ml_collections.ConfigDict) -> list[Document]:
         if not isinstance(text, str) or not text.strip():
             empty += 1
             continue
-        docs.append(Document(f"{h.path}[{i}]", text))
+        yield Document(f"{h.path}[{i}]", text)
     if empty:
         log.warning("hf dataset %s: %d rows with an empty %r field are not documents", h.path, empty,
                     h.text_field)
-    return docs

@@ -1,0 +1,299 @@
+"""The token store: a tokenised corpus as tensorstore arrays, written by ``tieflax prepare``, read by training.
+
+Layout of a store (a local folder, ``gs://bucket/prefix`` or ``s3://bucket/prefix``)::
+
+    manifest.json              the commit, written last and only once (create-only): counts, dtype,
+                               vocabulary, eos/bos, tokenizer digest, source, split rule, content digest
+    tokenizer.json             the tokenizer the ids came from (trained, or a copy of data.tokenizer.path)
+    build.json                 the build's settings, fixed by the first prepare (a resume must match them)
+    <split>/tokens             zarr3 [N] uint16|uint32: the packed stream [EOS d0 EOS d1 ... EOS]
+                               (with a BOS: [BOS d0 EOS BOS d1 EOS ...]), as tieflax.data.packing reads it
+    <split>/doc_offsets        zarr3 [D+1] int64: document i is tokens[off[i]:off[i+1]] (its opening marker
+                               first); off[D] is the closing EOS without a BOS, N with one
+    train/token_counts         zarr3 [V] int64: unigram counts of train/tokens (diagnostics)
+    parts/<k>.npy, ledger/<k>.json   the build's intermediate output (kept: the ledger of a resumable build)
+    lock*.json                 a prepare at work (host, pid, heartbeat)
+
+The arrays use zarr3's sharded codec: shards of ``SHARD_TOKENS`` ids, each written whole by exactly one
+writer (no read-modify-write of a shared object), holding raw inner chunks of ``CHUNK_TOKENS`` ids that a
+reader fetches by byte range. A store without ``manifest.json`` is not a store: a reader refuses it, so
+nothing half-written is ever read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+
+from tieflax import storage
+from tieflax.data.config import DataError
+
+FORMAT = "tieflax-token-store/1"
+SHARD_TOKENS = 1 << 24   # 32 MiB of uint16 per shard object: few objects, one writer each
+CHUNK_TOKENS = 1 << 16   # 128 KiB read unit: a window costs at most two byte-range reads
+READ_CACHE_BYTES = 256 << 20
+LEASE_SECONDS = 120       # a lock whose heartbeat is older than this is a dead prepare's
+SPLITS = ("train", "val")
+
+
+# ---------------------------------------------------------------------------------------------- arrays
+
+def array_spec(path: str, *, shape: int | None = None, dtype: str | None = None,
+               shard: int = SHARD_TOKENS, chunk: int = CHUNK_TOKENS) -> dict:
+    """A tensorstore zarr3 spec at ``path``; with ``shape`` and ``dtype``, the metadata to create it."""
+    spec = {"driver": "zarr3", "kvstore": storage.kvstore_spec(path)}
+    if shape is not None:
+        shard = max(1, min(shard, shape))
+        chunk = max(1, min(chunk, shard))
+        while shard % chunk:  # the inner chunk must tile the shard
+            chunk -= 1
+        spec["metadata"] = {
+            "shape": [shape], "data_type": dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": [chunk],
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                 {"name": "crc32c"}]}}]}
+    return spec
+
+
+def create_array(path: str, shape: int, dtype: str, **kw):
+    import tensorstore as ts  # noqa: PLC0415
+
+    return ts.open(array_spec(path, shape=shape, dtype=dtype, **kw), create=True,
+                   delete_existing=True).result()
+
+
+def open_array(path: str, *, cache_bytes: int = READ_CACHE_BYTES):
+    """A read-only tensorstore array; shard indexes and chunks are cached and never revalidated (a
+    committed store never changes)."""
+    import tensorstore as ts  # noqa: PLC0415
+
+    spec = array_spec(path)
+    spec["context"] = {"cache_pool": {"total_bytes_limit": cache_bytes}}
+    spec["recheck_cached_data"] = "open"
+    spec["recheck_cached_metadata"] = "open"
+    return ts.open(spec, read=True).result()
+
+
+class StoreTokens:
+    """A split's ``[N]`` token stream read lazily from the store, usable where a memmap is.
+
+    ``x[a:b]``, ``x[int_array]`` and ``len(x)`` behave as on a NumPy array; ``read_windows`` reads a
+    batch of windows in one tensorstore batch (what :class:`tieflax.data.packing.PackedRows` uses), so
+    a host fetches only the chunks its rows touch.
+    """
+
+    def __init__(self, array, path: str):
+        self._arr, self.path = array, path
+        self.shape = tuple(array.shape)
+        self.dtype = np.dtype(array.dtype.numpy_dtype)
+        self.ndim = 1
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key) -> np.ndarray:
+        return np.asarray(self._arr[key].read().result())
+
+    def __array__(self, dtype=None, copy=None):  # noqa: ARG002
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``[b, length]``: ``tokens[s : s + length]`` for each start ``s`` (reads past the end repeat the
+        last token, as a clipped gather on a memmap does)."""
+        import tensorstore as ts  # noqa: PLC0415
+
+        n = len(self)
+        starts = np.asarray(starts, np.int64)
+        out = np.empty((len(starts), length), self.dtype)
+        with ts.Batch() as batch:
+            futures = [self._arr[int(s):min(int(s) + length, n)].read(batch=batch) for s in starts]
+        for r, (s, f) in enumerate(zip(starts, futures)):
+            got = f.result()
+            out[r, :len(got)] = got
+            out[r, len(got):] = got[-1] if len(got) else 0
+        return out
+
+    def __repr__(self) -> str:
+        return f"StoreTokens({self.path}, n={len(self)}, dtype={self.dtype.name})"
+
+
+# ------------------------------------------------------------------------------------------- manifest
+
+def manifest_path(store: str) -> str:
+    return storage.join(store, "manifest.json")
+
+
+def read_manifest(store: str) -> dict:
+    """The committed manifest of ``store``; a DataError naming the store and the fix otherwise."""
+    path = manifest_path(store)
+    try:
+        raw = storage.read_bytes(path)
+    except FileNotFoundError:
+        busy = [n for n in storage.listdir(store) if n.startswith("lock")] if storage.is_dir(store) else []
+        if busy:
+            raise DataError(f"token store {store} is still being written by a tieflax prepare (no "
+                            "manifest.json yet): wait for it to finish, or rerun the prepare to resume it"
+                            ) from None
+        if storage.exists(store):
+            raise DataError(f"token store {store} has no manifest.json: its prepare never finished; "
+                            "rerun tieflax prepare with --out pointing there to resume it") from None
+        raise DataError(f"token store {store} does not exist: make it with tieflax prepare --config "
+                        "CONFIG --out STORE, or fix data.tokens.path") from None
+    try:
+        manifest = json.loads(raw)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+        for split in SPLITS:
+            int(manifest["splits"][split]["tokens"])
+        for key in ("dtype", "vocab_size", "eos_id", "tokenizer_digest", "digest"):
+            manifest[key]  # noqa: B018 (presence check)
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"token store {store} has a damaged manifest.json ({e}): delete the store and "
+                        "prepare it again") from None
+    return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStore:
+    """An opened store: its manifest and lazy arrays."""
+    path: str
+    manifest: dict
+
+    def tokens(self, split: str) -> StoreTokens:
+        arr = open_array(storage.join(self.path, split, "tokens"))
+        want = self.manifest["splits"][split]["tokens"]
+        if arr.shape[0] != want or np.dtype(arr.dtype.numpy_dtype).name != self.manifest["dtype"]:
+            raise DataError(f"token store {self.path}: {split}/tokens holds {arr.shape[0]} "
+                            f"{arr.dtype.numpy_dtype} ids but manifest.json says {want} "
+                            f"{self.manifest['dtype']}: the store is damaged; delete it and prepare again")
+        return StoreTokens(arr, storage.join(self.path, split, "tokens"))
+
+    def doc_offsets(self, split: str) -> np.ndarray:
+        return np.asarray(open_array(storage.join(self.path, split, "doc_offsets"))[:].read().result())
+
+    def token_counts(self) -> np.ndarray:
+        return np.asarray(open_array(storage.join(self.path, "train", "token_counts"))[:].read().result())
+
+    def tokenizer_json(self) -> str:
+        return storage.read_text(storage.join(self.path, "tokenizer.json"))
+
+
+def open_store(path: str) -> TokenStore:
+    """The committed store at ``path`` (see :func:`read_manifest` for the refusals)."""
+    try:
+        path = storage.resolve(path)
+    except storage.StorageError as e:
+        raise DataError(str(e)) from None
+    return TokenStore(path, read_manifest(path))
+
+
+# ---------------------------------------------------------------------------------------------- parts
+# A part is one input shard's output: each split's document lengths and their tokens (no markers), as
+# four .npy arrays in one object. Written whole by the one worker that tokenised it, then recorded in
+# the ledger; the ledger entry is what says "done".
+
+def part_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """Deterministic bytes of ``{train_lengths, train_tokens, val_lengths, val_tokens}``."""
+    buf = io.BytesIO()
+    for key in ("train_lengths", "train_tokens", "val_lengths", "val_tokens"):
+        np.save(buf, arrays[key], allow_pickle=False)
+    return buf.getvalue()
+
+
+def read_part(store: str, k: int, *, digest: str | None = None) -> dict[str, np.ndarray]:
+    """Part ``k``'s arrays; with ``digest`` (the ledger's), a part whose bytes differ is refused."""
+    try:
+        data = storage.read_bytes(part_path(store, k))
+    except FileNotFoundError:
+        data = b""
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise DataError(f"token store {store}: part {part_path(store, k)} is missing or differs from its "
+                        f"ledger entry; delete {ledger_path(store, k)} and rerun tieflax prepare to redo it")
+    buf = io.BytesIO(data)
+    return {key: np.load(buf, allow_pickle=False)
+            for key in ("train_lengths", "train_tokens", "val_lengths", "val_tokens")}
+
+
+def part_path(store: str, k: int) -> str:
+    return storage.join(store, "parts", f"{k:07d}.npy")
+
+
+def ledger_path(store: str, k: int) -> str:
+    return storage.join(store, "ledger", f"{k:07d}.json")
+
+
+def finished_parts(store: str) -> dict[int, dict]:
+    """Ledger: input shard -> its record (token/document counts, digest) for every finished part."""
+    out = {}
+    for name in storage.listdir(storage.join(store, "ledger")):
+        if name.endswith(".json") and not name.startswith("."):
+            out[int(name[:-5])] = json.loads(storage.read_text(storage.join(store, "ledger", name)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- lease
+
+class BuildLock:
+    """``lock[-i-of-n].json`` in the store while a prepare works on it; a heartbeat thread keeps it
+    fresh. A second prepare finding a fresh lock refuses; a stale one (its heartbeat older than
+    ``LEASE_SECONDS``, or its process gone on this host) is taken over with compare-and-set."""
+
+    def __init__(self, store: str, name: str = "lock.json"):
+        self.path = storage.join(store, name)
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
+                          ).encode()
+
+    def __enter__(self):
+        if not storage.create_new(self.path, self._record()):
+            data, stamp = storage.read_with_stamp(self.path)
+            if data is not None and not _stale(json.loads(data)):
+                who = json.loads(data)
+                raise DataError(f"token store {storage.parent(self.path)} is being written by another "
+                                f"tieflax prepare (host {who['host']}, pid {who['pid']}): wait for it, or "
+                                f"if it is dead delete {self.path} (it goes stale after "
+                                f"{LEASE_SECONDS} s)")
+            if storage.compare_and_set(self.path, self._record(), stamp) is None:
+                raise DataError(f"token store {storage.parent(self.path)}: another tieflax prepare took "
+                                "it over just now; wait for it to finish")
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self):
+        while not self._stop.wait(LEASE_SECONDS / 4):
+            storage.write_bytes(self.path, self._record())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        storage.delete(self.path)
+
+
+def _stale(record: dict) -> bool:
+    if time.time() - record.get("heartbeat", 0) > LEASE_SECONDS:
+        return True
+    if record.get("host") == socket.gethostname():
+        try:
+            os.kill(int(record["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError, KeyError):
+            return False
+    return False

@@ -1,0 +1,385 @@
+"""Building a token store (``tieflax prepare``): stream a corpus through a tokenizer in worker processes.
+
+    manifest = build_store(config.data, "gs://bucket/corpus", workers=8)
+    # on several machines: build_store(..., shard=(i, n)) on each, then build_store(..., finalize_only=True)
+
+1. The tokenizer: ``data.tokenizer.path`` copied into the store, or a byte-level BPE trained on the train
+   documents (streamed) and saved there; a resumed build reuses the store's copy.
+2. Tokenise: the corpus is read as a stream of documents (``sources.iter_documents``) and cut into input
+   shards of about ``shard_bytes`` of text. Each shard goes to one worker process, which tokenises it
+   with the batched fast tokenizer (one thread per worker: N workers = N cores), writes its part and
+   then its ledger entry. A resumed build skips every shard the ledger lists, so a killed prepare loses
+   at most the shards in flight. At most ``2 * workers`` shards are in flight: memory stays bounded
+   whatever the corpus size.
+3. Finalize: the parts, in order, become each split's packed stream and document offsets, written
+   shard by shard (each array shard by one writer); ``manifest.json`` is created last, once.
+
+The split holds out whole documents: document ``i`` (in corpus order) is held out when a hash of
+``(data.split_seed, i)`` falls below ``data.val_fraction``. A shard decides alone, so machines agree
+without talking, and adding documents at the end never moves earlier ones.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from typing import Callable
+
+import ml_collections
+import numpy as np
+
+from tieflax import storage
+from tieflax.data import store as st
+from tieflax.data import tokenizer as tokenizer_lib
+from tieflax.data.cache import token_dtype
+from tieflax.data.config import DataError, validate_data_config
+from tieflax.data.sources import expand_paths, iter_documents
+
+log = logging.getLogger(__name__)
+
+SPLIT_RULE = "splitmix64(split_seed, document index) / 2**64 < val_fraction"
+DEFAULT_SHARD_BYTES = 8 << 20
+
+
+def is_val(index: np.ndarray, seed: int, val_fraction: float) -> np.ndarray:
+    """``[n] bool``: which documents (global corpus indices) the split holds out (see module doc)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(index, np.uint64) + np.uint64(0x9E3779B97F4A7C15) * np.uint64(seed + 1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < val_fraction
+
+
+# --------------------------------------------------------------------------------------------- workers
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_json: str, store: str, val_fraction: float, split_seed: int, dtype: str):
+    # One tokenizer thread per worker process: parallelism comes from the processes, which scale
+    # without the GIL or rayon's pool fighting over the same cores.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    _WORKER.update(tok=Tokenizer.from_str(tokenizer_json), store=store, val_fraction=val_fraction,
+                   split_seed=split_seed, dtype=np.dtype(dtype))
+
+
+def tokenise_part(k: int, first_doc: int, texts: list[str]) -> tuple[int, int, float]:
+    """Input shard ``k`` (documents ``first_doc, ...``) -> its part and ledger entry in the store.
+
+    Returns ``(k, tokens, cpu seconds)``.
+    """
+    c0 = time.process_time()
+    w = _WORKER
+    encs = w["tok"].encode_batch_fast(texts, add_special_tokens=False)
+    ids = [np.asarray(e.ids, w["dtype"]) for e in encs]
+    val = is_val(first_doc + np.arange(len(texts)), w["split_seed"], w["val_fraction"])
+    arrays = {}
+    for split, mask in (("train", ~val), ("val", val)):
+        chosen = [a for a, m in zip(ids, mask) if m]
+        arrays[f"{split}_lengths"] = np.array([len(a) for a in chosen], np.int64)
+        arrays[f"{split}_tokens"] = np.concatenate(chosen) if chosen else np.zeros(0, w["dtype"])
+    data = st.part_bytes(arrays)
+    storage.write_bytes(st.part_path(w["store"], k), data)
+    record = {"first_doc": first_doc, "documents": len(texts), "digest": hashlib.sha256(data).hexdigest()}
+    for split in st.SPLITS:
+        record[split] = {"documents": len(arrays[f"{split}_lengths"]),
+                         "tokens": int(arrays[f"{split}_lengths"].sum())}
+    storage.write_text(st.ledger_path(w["store"], k), json.dumps(record))  # the ledger says: done
+    return k, int(sum(len(a) for a in ids)), time.process_time() - c0
+
+
+# ------------------------------------------------------------------------------------------- the build
+
+def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, shard: tuple[int, int] = (0, 1),
+                finalize_only: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                progress: Callable[[str], None] | None = None) -> dict | None:
+    """Builds (or resumes) the token store ``out`` from the data config ``c``.
+
+    Returns the manifest, or None after a ``shard=(i, n)`` with ``n > 1`` (its share done; finalize
+    with ``finalize_only=True`` once every share is). A store with a manifest is returned as it is:
+    a finished store is never rewritten.
+    """
+    validate_data_config(c)
+    if c.source == "tokens":
+        raise DataError("tieflax prepare tokenises text: set data.source to kjv, python_stdlib, files or "
+                        "hf (data.source = 'tokens' is what reads the store it makes).")
+    if c.max_val_documents:
+        raise DataError("data.max_val_documents is not used by tieflax prepare (the store holds out "
+                        "documents by hash); set it to 0 and lower data.val_fraction instead.")
+    i, n = shard
+    if not 0 <= i < n:
+        raise DataError(f"--shard {i}/{n}: the index must lie in [0, {n}).")
+    if workers < 1:
+        raise DataError(f"--workers {workers}: use at least 1.")
+    say = progress or (lambda text: None)
+    if c.source == "files":  # a glob that matches nothing fails now, not after training a tokenizer
+        paths = c.files.paths
+        expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
+    try:
+        out = storage.resolve(out)
+        storage.check_writable(out)
+    except storage.StorageError as e:
+        raise DataError(str(e)) from None
+    if storage.is_file(st.manifest_path(out)):
+        manifest = st.read_manifest(out)
+        say(f"{out} is already a finished token store (digest {manifest['digest'][:16]}); nothing to do")
+        return manifest
+    storage.makedirs(out)
+    with st.BuildLock(out, "lock.json" if n == 1 else f"lock-{i}-of-{n}.json"):
+        tok = _store_tokenizer(c, out, say)
+        settings = _check_settings(c, out, tok, shard_bytes)
+        if not finalize_only:
+            _tokenise(c, out, tok, settings, workers=workers, shard=shard, shard_bytes=shard_bytes, say=say)
+        if n > 1 and not finalize_only:
+            return None
+        return finalize(out, settings, say=say)
+
+
+def _store_tokenizer(c, out: str, say):
+    """The store's tokenizer: the given one (a store started with another is refused) or a trained one."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    path = storage.join(out, "tokenizer.json")
+    existing = storage.read_text(path) if storage.is_file(path) else None
+    if c.tokenizer.path:
+        with storage.local_copy(storage.resolve(c.tokenizer.path)) as local:
+            given = tokenizer_lib.load_tokenizer(local)
+        if existing is not None and Tokenizer.from_str(existing).to_str() != given.to_str():
+            raise DataError(f"token store {out} was started with another tokenizer than "
+                            f"data.tokenizer.path = {c.tokenizer.path!r}: use another --out, or delete it")
+        tok = given
+    elif existing is not None:
+        tok = Tokenizer.from_str(existing)
+    else:
+        say(f"training a {c.tokenizer.vocab_size}-token byte-level BPE on the train documents")
+        texts = (d.text for k, d in enumerate(iter_documents(c))
+                 if not is_val(np.array([k]), c.split_seed, c.val_fraction)[0])
+        tok = tokenizer_lib.train_bpe(texts, vocab_size=c.tokenizer.vocab_size, eos_token=c.tokenizer.eos_token,
+                                      min_frequency=c.tokenizer.min_frequency)
+    if existing is None and not storage.create_new(path, tok.to_str().encode()):
+        if Tokenizer.from_str(storage.read_text(path)).to_str() != tok.to_str():  # another shard's
+            raise DataError(f"token store {out}: another prepare saved a different tokenizer.json; "
+                            "give every machine the same data.tokenizer.path")
+    return tok
+
+
+def source_description(c) -> dict:
+    desc = {"source": c.source}
+    if c.source in ("python_stdlib", "files", "hf"):
+        desc[c.source] = c[c.source].to_dict()
+    return json.loads(json.dumps(desc, default=str))
+
+
+def _check_settings(c, out: str, tok, shard_bytes: int) -> dict:
+    """``build.json``: fixed by the first prepare of ``out``; a resume with other settings is refused."""
+    vocab = tokenizer_lib.tokenizer_vocab_size(tok)
+    settings = {
+        "format": st.FORMAT, "data": source_description(c),
+        "tokenizer_digest": tokenizer_lib.tokenizer_digest(tok), "vocab_size": vocab,
+        "eos_id": tokenizer_lib.eos_id_of(tok, c.tokenizer.eos_token),
+        "bos_id": tokenizer_lib.bos_id_of(tok, c.tokenizer.bos_token),
+        "dtype": token_dtype(vocab).name, "shard_bytes": shard_bytes,
+        "split": {"rule": SPLIT_RULE, "val_fraction": c.val_fraction, "split_seed": c.split_seed},
+    }
+    path = storage.join(out, "build.json")
+    if not storage.create_new(path, json.dumps(settings, indent=1).encode()):
+        started = json.loads(storage.read_text(path))
+        differ = sorted(k for k in set(settings) | set(started) if settings.get(k) != started.get(k))
+        if differ:
+            raise DataError(f"token store {out} was started with other settings ({', '.join(differ)} "
+                            "differ): rerun with the same config, or use another --out")
+    return settings
+
+
+def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[int, int], shard_bytes: int,
+              say) -> None:
+    """Streams the corpus into input shards and tokenises this machine's unfinished ones."""
+    i, n = shard
+    done = set(st.finished_parts(out))
+    ctx = multiprocessing.get_context("spawn")  # no fork after tensorstore's and rayon's threads
+    pending: set = set()
+    stats = {"parts": 0, "tokens": 0, "cpu": 0.0, "t0": time.perf_counter(), "last": 0.0, "skipped": 0}
+
+    def collect(block: bool):
+        ready, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED if block else cf.ALL_COMPLETED,
+                           timeout=None if block else 0)
+        for f in ready:
+            pending.discard(f)
+            _, tokens, cpu = f.result()
+            stats["parts"] += 1
+            stats["tokens"] += tokens
+            stats["cpu"] += cpu
+        now = time.perf_counter()
+        if now - stats["last"] > 2.0:
+            stats["last"] = now
+            rate = stats["tokens"] / max(now - stats["t0"], 1e-9)
+            say(f"tokenised {stats['parts']} input shards ({stats['skipped']} done before), "
+                f"{stats['tokens'] / 1e6:.2f}M tokens, {rate / 1e6:.2f}M tokens/s")
+
+    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                initargs=(tok.to_str(), out, c.val_fraction, c.split_seed,
+                                          settings["dtype"])) as pool:
+        k = first = docs = 0
+        texts: list[str] = []
+        size = 0
+
+        def submit():
+            nonlocal k, first, texts, size
+            if k % n == i:
+                if k in done:
+                    stats["skipped"] += 1
+                else:
+                    while len(pending) >= 2 * workers:  # bounded: at most 2 shards per worker in memory
+                        collect(block=True)
+                    pending.add(pool.submit(tokenise_part, k, first, texts))
+            k, first, texts, size = k + 1, first + len(texts), [], 0
+
+        for doc in iter_documents(c):
+            texts.append(doc.text)
+            size += len(doc.text)
+            docs += 1
+            if size >= shard_bytes:
+                submit()
+        if texts:
+            submit()
+        while pending:
+            collect(block=True)
+    if docs == 0:
+        raise DataError(f"data.source = {c.source!r} produced no documents: the corpus is empty; check "
+                        "its settings (paths, dataset, text field).")
+    inputs = {"input_shards": k, "documents": docs}
+    path = storage.join(out, "inputs.json")
+    if not storage.create_new(path, json.dumps(inputs).encode()):
+        if json.loads(storage.read_text(path)) != inputs:
+            raise DataError(f"token store {out}: the corpus changed since this store was started "
+                            f"({json.loads(storage.read_text(path))} before, {inputs} now); use another --out")
+    wall = time.perf_counter() - stats["t0"]
+    say(f"tokenised {stats['parts']} input shards ({stats['skipped']} done before): "
+        f"{stats['tokens']:,} tokens in {wall:.1f} s, {stats['tokens'] / max(wall, 1e-9) / 1e6:.2f}M tokens/s "
+        f"({workers} workers)")
+
+
+# ------------------------------------------------------------------------------------------- finalize
+
+def finalize(out: str, settings: dict, *, say=lambda text: None) -> dict:
+    """Parts -> each split's stream, document offsets and counts; then ``manifest.json``, created once."""
+    try:
+        inputs = json.loads(storage.read_text(storage.join(out, "inputs.json")))
+    except FileNotFoundError:
+        raise DataError(f"token store {out}: no input shard has been tokenised yet; run tieflax prepare "
+                        "(with each --shard i/N) before finalizing") from None
+    ledger = st.finished_parts(out)
+    missing = [k for k in range(inputs["input_shards"]) if k not in ledger]
+    if missing:
+        raise DataError(f"token store {out}: {len(missing)} of {inputs['input_shards']} input shards are not "
+                        f"tokenised yet (e.g. {missing[:4]}); run the remaining tieflax prepare --shard i/N "
+                        "before finalizing")
+    parts = [ledger[k] for k in range(inputs["input_shards"])]
+    eos, bos, dtype, vocab = settings["eos_id"], settings["bos_id"], np.dtype(settings["dtype"]), settings["vocab_size"]
+    splits = {}
+    for split in st.SPLITS:
+        docs = sum(p[split]["documents"] for p in parts)
+        if docs == 0:
+            raise DataError(f"token store {out}: the {split} split has no documents ({inputs['documents']} in "
+                            "all); add documents or raise data.val_fraction")
+        tokens = sum(p[split]["tokens"] for p in parts) + (2 * docs if bos is not None else docs + 1)
+        splits[split] = {"tokens": tokens, "documents": docs}
+    counts = np.zeros(vocab, np.int64)
+    for split in st.SPLITS:
+        _write_split(out, split, splits[split], parts, eos, bos, dtype, counts if split == "train" else None)
+        say(f"wrote {split}: {splits[split]['tokens']:,} tokens, {splits[split]['documents']:,} documents")
+    st.create_array(storage.join(out, "train", "token_counts"), vocab, "int64")[:].write(counts).result()
+    digest = hashlib.sha256(json.dumps({k: settings[k] for k in ("tokenizer_digest", "eos_id", "bos_id",
+                                                                  "dtype", "split")}, sort_keys=True).encode())
+    for p in parts:
+        digest.update(p["digest"].encode())
+    manifest = {**{k: settings[k] for k in ("format", "vocab_size", "eos_id", "bos_id", "dtype",
+                                            "tokenizer_digest", "split", "data")},
+                "splits": splits, "input_shards": inputs["input_shards"], "digest": digest.hexdigest(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if not storage.create_new(st.manifest_path(out), json.dumps(manifest, indent=1).encode()):
+        return st.read_manifest(out)  # another finalize committed first; same parts, same content
+    say(f"committed {out} (digest {manifest['digest'][:16]})")
+    return manifest
+
+
+def _write_split(out: str, split: str, info: dict, parts: list[dict], eos: int, bos: int | None,
+                 dtype: np.dtype, counts: np.ndarray | None) -> None:
+    """One split's packed stream and offsets, buffered to whole array shards: each shard one write."""
+    tokens = st.create_array(storage.join(out, split, "tokens"), info["tokens"], dtype.name)
+    offsets = st.create_array(storage.join(out, split, "doc_offsets"), info["documents"] + 1, "int64")
+    shard = tokens.chunk_layout.write_chunk.shape[0]
+    buf: list[np.ndarray] = []
+    buffered = written = 0
+    doc_offsets = []
+
+    def flush(final: bool):
+        nonlocal buf, buffered, written
+        if not buffered:
+            return
+        data = np.concatenate(buf)
+        cut = len(data) if final else (len(data) // shard) * shard
+        if cut:
+            tokens[written:written + cut].write(data[:cut]).result()
+            if counts is not None:
+                counts[:] += np.bincount(data[:cut], minlength=len(counts))[:len(counts)]
+            written += cut
+        buf, buffered = ([data[cut:]] if cut < len(data) else []), len(data) - cut
+
+    at = 0
+    for k, p in enumerate(parts):
+        if not p[split]["documents"]:
+            continue
+        part = st.read_part(out, k, digest=p["digest"])
+        lengths, ids = part[f"{split}_lengths"], part[f"{split}_tokens"].astype(dtype, copy=False)
+        per_doc = lengths + (2 if bos is not None else 1)
+        starts = np.concatenate([[0], np.cumsum(per_doc)[:-1]]).astype(np.int64)
+        stream = np.empty(int(per_doc.sum()), dtype)
+        body = np.ones(len(stream), bool)
+        body[starts] = False
+        stream[starts] = eos if bos is None else bos
+        if bos is not None:
+            ends = starts + per_doc - 1
+            body[ends] = False
+            stream[ends] = eos
+        stream[body] = ids
+        doc_offsets.append(at + starts)
+        at += len(stream)
+        buf.append(stream)
+        buffered += len(stream)
+        if buffered >= shard:
+            flush(final=False)
+    if bos is None:
+        buf.append(np.array([eos], dtype))
+        buffered += 1
+    flush(final=True)
+    doc_offsets.append(np.array([at], np.int64))
+    if written != info["tokens"]:
+        raise DataError(f"token store {out}: wrote {written} {split} tokens but the ledger counts "
+                        f"{info['tokens']}: the parts are damaged; delete the store and prepare again")
+    offsets[:].write(np.concatenate(doc_offsets)).result()
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``'i/N'`` -> ``(i, N)``."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise DataError(f"--shard {text!r}: write it as i/N, e.g. --shard 0/4") from None
+    if n < 1 or not 0 <= i < n:
+        raise DataError(f"--shard {text!r}: need 0 <= i < N")
+    return i, n
+
+
+def print_progress(text: str) -> None:
+    print(f"tieflax prepare: {text}", file=sys.stderr, flush=True)
