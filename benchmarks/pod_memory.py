@@ -3,6 +3,7 @@
     python benchmarks/pod_memory.py                                   # MaxText: figures recorded in README
     python benchmarks/pod_memory.py --maxtext /path/to/venv/bin/python  # MaxText: recompiled now
     python benchmarks/pod_memory.py --models gemma_2b --seq-len 2048
+    python benchmarks/pod_memory.py --flops                           # FLOPs term by term, no compile
 
 Cases: Gemma-2B on v5e:4x4 (16 chips) and Llama-3-8B on v5p:4x4x4 (64 chips), one sequence of
 ``--seq-len`` (8192) tokens per chip, bf16 compute, fp32 parameters, all chips on one FSDP axis (the
@@ -184,6 +185,24 @@ def maxtext_tflops(case: Case, seq_len: int) -> float:
     return maxtext_tflops_per_device(c, 1, seq_len, vocab_size=case.maxtext_vocab)["total"]
 
 
+def flops_terms(case: Case, seq_len: int) -> dict[str, tuple[float, float]]:
+    """term -> (tieflax, MaxText) model TFLOPs per step per chip, one sequence per chip; MaxText's terms
+    as its calculate_tflops_training_per_device forms them (x3 for training), with its vocabulary."""
+    from tieflax.config import load_config, model_config  # noqa: PLC0415
+    from tieflax.flops import step_flops  # noqa: PLC0415
+
+    c = model_config(load_config(os.path.join(ROOT, case.config)))
+    f = step_flops(c, 1, seq_len)
+    t, d, h, layers = seq_len, c.d_model, c.dim_per_head, c.n_layers
+    theirs = {"qkv": 2 * t * d * (c.n_heads + 2 * c.kv_heads) * h * layers,
+              "attn_out": 2 * t * d * c.n_heads * h * layers,
+              "mlp": 2 * t * c.d_ff * d * (2 if c.mlp == "gelu" else 3) * layers,
+              "head": 2 * t * d * case.maxtext_vocab,
+              "attention": 4 * t * t * c.n_heads * h / 2 * layers}
+    ours = {**f.weights, "attention": f.attention}
+    return {k: (3 * ours[k] / 1e12, 3 * theirs[k] / 1e12) for k in theirs}
+
+
 def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
@@ -200,10 +219,22 @@ def main() -> None:
                              f"{'; '.join(MAXTEXT_VARIANTS)})")
     parser.add_argument("--variants", default=",".join(TIEFLAX_VARIANTS),
                         help=f"tieflax variants, comma-separated, of {sorted(TIEFLAX_VARIANTS)}")
+    parser.add_argument("--flops", action="store_true", help="only the FLOPs table, term by term (no compile)")
     parser.add_argument("--tieflax-override", action="append", default=[],
                         help="extra --config.a.b=v for tieflax plan (repeatable)")
     args = parser.parse_args()
 
+    if args.flops:
+        print(f"Model TFLOPs per step per chip, T = {args.seq_len}, one sequence per chip: tieflax / MaxText\n")
+        terms = ["qkv", "attn_out", "mlp", "head", "attention"]
+        print("| model | " + " | ".join(terms) + " | total |")
+        print("|---|" + "---:|" * (len(terms) + 1))
+        for model in args.models.split(","):
+            t = flops_terms(CASES[model], args.seq_len)
+            total = [sum(v[i] for v in t.values()) for i in (0, 1)]
+            print(f"| {model} | " + " | ".join(f"{t[k][0]:.3f} / {t[k][1]:.3f}" for k in terms)
+                  + f" | {total[0]:.3f} / {total[1]:.3f} |")
+        return
     recorded = {} if args.maxtext else read_recorded()
     rows, record_lines, results = [], [], []
     for model in args.models.split(","):
