@@ -136,7 +136,7 @@ def test_bad_requests_fail_clearly(chain, tmp_path, capsys):
     with pytest.raises(ValueError, match="already untied"):
         main(["convert", "--untie", "--workdir", chain["untied"], "--out", str(tmp_path / "b")])
     _fails(capsys, ["convert", "--untie", "--workdir", chain["imported"], "--out", chain["imported"]],
-           "must be a new workdir")
+           "is --workdir .* itself: write to a new folder")
     _fails(capsys, ["convert", "--from-hf", chain["hf"], "--workdir", str(tmp_path / "c"),
                     "--config.model.tie_embeddings=False"], "tie_embeddings")
     _fails(capsys, ["convert", "--untie", "--workdir", chain["imported"], "--out", str(tmp_path / "d"),
@@ -218,3 +218,63 @@ def test_import_points_training_at_the_checkpoints_tokenizer(chain, tmp_path):
     assert config.data.tokenizer.path == str(tmp_path / "w" / "tokenizer.json")
     assert config.data.tokenizer.eos_token == "<|end|>"
     assert (tmp_path / "w" / "hf_files" / "tokenizer_config.json").is_file()
+
+
+def _snapshot(folder) -> dict:
+    return {os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
+            for d, _, files in os.walk(folder) for f in files}
+
+
+def test_overwrite_never_deletes_the_source_another_run_or_through_a_link(chain, tmp_path, capsys):
+    """`convert --scan-layers --workdir P/run --out P --overwrite` deleted P/run (and a run training in
+    P/runA); a link --out pointing at --workdir was not refused either and left a stale lock."""
+    import socket
+
+    p = tmp_path / "P"
+    run = p / "run"
+    shutil.copytree(chain["untied"], run)
+    before = _snapshot(run)
+    _fails(capsys, ["convert", "--scan-layers", "--workdir", str(run), "--out", str(p), "--overwrite"],
+           "contains --workdir .*would delete the source")
+    shutil.copytree(chain["imported"], p / "runA")
+    (p / "runA" / "tieflax.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                                          "command": "train", "since": "now"}))
+    _fails(capsys, ["convert", "--untie", "--workdir", str(p / "runA"), "--out", str(p / "runA" / "sub")],
+           "lies inside --workdir")
+    link = tmp_path / "link"
+    link.symlink_to(run)
+    _fails(capsys, ["convert", "--scan-layers", "--workdir", str(run), "--out", str(link), "--overwrite"],
+           r"\(a link to .*\) is --workdir")
+    outer = tmp_path / "outer"
+    shutil.copytree(p / "runA", outer / "runA")
+    _fails(capsys, ["convert", "--scan-layers", "--workdir", str(run), "--out", str(outer), "--overwrite"],
+           "contains the run .*runA")
+    _fails(capsys, ["convert", "--from-hf", chain["hf"], "--workdir", str(tmp_path), "--overwrite"],
+           "contains the run")
+    assert _snapshot(run) == before and "tieflax.lock" not in os.listdir(run)
+    assert (p / "runA" / "config.json").exists() and (outer / "runA" / "config.json").exists()
+
+
+def test_layout_conversion_says_what_it_resets_and_train_says_so(chain, tmp_path, capsys):
+    out = tmp_path / "scanned"
+    assert main(["convert", "--scan-layers", "--workdir", chain["untied"], "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step"] == STEPS and "no parameter" in report["discarded"]
+    for what in ("step", "optimizer state", "schedule", "data position"):
+        assert what in report["reset"]
+    assert json.load(open(out / "surgery.json"))["reset"] == report["reset"]
+    config, params, step = _params(str(out))
+    assert step == 0 and config.model.scan_layers
+
+
+def test_an_interrupted_surgery_leaves_no_partial_folder_and_no_lock(chain, tmp_path, capsys, monkeypatch):
+    from tieflax import checkpoint as ckpt
+    from tieflax.cli import Interrupted
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted(15)
+
+    monkeypatch.setattr(ckpt, "save_initial_params", interrupted)
+    assert main(["convert", "--untie", "--workdir", chain["imported"], "--out", str(tmp_path / "new")]) == 143
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # no partial folder, no workdir, no lock

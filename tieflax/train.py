@@ -473,6 +473,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             state = {"step": jax.device_put(jnp.zeros((), jnp.int32), s.state_shardings["step"]),
                      "params": params, "opt_state": s.init_opt_state(params)}
             start = 0
+            say(f"starting from {ckpt.INITIAL_PARAMS_DIR}/ (imported or converted parameters) at step 0: a fresh "
+                "optimizer state and schedule, and the data from its first batch")
         else:
             state = s.init_state(jax.random.key(config.seed))
             start = 0

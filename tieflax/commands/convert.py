@@ -16,6 +16,7 @@ defines cannot be overridden (use --untie/--tie for the tie switch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,6 +26,10 @@ from typing import Any, Sequence
 HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layouts of checkpoints"
 HF_FILES_DIR = "hf_files"      # tokenizer and generation files carried from an imported HF folder
 SURGERY_REPORT = "surgery.json"
+# What every surgery leaves behind: the new workdir holds parameters only (``initial_params/``), so training
+# there starts a new run from them; `tieflax train` says so when it starts.
+RESET_BY_SURGERY = ("the step (training restarts at 0), the optimizer state (moments start from zero), the "
+                    "learning-rate schedule (warmup again) and the data position (the first batch again)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +87,10 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     from tieflax.interop.hf_weights import params_from_state
 
     from tieflax.config import validate_config
+    from tieflax.destinations import check_destination as check_safe_destination
     from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
 
+    check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
     check_destination(workdir, overwrite=overwrite)
     imported = config_from_hf(read_hf_config(hf_dir))
     config = default_config()
@@ -93,8 +100,7 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     validate_config(config)
     mc = model_config(config)
     weights = read_safetensors(hf_dir)
-    with workdir_lock(workdir, "convert"):
-        partial = fresh_partial_folder(workdir)
+    with workdir_lock(workdir, "convert"), _removed_unless_published(fresh_partial_folder(workdir)) as partial:
         if tokenizer:
             shutil.copy2(tokenizer, os.path.join(partial, "tokenizer.json"))
         params = params_from_state(weights, mc)
@@ -113,8 +119,10 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
     from tieflax import checkpoint as ckpt
     from tieflax.config import model_config
     from tieflax.interop.hf import SIDE_FILES, save_hf_checkpoint
+    from tieflax.destinations import check_destination as check_safe_destination
     from tieflax.workdir import WorkdirError, holds_a_run
 
+    check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     if os.path.abspath(out) == os.path.abspath(workdir) or (holds_a_run(out) and not overwrite and any(
             os.path.exists(os.path.join(out, n)) for n in ("checkpoints", "initial_params", "metrics.jsonl"))):
         raise WorkdirError(f"--out {os.path.abspath(out)} holds a tieflax run: export to a new folder (or pass "
@@ -136,7 +144,8 @@ def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, over
 
     def change(config, params):
         config.model.tie_embeddings = False
-        return untie(params), {"discarded": "nothing (the head starts as an exact copy of the embedding)"}
+        return untie(params), {"discarded": "no parameter (the head starts as an exact copy of the embedding)",
+                               "reset": RESET_BY_SURGERY}
 
     return _surgery(workdir, out, "untie", change, overrides, overwrite)
 
@@ -163,7 +172,9 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
 
     def change(config, params):
         config.model.scan_layers = scan
-        return to_layout(params, model_config(config)), {"discarded": "nothing (the same values, relaid)"}
+        return to_layout(params, model_config(config)), {
+            "discarded": "no parameter (the same values, relaid)",
+            "reset": RESET_BY_SURGERY}
 
     return _surgery(workdir, out, "scan-layers" if scan else "unscan-layers", change, overrides, overwrite)
 
@@ -171,11 +182,11 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
 def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool) -> dict:
     from tieflax import checkpoint as ckpt
     from tieflax.config import model_config, validate_config
+    from tieflax.destinations import check_destination as check_safe_destination
     from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
 
-    if os.path.abspath(out) == os.path.abspath(workdir):
-        raise SystemExit("tieflax convert: --out must be a new workdir, not --workdir itself (the run "
-                         "there would resume its own checkpoints)")
+    # Before anything is read: --out must not be, contain or lie inside the source or another run.
+    check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     check_destination(out, overwrite=overwrite)
     config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
@@ -184,9 +195,9 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
                      also_fixed=("vocab_pad_multiple", "scan_layers"))
     validate_config(config)
     _repoint_tokenizer(config, workdir, out)
+    report.setdefault("reset", RESET_BY_SURGERY)
     report = dict(action=action, workdir=os.path.abspath(workdir), step=step, out=os.path.abspath(out), **report)
-    with workdir_lock(out, "convert"):
-        partial = fresh_partial_folder(out)
+    with workdir_lock(out, "convert"), _removed_unless_published(fresh_partial_folder(out)) as partial:
         ckpt.save_initial_params(partial, config, params)
         for name in ("tokenizer.json", HF_FILES_DIR):
             src = os.path.join(workdir, name)
@@ -198,6 +209,17 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
             json.dump(report, f, indent=2)
         publish(partial, out, overwrite=overwrite)
     return report
+
+
+@contextlib.contextmanager
+def _removed_unless_published(partial: str):
+    """Yields ``partial``; removes it if the block fails or is interrupted (SIGTERM/SIGINT arrive as
+    exceptions, see tieflax.cli), so only a kill -9 leaves one, which `tieflax train` then refuses."""
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def _repoint_tokenizer(config, workdir: str, out: str) -> None:

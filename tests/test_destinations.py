@@ -1,0 +1,84 @@
+"""Where a destructive step may write (tieflax/destinations.py): never the source, a folder holding it, a
+folder inside it, another run or a locked folder, links resolved. Folders only; nothing trains."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tieflax.destinations import check_destination
+from tieflax.workdir import LOCK_FILE, WorkdirError
+
+
+def _run(folder, lock=False):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "checkpoints").mkdir()
+    if lock:
+        (folder / LOCK_FILE).write_text(json.dumps({"host": "h", "pid": 1, "command": "train"}))
+    return folder
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    """P/run (the source), P/runA (another run, training), P/other (plain files)."""
+    p = tmp_path / "P"
+    _run(p / "run")
+    _run(p / "runA", lock=True)
+    (p / "other").mkdir()
+    (p / "other" / "notes.txt").write_text("mine")
+    return p
+
+
+@pytest.mark.parametrize("out, overwrite, expected", [
+    ("run", False, "is --workdir .* itself"),
+    (".", True, "contains --workdir .*would delete the source"),
+    (".", False, "contains --workdir"),
+    ("run/sub", True, "lies inside --workdir"),
+    ("runA/sub", False, "lies inside the run .*runA"),
+])
+def test_the_source_and_other_runs_are_refused(tree, out, overwrite, expected):
+    with pytest.raises(WorkdirError, match=expected):
+        check_destination(str(tree / out), sources=[("--workdir", str(tree / "run"))], overwrite=overwrite)
+
+
+def test_a_folder_holding_another_run_is_refused_with_overwrite(tree, tmp_path):
+    outer = tmp_path / "outer"
+    _run(outer / "deep" / "runB")
+    with pytest.raises(WorkdirError, match="contains the run .*runB.*--overwrite would delete it"):
+        check_destination(str(outer), sources=[("--workdir", str(tree / "run"))], overwrite=True)
+    (outer / "deep" / "runB" / "config.json").unlink()
+    (outer / "deep" / "runB" / "checkpoints").rmdir()
+    (outer / "deep" / "runB" / LOCK_FILE).write_text("{}")  # a locked folder counts as a run
+    with pytest.raises(WorkdirError, match="contains the run"):
+        check_destination(str(outer), sources=[("--workdir", str(tree / "run"))], overwrite=True)
+
+
+def test_links_are_resolved(tree, tmp_path):
+    link = tmp_path / "link_to_run"
+    link.symlink_to(tree / "run")
+    with pytest.raises(WorkdirError, match=r"\(a link to .*run\) is --workdir"):
+        check_destination(str(link), sources=[("--workdir", str(tree / "run"))], overwrite=True)
+    parent_link = tmp_path / "link_to_P"
+    parent_link.symlink_to(tree)
+    with pytest.raises(WorkdirError, match="contains --workdir"):
+        check_destination(str(parent_link), sources=[("--workdir", str(tree / "run"))], overwrite=True)
+
+
+def test_a_plain_new_folder_or_a_previous_output_is_fine(tree, tmp_path):
+    src = [("--workdir", str(tree / "run"))]
+    assert check_destination(str(tmp_path / "new"), sources=src, overwrite=False) == str(tmp_path / "new")
+    previous = _run(tmp_path / "previous")  # replacing a run itself is what --overwrite is for
+    check_destination(str(previous), sources=src, overwrite=True)
+    check_destination(str(tree / "other"), sources=src, overwrite=True)
+    assert os.path.exists(tree / "other" / "notes.txt")  # a check never deletes
+
+
+def test_remote_prefixes_are_compared_as_prefixes():
+    src = [("--workdir", "gs://b/P/run")]
+    with pytest.raises(WorkdirError, match="contains --workdir"):
+        check_destination("gs://b/P", sources=src, overwrite=False)
+    with pytest.raises(WorkdirError, match="is --workdir"):
+        check_destination("gs://b/P/run/", sources=src, overwrite=False)
