@@ -282,6 +282,7 @@ def main():
     ap.add_argument("--layouts", action="store_true",
                     help="with --tpu: the loss in every head layout (replicated, tensor only, tensor x fsdp)")
     ap.add_argument("--layout", action="append", choices=list(HEAD_LAYOUTS), help="with --layouts: only these")
+    ap.add_argument("--vocab", action="append", type=int, help="with --layouts: these V (default 64000, 256000)")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per variant (median)")
     ap.add_argument("--sweep", action="store_true", help="also run the block-size sweep")
     ap.add_argument("--tpu", metavar="TOPOLOGY", help="compile for this TPU topology (e.g. v5e:2x4) instead")
@@ -290,7 +291,8 @@ def main():
     if args.layouts:
         if not args.tpu:
             ap.error("--layouts needs --tpu TOPOLOGY (e.g. v5e:2x4)")
-        print("JSON " + json.dumps(layout_table(args.tpu, layouts=args.layout or None)))
+        print("JSON " + json.dumps(layout_table(args.tpu, vocabs=tuple(args.vocab or (64000, 256000)),
+                                                layouts=args.layout or None)))
         return
     if args.tpu or args.gpu:
         print("JSON " + json.dumps(compiled_table(args.tpu, args.gpu)))
