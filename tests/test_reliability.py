@@ -55,10 +55,12 @@ def test_a_second_training_in_a_busy_workdir_refuses_in_one_line(trained, tmp_pa
     holder = {"host": socket.gethostname(), "pid": os.getppid(), "command": "train", "since": "earlier"}
     with open(os.path.join(workdir, LOCK_FILE), "w") as f:
         json.dump(holder, f)
-    rows = open(os.path.join(workdir, "metrics.jsonl")).read()
+    rows = read_metrics(workdir)
+    segments = sorted(os.listdir(os.path.join(workdir, "metrics")))
     err = _one_line(capsys, ["train", "--workdir", workdir, "--config.train.num_steps=8"])
     assert f"in use by `tieflax train` (host {socket.gethostname()}, PID {os.getppid()}" in err
-    assert open(os.path.join(workdir, "metrics.jsonl")).read() == rows  # no duplicate rows
+    assert read_metrics(workdir) == rows  # no duplicate rows
+    assert sorted(os.listdir(os.path.join(workdir, "metrics"))) == segments
 
 
 def test_a_stale_lock_is_taken_over_with_a_message(tmp_path, capsys):
@@ -113,15 +115,14 @@ def test_damaged_json_files_are_named(trained, tmp_path, capsys):
         f.write('{"model": {')
     err = _one_line(capsys, ["eval", "--workdir", workdir])
     assert f"{workdir}/config.json is not valid JSON (line 1" in err
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    with open(metrics, "a") as f:
-        f.write('{"step": 7, "spl')  # a run killed while writing a row
-    assert read_metrics(workdir, "train")  # the unfinished last row is skipped
-    MetricWriter(workdir, tensorboard=False).close()  # ... and cut off before the next run appends
-    assert open(metrics).read().endswith("}\n")
-    with open(metrics, "a") as f:
+    legacy = os.path.join(workdir, "metrics.jsonl")  # a run from before segments, killed mid-append
+    with open(legacy, "w") as f:
+        f.write(json.dumps({"step": 1, "split": "train", "loss": 6.0}) + '\n{"step": 7, "spl')
+    assert [r["step"] for r in read_metrics(workdir, "train")] == [1, 2, 4, 6]  # unfinished row skipped
+    segment = os.path.join(workdir, "metrics", "99999999999999999999-000000.jsonl")
+    with open(segment, "w") as f:  # segments are written whole: a bad line there is damage, named
         f.write("garbage\n" + json.dumps({"step": 9, "split": "train"}) + "\n")
-    with pytest.raises(MetricsFileError, match=r"metrics.jsonl line \d+ is not valid JSON"):
+    with pytest.raises(MetricsFileError, match=r"99999999999999999999-000000.jsonl line 1 is not valid JSON"):
         read_metrics(workdir)
 
 

@@ -57,7 +57,7 @@ def test_loss_falls_and_the_workdir_is_complete(which, request):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.6, [r["loss"] for r in rows]
     assert result["final_val_loss"] < rows[0]["loss"] - 0.5
     assert result["final_val_perplexity"] == pytest.approx(np.exp(result["final_val_loss"]), rel=1e-6)
-    assert result["metrics_path"] == os.path.join(workdir, "metrics.jsonl")
+    assert result["metrics_path"] == os.path.join(workdir, "metrics")
     assert np.isfinite(result["tokens_per_second"]) and result["tokens_per_second"] > 0
     names = ({"grad_norm/embed_lookup", "grad_norm/embed_head", "grad_norm/embed"} if which == "tied"
              else {"grad_norm/embed_in", "grad_norm/head_out"})

@@ -41,6 +41,8 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tieflax import storage
+
 from tieflax.errors import UserError
 
 CONFIG_FILE = "config.json"
@@ -55,15 +57,23 @@ class CheckpointError(UserError, RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ config
 
-def save_config(workdir: str, config: ml_collections.ConfigDict) -> str:
-    """Writes ``<workdir>/config.json`` (process 0 only) and returns its path."""
-    path = os.path.join(workdir, CONFIG_FILE)
+def save_config(workdir: str, config: ml_collections.ConfigDict, *, claim: bool = False) -> str:
+    """Writes ``<workdir>/config.json`` whole (process 0 only) and returns its path.
+
+    ``claim=True`` (a run starting in a fresh workdir): written only if no config.json exists yet (a
+    create-only precondition), so two runs cannot both claim one prefix; the loser gets WorkdirError.
+    An existing config.json (a resume, checked against this config before) is replaced whole.
+    """
+    from tieflax.workdir import WorkdirError  # noqa: PLC0415
+
+    path = storage.join(storage.resolve(workdir), CONFIG_FILE)
     if jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-        os.replace(tmp, path)  # atomic: a reader never sees half a config
+        text = config.to_json_best_effort(indent=2, sort_keys=True).encode("utf-8")
+        if not claim or storage.is_file(path):
+            storage.write_bytes(path, text)
+        elif not storage.create_new(path, text):
+            raise WorkdirError(f"{path} was created by another run while this one started: each run needs "
+                               "its own --workdir")
     return path
 
 
@@ -71,13 +81,14 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     """The config saved in ``workdir``, completed with today's defaults for fields added since."""
     from tieflax.config import default_config  # noqa: PLC0415
 
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a tieflax workdir (train into it "
-                                "first, or save_initial_params there).")
+    path = storage.join(storage.resolve(workdir), CONFIG_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+        text = storage.read_text(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a tieflax workdir (train into it "
+                                "first, or save_initial_params there).") from None
+    try:
+        saved = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): restore "
                               "it from a backup or rewrite it with `tieflax train --config ... --workdir` "
@@ -103,7 +114,7 @@ def _merge(node: ml_collections.ConfigDict, values: dict, where: str) -> None:
 # ------------------------------------------------------------------------------------------------ manager
 
 def checkpoint_dir(workdir: str) -> str:
-    return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+    return storage.join(storage.resolve(workdir), CHECKPOINT_DIR)
 
 
 def _item_handlers() -> dict:
@@ -167,7 +178,7 @@ def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params:
     import flax.linen as nn  # noqa: PLC0415
 
     save_config(workdir, config)
-    path = os.path.abspath(os.path.join(workdir, INITIAL_PARAMS_DIR))
+    path = storage.join(storage.resolve(workdir), INITIAL_PARAMS_DIR)
     params = jax.tree.map(np.asarray, nn.unbox(params))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, params, force=True)
@@ -176,12 +187,12 @@ def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params:
 
 
 def has_initial_params(workdir: str) -> bool:
-    return os.path.isdir(os.path.join(workdir, INITIAL_PARAMS_DIR))
+    return storage.is_dir(storage.join(storage.resolve(workdir), INITIAL_PARAMS_DIR))
 
 
 def load_initial_params(workdir: str, abstract_params: Any | None = None) -> Any:
     """``initial_params/`` onto ``abstract_params``' shardings, or as host NumPy when it is None."""
-    path = os.path.abspath(os.path.join(workdir, INITIAL_PARAMS_DIR))
+    path = storage.join(storage.resolve(workdir), INITIAL_PARAMS_DIR)
     with ocp.StandardCheckpointer() as ckptr:
         if abstract_params is not None:
             return ckptr.restore(path, abstract_params)
@@ -199,7 +210,7 @@ def _plain(tree: Any) -> Any:
 
 
 def latest_step(workdir: str) -> int | None:
-    if not os.path.isdir(checkpoint_dir(workdir)):
+    if not storage.is_dir(checkpoint_dir(workdir)):
         return None
     with read_manager(workdir) as manager:
         return manager.latest_step()
@@ -245,7 +256,7 @@ def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collec
             return config, load_initial_params(workdir), 0
         raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
     step = latest if step is None else step
-    if not os.path.isdir(os.path.join(checkpoint_dir(workdir), str(step), "state")):
+    if not storage.is_dir(storage.join(checkpoint_dir(workdir), str(step), "state")):
         raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; the latest is {latest}.")
     with read_manager(workdir) as manager:
         params = _read_params(manager, step, None)
@@ -307,12 +318,11 @@ class CheckpointMismatchError(CheckpointError):
 
 def move_aside(workdir: str, step: int) -> str:
     """Moves ``checkpoints/<step>`` to ``checkpoints_unreadable/<step>[-n]`` (kept, never deleted)."""
-    target_dir = os.path.join(os.path.abspath(workdir), UNREADABLE_DIR)
-    os.makedirs(target_dir, exist_ok=True)
-    target, n = os.path.join(target_dir, str(step)), 1
-    while os.path.exists(target):
-        target, n = os.path.join(target_dir, f"{step}-{n}"), n + 1
-    os.replace(os.path.join(checkpoint_dir(workdir), str(step)), target)
+    target_dir = storage.join(storage.resolve(workdir), UNREADABLE_DIR)
+    target, n = storage.join(target_dir, str(step)), 1
+    while storage.exists(target):
+        target, n = storage.join(target_dir, f"{step}-{n}"), n + 1
+    storage.move_tree(storage.join(checkpoint_dir(workdir), str(step)), target)
     return target
 
 
@@ -372,6 +382,18 @@ class SaveWatch:
         """Cheap: only asks orbax whether the pending save has ended, and if so whether it failed."""
         if self.pending is not None and not self.manager.is_saving_in_progress():
             self._raise_if_failed(wait=True)
+
+    def failure(self, wait: bool) -> "CheckpointError | None":
+        """The pending save's failure, or None (still running when ``wait`` is False, or it succeeded).
+        Multi-process training calls this on every process, then agrees (``distributed.first_failure``),
+        so that a save failing on one process stops all of them at the same step."""
+        if self.pending is None or (not wait and self.manager.is_saving_in_progress()):
+            return None
+        try:
+            self._raise_if_failed(wait=True)
+        except CheckpointError as e:
+            return e
+        return None
 
     def _raise_if_failed(self, wait: bool) -> None:
         if self.pending is None:

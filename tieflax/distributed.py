@@ -57,3 +57,37 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 def is_main_process() -> bool:
     return jax.process_index() == 0
+
+
+# ------------------------------------------------------------------------------------------ agreement
+_rounds: dict[str, int] = {}
+
+
+def first_failure(local_error: str | None, tag: str) -> str | None:
+    """Every process calls this at the same point; all get the same answer: the message of the lowest
+    failing process, or None when no process failed.
+
+    A failure seen by one process (a lock refused, a save that failed, a checkpoint it cannot read)
+    becomes every process's failure, decided by one collective, instead of the others waiting at the
+    next collective forever. Single-process: returns ``local_error``.
+    """
+    if jax.process_count() == 1:
+        return local_error
+    import numpy as np  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(local_error is not None))).reshape(-1)
+    if not failed.any():
+        return None
+    first = int(np.argmax(failed))
+    # The text travels through the coordinator's key-value store (each key is written once: a round
+    # counter keeps them apart).
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+
+    client = jax_distributed.global_state.client
+    _rounds[tag] = _rounds.get(tag, 0) + 1
+    key = f"tieflax/{tag}/{_rounds[tag]}"
+    if jax.process_index() == first:
+        client.key_value_set(key, local_error)
+    message = client.blocking_key_value_get(key, 120_000)
+    return message if first == 0 else f"process {first}: {message}"

@@ -1,10 +1,19 @@
-"""Run metrics: ``metrics.jsonl`` and TensorBoard event files in the workdir, a progress bar on process 0.
+"""Run metrics: immutable JSON-lines segments and TensorBoard events in the workdir, a progress bar.
 
 Only process 0 writes; the others get a writer whose methods do nothing, so the training loop never
-branches on the process index. One JSON object per line: ``{"step": int, "split": "train"|"val"|...,
-<name>: float, ...}``.
+branches on the process index. A row is ``{"step": int, "split": "train"|"val"|..., <name>: float, ...}``.
 
-Watch a run with ``tensorboard --logdir WORKDIR``.
+Object stores have no append, so the log is a folder of segments, each written whole, once::
+
+    metrics/<session>-<seq>.jsonl     rows of one log period; <session> is the writer's start time in ns,
+                                      so names sort in the order they were written
+
+``read_metrics`` reads them back as one stream (later rows win for a repeated step: a resumed run repeats
+the steps since its last checkpoint). A run written before segments (one ``metrics.jsonl``) still reads.
+
+TensorBoard events are written by tensorboardX to a local folder; on a remote workdir the event file is
+copied whole to ``<workdir>/tensorboard/`` at every flush, so a TensorBoard pointed at the bucket follows
+the run while it trains. Watch a run with ``tensorboard --logdir WORKDIR``.
 """
 
 from __future__ import annotations
@@ -12,47 +21,55 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
+import time
 from typing import Mapping
 
+from tieflax import storage
 from tieflax.errors import UserError
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_DIR = "metrics"
+LEGACY_METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsFileError(UserError, ValueError):
-    """``metrics.jsonl`` holds a line that is not JSON; the message names the file, the line and the fix."""
+    """A metrics segment holds a line that is not JSON; the message names the file, the line and the fix."""
 
 
 class MetricWriter:
-    """Appends metrics to ``<workdir>/metrics.jsonl`` and TensorBoard (``<workdir>/tensorboard``).
+    """Buffers rows and writes them as one new segment per ``flush`` (each log period), plus TensorBoard.
 
-    ``enabled=False`` (every process but 0) makes every method a no-op. Appending keeps the history of
-    a resumed run in one file; rows after a resume repeat the steps since the last checkpoint.
+    ``enabled=False`` (every process but 0) makes every method a no-op. ``path`` is the segment folder.
     """
 
     def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
         self.enabled = enabled
-        self.path = os.path.join(workdir, METRICS_FILE)
-        self._file = None
+        self.workdir = storage.resolve(workdir)
+        self.path = storage.join(self.workdir, METRICS_DIR)
+        self._session = f"{time.time_ns():020d}"
+        self._seq = 0
+        self._rows: list[str] = []
         self._tb = None
+        self._tb_local = None
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        _drop_partial_last_row(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional at import time)
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            tb_dir = storage.join(self.workdir, TENSORBOARD_DIR)
+            if storage.is_remote(tb_dir):  # written here, copied whole to the bucket at each flush
+                self._tb_local = tempfile.TemporaryDirectory(prefix="tieflax-tb-")
+                tb_dir = self._tb_local.name
+            self._tb = SummaryWriter(tb_dir)
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
-        """One row of scalars; names become TensorBoard tags ``<split>/<name>``."""
+        """One row of scalars (kept until ``flush``); names become TensorBoard tags ``<split>/<name>``."""
         if not self.enabled:
             return
         row = {"step": int(step), "split": split}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._rows.append(json.dumps(row, allow_nan=False))
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(float(v)):
@@ -62,27 +79,36 @@ class MetricWriter:
         if self.enabled and self._tb is not None:
             self._tb.add_text(tag, text, step)
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-def _drop_partial_last_row(path: str) -> None:
-    """A run killed while writing a row leaves it without its newline; appending would glue the next row
-    to it. The partial row carries nothing (its interval is retrained), so it is cut off."""
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
+    def flush(self) -> None:
+        """Writes the rows since the last flush as one new segment, and brings TensorBoard up to date."""
+        if not self.enabled:
             return
-        f.seek(0)
-        content = f.read()
-        f.truncate(content.rfind(b"\n") + 1)
+        if self._rows:
+            name = f"{self._session}-{self._seq:06d}.jsonl"
+            storage.write_text(storage.join(self.path, name), "\n".join(self._rows) + "\n")
+            self._rows, self._seq = [], self._seq + 1
+        if self._tb is not None:
+            self._tb.flush()
+            if self._tb_local is not None:
+                for local in _files_under(self._tb_local.name):
+                    rel = os.path.relpath(local, self._tb_local.name)
+                    storage.upload_file(local, storage.join(self.workdir, TENSORBOARD_DIR, *rel.split(os.sep)))
+
+    def close(self) -> None:
+        """Flushes what is left and closes TensorBoard; a failed final write is raised after closing."""
+        try:
+            self.flush()
+        finally:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+            if self._tb_local is not None:
+                self._tb_local.cleanup()
+                self._tb_local = None
+
+
+def _files_under(folder: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
 
 
 def _jsonable(v):
@@ -92,24 +118,43 @@ def _jsonable(v):
     return v
 
 
+def metric_files(workdir_or_path: str) -> list[str]:
+    """The files holding a run's rows, in the order they were written (legacy ``metrics.jsonl`` first).
+
+    ``workdir_or_path``: a workdir, its ``metrics/`` folder, or one ``.jsonl`` file."""
+    path = storage.resolve(workdir_or_path)
+    if path.endswith(".jsonl"):
+        return [path]
+    if storage.name(path) == METRICS_DIR:
+        path = storage.parent(path)
+    files = [storage.join(path, LEGACY_METRICS_FILE)] if storage.is_file(
+        storage.join(path, LEGACY_METRICS_FILE)) else []
+    folder = storage.join(path, METRICS_DIR)
+    return files + [storage.join(folder, n) for n in storage.listdir(folder) if n.endswith(".jsonl")]
+
+
 def read_metrics(workdir_or_path: str, split: str | None = None) -> list[dict]:
-    """Rows of a run's ``metrics.jsonl`` (optionally one split), later rows winning for a repeated step."""
-    path = workdir_or_path
-    if os.path.isdir(path):
-        path = os.path.join(path, METRICS_FILE)
+    """Rows of a run (optionally one split), later rows winning for a repeated step, sorted by step.
+
+    Raises FileNotFoundError when the run has logged nothing yet."""
+    files = metric_files(workdir_or_path)
+    if not files:
+        raise FileNotFoundError(2, "no metrics logged yet (no metrics/ segments)", str(workdir_or_path))
     rows: dict[tuple[str, int], dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    if number > 1 and not line.endswith("\n"):
-                        continue  # the last row of a run killed while writing it
-                    raise MetricsFileError(f"{path} line {number} is not valid JSON ({e.msg}): delete that line "
-                                     "(the other rows are kept)") from None
-                if split is None or row.get("split") == split:
-                    rows[(row.get("split"), row["step"])] = row
+    for path in files:
+        lines = storage.read_text(path).split("\n")
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if number == len(lines) and number > 1 and storage.name(path) == LEGACY_METRICS_FILE:
+                    continue  # the last row of an old-format run killed while appending it
+                raise MetricsFileError(f"{path} line {number} is not valid JSON ({e.msg}): delete that line "
+                                       "(the other rows are kept)") from None
+            if split is None or row.get("split") == split:
+                rows[(row.get("split"), row["step"])] = row
     return sorted(rows.values(), key=lambda r: (r["step"], r.get("split", "")))
 
 

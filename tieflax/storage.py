@@ -355,6 +355,20 @@ def rmtree(path: str) -> None:
         delete(f"{scheme}://{bucket}/{key}")
 
 
+def move_tree(src: str, dst: str) -> None:
+    """Moves a folder/prefix. Locally one rename; an object store has none, so each object is copied
+    whole and the source removed after all copies succeeded (a failure leaves both, never neither)."""
+    if not is_remote(src) and not is_remote(dst):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.replace(src, dst)
+        return
+    files = walk_files(src)
+    cut = len(src.rstrip("/")) + 1
+    for f in files:
+        write_bytes(join(dst, f[cut:]), read_bytes(f))
+    rmtree(src)
+
+
 def makedirs(path: str) -> None:
     """Creates a local folder (and parents); on an object store prefixes need no creating."""
     if not is_remote(path):

@@ -43,7 +43,8 @@ from tieflax import checkpoint as ckpt
 from tieflax import flops
 from tieflax import sharding as shd
 from tieflax.config import model_config, validate_config
-from tieflax.metrics import MetricWriter, progress_bar, read_metrics
+from tieflax import storage
+from tieflax.metrics import MetricWriter, metric_files, progress_bar, read_metrics
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
 from tieflax.model.params import param_report
@@ -354,6 +355,15 @@ def _stop_everywhere(local: bool) -> bool:
     return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
 
 
+def _raise_if_any_failed(error: Exception | None) -> None:
+    """Every process calls this at the same step: all raise the first failing process's error, or none."""
+    from tieflax import distributed  # noqa: PLC0415
+
+    message = distributed.first_failure(str(error) if error is not None else None, "save")
+    if message is not None:
+        raise ckpt.CheckpointError(message) from error
+
+
 def _close_all(*closers: Callable[[], Any]) -> None:
     """Calls every closer; raises the first failure, unless an exception is already propagating."""
     import sys  # noqa: PLC0415
@@ -390,8 +400,7 @@ def _diagnostics_fn():
 
 def _check_resume_matches(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Resuming with a different model would fail deep inside orbax; say so plainly instead."""
-    path = os.path.join(workdir, ckpt.CONFIG_FILE)
-    if not os.path.isfile(path):
+    if not storage.is_file(storage.join(workdir, ckpt.CONFIG_FILE)):
         return
     saved = model_config(ckpt.load_workdir_config(workdir))
     mine = model_config(config)
@@ -426,18 +435,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     """
     from tieflax.workdir import check_no_partial_import, workdir_lock  # noqa: PLC0415
 
+    workdir = storage.resolve(workdir)  # a malformed URL is refused here, before any work
     validate_config(config)
     check_no_partial_import(workdir)
-    with workdir_lock(workdir, "train", enabled=jax.process_index() == 0):
-        return _train_and_evaluate(config, workdir)
+    with workdir_lock(workdir, "train", enabled=jax.process_index() == 0) as held:
+        return _train_and_evaluate(config, workdir, held)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -> dict[str, Any]:
     from tieflax.data import make_loader, prepare_dataset, to_global_batch  # noqa: PLC0415
 
     t = config.train
     is_main = jax.process_index() == 0
-    workdir = os.path.abspath(workdir)
 
     # ---------------------------------------------------------------------------------------- mesh
     mc = model_config(config)
@@ -447,10 +456,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 
     # ---------------------------------------------------------------------------------------- input
     prepared = prepare_dataset(config.data, workdir, vocab_size=mc.vocab_size)
-    tokenizer_path = os.path.join(workdir, "tokenizer.json")
-    if is_main and prepared.tokenizer is not None and not os.path.exists(tokenizer_path):
-        prepared.tokenizer.save(tokenizer_path)
-    ckpt.save_config(workdir, config)
+    tokenizer_path = storage.join(workdir, "tokenizer.json")
+    if is_main and prepared.tokenizer is not None and not storage.is_file(tokenizer_path):
+        storage.write_text(tokenizer_path, prepared.tokenizer.to_str())
+    ckpt.save_config(workdir, config, claim=True)
     train_loader = make_loader(prepared, "train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                                seed=config.seed)
 
@@ -545,11 +554,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                 bar.update(1)
                 at_log = step % t.log_every == 0 or step == t.num_steps
                 at_ckpt = step % t.checkpoint_every == 0 or step == t.num_steps
-                if jax.process_count() == 1 or at_log:
+                if jax.process_count() == 1 or at_log or at_ckpt:
                     preempted = _stop_everywhere(stop.requested)
                 if at_log or at_ckpt or preempted:
                     last = flush(step)  # also the health check: never checkpoint a bad state
-                saves.check(step)  # a failed background save stops the run here, not hundreds of steps on
+                # A failed background save stops the run here, not hundreds of steps on; with several
+                # processes, a save that failed on any one of them stops every one at the same step.
+                if jax.process_count() == 1:
+                    saves.check(step)
+                elif at_log or at_ckpt or preempted:
+                    _raise_if_any_failed(saves.failure(wait=at_ckpt or preempted))
+                held.check()  # the workdir's lease (object stores) is still this run's
                 if at_ckpt or preempted:
                     saves.start(step, state, train_loader)
                 if diagnostics is not None and step % t.analyze_every == 0:
@@ -558,6 +573,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                 if step % t.eval_every == 0 or step == t.num_steps:
                     val = run_eval(eval_step, state["params"], prepared, config, mesh)
                     writer.write(step, val, split="val")
+                if at_log or preempted:
+                    writer.flush()  # one metrics segment per log period
                 if preempted:
                     log.warning("SIGTERM: saved checkpoint %d and stopping", step)
                     if is_main:
@@ -573,8 +590,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         if val is None and not preempted:
             val = run_eval(eval_step, state["params"], prepared, config, mesh)
 
-    if os.path.isfile(writer.path):  # the last interval's loss across restarts, from the logged rows
-        logged = read_metrics(writer.path, "train")
+    if metric_files(workdir):  # the last interval's loss across restarts, from the logged rows
+        logged = read_metrics(workdir, "train")
         fallback = logged[-1]["ce_loss"] if step == start and logged else last["ce_loss"]
         last = {**last, "ce_loss": final_interval_loss(logged, step, t.log_every, fallback=fallback)}
     tokens_per_second = timing["tokens"] / timing["seconds"] if timing["seconds"] else float("nan")

@@ -19,8 +19,10 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
+from tieflax import storage
 from tieflax.errors import UserError
 
 LOCK_FILE = "tieflax.lock"
@@ -70,23 +72,85 @@ def _check_folder(workdir: str) -> None:
         raise WorkdirError(f"--workdir {workdir} is a file, not a folder: choose another path")
 
 
+class Held:
+    """What ``workdir_lock`` yields: ``check()`` raises WorkdirError once the lease was lost (another
+    process took it over after missing heartbeats); a local lock cannot be lost, so it never raises."""
+
+    def __init__(self, lease: "_Lease | None" = None):
+        self._lease = lease
+
+    def check(self) -> None:
+        if self._lease is not None and self._lease.lost:
+            raise WorkdirError(self._lease.lost)
+
+
 @contextlib.contextmanager
 def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
-    """Holds ``<workdir>/tieflax.lock`` for the block (creating the folder). Re-entrant within a process.
+    """Holds the workdir's lock for the block; yields a ``Held``. Re-entrant within a process.
+
+    A local workdir: ``<workdir>/tieflax.lock`` created with ``O_EXCL`` (host, PID, command, start time);
+    a holder whose process is gone is taken over. A gs:// or s3:// workdir: a lease object written with a
+    does-not-exist precondition and kept alive by a heartbeat (``_Lease``).
 
     Raises WorkdirError when another live process holds it. ``enabled=False`` (processes other than 0 of
-    a multi-process job) does nothing: process 0 holds the lock for the job.
+    a multi-process job): process 0 takes the lock for the job, and in a multi-process job its decision
+    reaches every process (all raise the same WorkdirError, or all go on).
     """
-    if not enabled:
-        yield
+    import jax  # noqa: PLC0415
+
+    workdir = storage.resolve(workdir)
+    if jax.process_count() > 1:
+        with _agreed_lock(workdir, command, enabled) as held:
+            yield held
         return
-    workdir = os.path.abspath(workdir)
+    if not enabled:
+        yield Held()
+        return
+    if storage.is_remote(workdir):
+        with _remote_lock(workdir, command) as held:
+            yield held
+        return
+    with _local_lock(workdir, command):
+        yield Held()
+
+
+@contextlib.contextmanager
+def _agreed_lock(workdir: str, command: str, enabled: bool):
+    """Process 0 tries the lock; every process learns the outcome before any of them writes."""
+    from tieflax import distributed  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        error = None
+        held = Held()
+        if enabled:
+            try:
+                held = stack.enter_context(workdir_lock_single(workdir, command))
+            except WorkdirError as e:
+                error = str(e)
+        error = distributed.first_failure(error, "workdir-lock")
+        if error is not None:
+            raise WorkdirError(error)
+        yield held
+
+
+def workdir_lock_single(workdir: str, command: str):
+    """The lock as one process takes it (no agreement with other processes)."""
+    return _remote_lock(workdir, command) if storage.is_remote(workdir) else _local_lock_held(workdir, command)
+
+
+@contextlib.contextmanager
+def _local_lock_held(workdir: str, command: str):
+    with _local_lock(workdir, command):
+        yield Held()
+
+
+@contextlib.contextmanager
+def _local_lock(workdir: str, command: str):
     _check_folder(workdir)
     created = not os.path.exists(workdir)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, LOCK_FILE)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
-          "since": time.strftime("%Y-%m-%d %H:%M:%S"), "start": _process_start(os.getpid())}
+    me = _me(command)
     owned = False
     for _ in range(3):
         try:
@@ -100,10 +164,7 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
             elif holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
                 break  # this process holds it already (a command calling another)
             elif _alive(holder):
-                raise WorkdirError(
-                    f"{workdir} is in use by `tieflax {holder.get('command')}` (host {holder.get('host')}, "
-                    f"PID {holder.get('pid')}, since {holder.get('since')}): wait for it to finish or stop "
-                    f"it; if that process is gone, delete {path}") from None
+                raise WorkdirError(_in_use(workdir, holder) + f"; if that process is gone, delete {path}") from None
             what = "an unreadable lock" if holder is None else (
                 f"the stale lock of PID {holder.get('pid')} (`tieflax {holder.get('command')}`, no longer "
                 "running)")
@@ -129,6 +190,104 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
             if created:  # a refused or failed command leaves no empty folder behind
                 with contextlib.suppress(OSError):
                     os.rmdir(workdir)
+
+
+def _me(command: str) -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"), "start": _process_start(os.getpid())}
+
+
+def _in_use(workdir: str, holder: dict) -> str:
+    return (f"{workdir} is in use by `tieflax {holder.get('command')}` (host {holder.get('host')}, "
+            f"PID {holder.get('pid')}, since {holder.get('since')}): wait for it to finish or stop it")
+
+
+# ------------------------------------------------------------------------------------- remote lease
+# On an object store there is no O_EXCL and no PID to check from another host. The lock is a lease:
+# created only if absent (a generation precondition), rewritten every HEARTBEAT_SECONDS by its holder
+# (again conditional on the generation it last wrote, so two holders can never both renew), and free
+# to take over once nobody renewed it for LEASE_SECONDS. Hosts' clocks are compared (NTP-synchronised
+# on cloud VMs); the margin is four heartbeats.
+HEARTBEAT_SECONDS = 15.0
+LEASE_SECONDS = 60.0
+
+
+class _Lease:
+    def __init__(self, workdir: str, command: str):
+        self.path = storage.join(workdir, LOCK_FILE)
+        self.workdir = workdir
+        self.me = _me(command)
+        self.stamp: storage.ObjectStamp | None = None
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _content(self) -> bytes:
+        return json.dumps({**self.me, "heartbeat": time.time()}).encode()
+
+    def acquire(self) -> bool:
+        """Takes the lease; False when this process holds it already (re-entrant). Raises WorkdirError."""
+        for _ in range(3):
+            data, stamp = storage.read_with_stamp(self.path)
+            holder = None
+            if data is not None:
+                try:
+                    holder = json.loads(data)
+                except ValueError:
+                    holder = None
+                if holder and holder.get("host") == self.me["host"] and holder.get("pid") == self.me["pid"]:
+                    return False
+                age = time.time() - float((holder or {}).get("heartbeat", 0.0))
+                if holder and age < LEASE_SECONDS:
+                    raise WorkdirError(_in_use(self.workdir, holder) + f" (its lease was renewed {age:.0f} s "
+                                       f"ago); if that process is gone, the lease expires {LEASE_SECONDS:.0f} "
+                                       "s after its last renewal")
+                what = "an unreadable lease" if holder is None else (
+                    f"the expired lease of `tieflax {holder.get('command')}` (host {holder.get('host')}, PID "
+                    f"{holder.get('pid')}, not renewed for {age:.0f} s)")
+                print(f"tieflax: {self.workdir}: taking over {what}", file=sys.stderr, flush=True)
+            self.stamp = storage.compare_and_set(self.path, self._content(), stamp)
+            if self.stamp is not None:
+                self._thread = threading.Thread(target=self._heartbeat, name="tieflax-lease", daemon=True)
+                self._thread.start()
+                return True
+            # another process wrote it between our read and our write: look again
+        raise WorkdirError(f"could not take the lease {self.path}: other processes keep taking it; stop "
+                           "them first")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                stamp = storage.compare_and_set(self.path, self._content(), self.stamp)
+            except storage.StorageError:
+                continue  # a transient failure: the next heartbeat retries well within the lease
+            if stamp is None:
+                data, _ = storage.read_with_stamp(self.path)
+                self.lost = (f"the lease on {self.workdir} was taken over by another process "
+                             f"({(data or b'').decode(errors='replace')[:200]}); this run stopped: check that "
+                             "only one run writes there")
+                return
+            self.stamp = stamp
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.lost is None and self.stamp is not None:
+            with contextlib.suppress(storage.StorageError):
+                storage.compare_and_set(self.path, None, self.stamp)
+
+
+@contextlib.contextmanager
+def _remote_lock(workdir: str, command: str):
+    storage.check_writable(workdir)
+    lease = _Lease(workdir, command)
+    owned = lease.acquire()
+    try:
+        yield Held(lease if owned else None)
+    finally:
+        if owned:
+            lease.release()
 
 
 def _mtime(path: str) -> float:
