@@ -38,6 +38,13 @@ W sharded over d (``weight_embed_axis``, default ``'fsdp'``, the model's ``P('te
     in the parameter's own layout and, in recompute mode, neither W nor dW is ever whole on a device
     (fused mode gathers the local shard whole: it holds weight-sized buffers anyway).
 
+A replicated W (``weight_rows_sharded=False``)
+    Every device holds all of W's rows; each reads its vocabulary shard's rows in place, block by block,
+    and each finished dW block is all-gathered over the vocab axis and added at every shard's rows, so dW
+    leaves whole, as W came, with no weight-sized copy on the way. The caller declares W's layout (this
+    and ``weight_embed_axis``): under ``jit`` the loss cannot see it, and a mismatch is resliced by the
+    compiler on the way in (a copy of part of W).
+
 Implementations (``impl``)
     ``'xla'``: the loops above. On TPU with bf16 hidden states and an fp32 W, each W block is rounded
     to bf16 inside the loop (XLA's default precision would round it anyway, but with one hoisted
