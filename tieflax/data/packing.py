@@ -116,8 +116,11 @@ class PackedRows:
         starts = row_ids * t
         # Real positions per row: a target must exist, so position j needs token start + j + 1.
         num_valid = np.where(row_ids >= 0, np.clip(n - 1 - starts, 0, t), 0)
-        gather = np.minimum(starts[:, None] + np.arange(t + 1), n - 1)
-        windows = np.asarray(self.tokens[np.where(row_ids[:, None] >= 0, gather, 0)])
+        if hasattr(self.tokens, "read_windows"):  # a token store: one batched read of the windows
+            windows = self.tokens.read_windows(np.where(row_ids >= 0, starts, 0), t + 1)
+        else:
+            gather = np.minimum(starts[:, None] + np.arange(t + 1), n - 1)
+            windows = np.asarray(self.tokens[np.where(row_ids[:, None] >= 0, gather, 0)])
         return pack_windows(windows, num_valid, self.eos_id, bos_id=self.bos_id,
                             document_masking=self.document_masking,
                             predict_first_token=self.predict_first_token)

@@ -49,6 +49,10 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, workdir: str | os.Pa
     """
     c = data_config
     validate_data_config(c)
+    if c.source == "tokens" and c.tokens.path:  # a token store (tieflax prepare): read in place
+        from tieflax.data.store import open_store_dataset  # noqa: PLC0415
+
+        return open_store_dataset(c, str(workdir), vocab_size=vocab_size)
     workdir = Path(workdir).expanduser()
     cache_root = Path(c.cache_dir).expanduser() if c.cache_dir else workdir / "data_cache"
     if c.source == "tokens":

@@ -59,7 +59,7 @@ def array_spec(path: str, *, shape: int | None = None, dtype: str | None = None,
             "shape": [shape], "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
             "codecs": [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": [chunk],
+                "chunk_shape": [chunk], "index_location": "start",  # a prefix range read, not a suffix one
                 "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
                 "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                                  {"name": "crc32c"}]}}]}
@@ -69,8 +69,9 @@ def array_spec(path: str, *, shape: int | None = None, dtype: str | None = None,
 def create_array(path: str, shape: int, dtype: str, **kw):
     import tensorstore as ts  # noqa: PLC0415
 
-    return ts.open(array_spec(path, shape=shape, dtype=dtype, **kw), create=True,
-                   delete_existing=True).result()
+    # create or open, never delete_existing: a finalize killed midway left the same array (its shape
+    # comes from the ledger), and a range delete on some object stores reaches past the prefix.
+    return ts.open(array_spec(path, shape=shape, dtype=dtype, **kw), create=True, open=True).result()
 
 
 def open_array(path: str, *, cache_bytes: int = READ_CACHE_BYTES):
@@ -297,3 +298,51 @@ def _stale(record: dict) -> bool:
         except (PermissionError, ValueError, KeyError):
             return False
     return False
+
+
+# ------------------------------------------------------------------------------------------- training
+
+def open_store_dataset(c, workdir: str, *, vocab_size: int):
+    """The :class:`tieflax.data.cache.PreparedDataset` of the store ``c.tokens.path`` (``data.source =
+    'tokens'``): lazy splits, the store's tokenizer, checked against the model, the config and the run."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    from tieflax.data import tokenizer as tokenizer_lib  # noqa: PLC0415
+    from tieflax.data.cache import PreparedDataset, loader_settings  # noqa: PLC0415
+
+    store = open_store(c.tokens.path)
+    m = store.manifest
+    tok = Tokenizer.from_str(store.tokenizer_json())
+    if tokenizer_lib.tokenizer_digest(tok) != m["tokenizer_digest"]:
+        raise DataError(f"token store {store.path}: tokenizer.json does not match manifest.json's digest; "
+                        "the store is damaged: delete it and prepare it again")
+    if c.tokenizer.path:
+        with storage.local_copy(storage.resolve(c.tokenizer.path)) as local:
+            given = tokenizer_lib.load_tokenizer(local)
+        if tokenizer_lib.tokenizer_digest(given) != m["tokenizer_digest"]:
+            raise DataError(f"token store {store.path} was made with another tokenizer than "
+                            f"data.tokenizer.path = {c.tokenizer.path!r}: prepare a store with this "
+                            "tokenizer, or drop data.tokenizer.path (the store carries its own)")
+    saved = storage.join(workdir, tokenizer_lib.TOKENIZER_FILE)
+    if storage.is_file(saved) and \
+            Tokenizer.from_str(storage.read_text(saved)).to_str() != tok.to_str():
+        raise DataError(f"{saved} differs from the tokenizer of token store {store.path}: this workdir was "
+                        "trained on other ids. Use a new workdir, or the store made with that tokenizer")
+    tokenizer_lib.check_vocab_size(m["vocab_size"], vocab_size, where=f"token store {store.path}",
+                                   allow_smaller_tokenizer=True)
+    for field, token, want in (("eos_token", c.tokenizer.eos_token, m["eos_id"]),
+                               ("bos_token", c.tokenizer.bos_token, m["bos_id"])):
+        got = (tokenizer_lib.eos_id_of if field == "eos_token" else tokenizer_lib.bos_id_of)(tok, token)
+        if got != want:
+            raise DataError(f"data.tokenizer.{field} = {token!r} (id {got}) but token store {store.path} "
+                            f"marks documents with id {want}: set data.tokenizer.{field} as it was for "
+                            "tieflax prepare")
+    info = {"source": "tokens", "store": store.path, "key": m["digest"],
+            **{f"{s}_{k}": m["splits"][s][k] for s in SPLITS for k in ("tokens", "documents")},
+            "vocab_size": m["vocab_size"], "eos_id": m["eos_id"], "bos_id": m["bos_id"], "dtype": m["dtype"]}
+    counts = store.token_counts()
+    if counts.shape != (m["vocab_size"],) or int(counts.sum()) != m["splits"]["train"]["tokens"]:
+        raise DataError(f"token store {store.path}: train/token_counts does not match manifest.json; the "
+                        "store is damaged: delete it and prepare it again")
+    return PreparedDataset(store.tokens("train"), store.tokens("val"), counts, m["vocab_size"], m["eos_id"], tok,
+                           store.path, info, bos_id=m["bos_id"], **loader_settings(c))

@@ -1,0 +1,223 @@
+"""The token store: tieflax prepare's output equals an in-process oracle, resumes from its ledger, splits
+across machines, lives on gs://, trains bit-identically to token files, and refuses bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tieflax import storage
+from tieflax.data import DataError, default_data_config, make_loader, prepare_dataset
+from tieflax.data import store as st
+from tieflax.data.cache import join_documents
+from tieflax.data.sources import load_documents
+from tieflax.data.store_build import build_store, is_val
+
+V = 512
+
+
+def corpus_config(max_files: int = 40):
+    c = default_data_config()
+    c.source = "python_stdlib"
+    c.python_stdlib.max_files = max_files
+    c.tokenizer.vocab_size = V
+    c.val_fraction = 0.2
+    c.read_threads = 0
+    return c
+
+
+def store_config(path: str):
+    c = corpus_config()
+    c.source = "tokens"
+    c.tokens.path = path
+    return c
+
+
+@pytest.fixture(scope="module")
+def local_store(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("store") / "s")
+    return out, build_store(corpus_config(), out, workers=2, shard_bytes=64 << 10)
+
+
+def test_the_store_holds_the_packed_splits_of_an_in_process_oracle(local_store):
+    out, manifest = local_store
+    c = corpus_config()
+    docs = load_documents(c)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(storage.read_text(storage.join(out, "tokenizer.json")))
+    val = is_val(np.arange(len(docs)), c.split_seed, c.val_fraction)
+    s = st.open_store(out)
+    assert manifest["input_shards"] > 2  # several parts: the joins between them are exercised
+    for split, mask in (("train", ~val), ("val", val)):
+        chosen = [d.text for d, m in zip(docs, mask) if m]
+        ids = [np.asarray(e.ids, np.uint16) for e in tok.encode_batch(chosen, add_special_tokens=False)]
+        want = join_documents(ids, manifest["eos_id"], None, np.dtype(np.uint16))
+        got = s.tokens(split)
+        assert len(got) == len(want) == manifest["splits"][split]["tokens"]
+        np.testing.assert_array_equal(got[:], want)
+        off = s.doc_offsets(split)
+        assert len(off) == len(chosen) + 1 and (want[off] == manifest["eos_id"]).all()
+        np.testing.assert_array_equal(np.diff(off), [len(a) + 1 for a in ids])
+    np.testing.assert_array_equal(s.token_counts(), np.bincount(s.tokens("train")[:], minlength=V))
+
+
+def test_a_finished_store_is_never_rewritten(local_store):
+    out, manifest = local_store
+    before = os.stat(st.manifest_path(out)).st_mtime_ns
+    assert build_store(corpus_config(), out, workers=1)["digest"] == manifest["digest"]
+    assert os.stat(st.manifest_path(out)).st_mtime_ns == before
+
+
+def test_shares_on_two_machines_then_finalize_and_a_resume_skip_finished_shards(local_store, tmp_path):
+    out, manifest = local_store
+    split = str(tmp_path / "split")
+    assert build_store(corpus_config(), split, shard=(0, 2), shard_bytes=64 << 10) is None
+    with pytest.raises(DataError, match="input shards are not tokenised yet"):
+        build_store(corpus_config(), split, finalize_only=True, shard_bytes=64 << 10)
+    done = {k: os.stat(st.part_path(split, k)).st_mtime_ns for k in st.finished_parts(split)}
+    assert done and all(k % 2 == 0 for k in done)
+    # a plain prepare resumes: it tokenises only the missing shards and commits the same content
+    assert build_store(corpus_config(), split, shard_bytes=64 << 10)["digest"] == manifest["digest"]
+    assert {k: os.stat(st.part_path(split, k)).st_mtime_ns for k in done} == done
+
+
+def test_training_reads_the_store_and_two_processes_read_disjoint_windows_covering_the_epoch(local_store):
+    out, manifest = local_store
+    p = prepare_dataset(store_config(out), out + "_workdir", vocab_size=V)
+    assert isinstance(p.train_tokens, st.StoreTokens) and p.eos_id == manifest["eos_id"]
+    read: dict[int, list] = {0: [], 1: []}
+    for proc in (0, 1):
+        tokens = p.train_tokens
+        original = tokens.read_windows
+
+        def spy(starts, length, proc=proc, original=original):
+            read[proc].extend(int(s) for s in starts)
+            return original(starts, length)
+        tokens.read_windows = spy
+        try:
+            batches = list(make_loader(p, "train", seq_len=32, global_batch_size=8, seed=3, num_epochs=1,
+                                       process_index=proc, process_count=2))
+        finally:
+            del tokens.read_windows
+        assert all(b["inputs"].shape == (4, 32) for b in batches)
+    rows = -(-(len(p.train_tokens) - 1) // 32)
+    a, b = set(read[0]), set(read[1])
+    # padding rows (past the epoch) read window 0 as a placeholder; every real row is read exactly once
+    assert not (a & b) - {0} and (a | b) == {r * 32 for r in range(rows)}
+    assert len(read[0]) + len(read[1]) - (len(read[0]) - len(a)) - (len(read[1]) - len(b)) >= rows
+
+
+def test_store_batches_equal_the_same_tokens_as_a_token_file(local_store, tmp_path):
+    from tieflax.data.token_files import write_token_file
+    out, manifest = local_store
+    s = st.open_store(out)
+    for split in ("train", "val"):
+        write_token_file(tmp_path / f"{split}.bin", s.tokens(split)[:], vocab_size=manifest["vocab_size"])
+    c = corpus_config()
+    c.source, c.tokens.train_path, c.tokens.val_path = "tokens", str(tmp_path / "train.bin"), str(tmp_path / "val.bin")
+    c.tokens.vocab_size, c.tokens.eos_id = manifest["vocab_size"], manifest["eos_id"]
+    files = prepare_dataset(c, tmp_path / "w", vocab_size=V)
+    store = prepare_dataset(store_config(out), str(tmp_path / "w2"), vocab_size=V)
+    np.testing.assert_array_equal(files.token_counts, store.token_counts)
+    for split in ("train", "val"):
+        a = make_loader(files, split, seq_len=32, global_batch_size=8, seed=5, start_step=3)
+        b = make_loader(store, split, seq_len=32, global_batch_size=8, seed=5, start_step=3)
+        for _ in range(5):
+            x, y = next(a), next(b)
+            for k in x:
+                np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_a_gs_store_equals_the_local_one(local_store, gcs):
+    out, manifest = local_store
+    remote = gcs.new_bucket() + "/corpus"
+    got = build_store(corpus_config(), remote, workers=1, shard_bytes=64 << 10)
+    assert got["digest"] == manifest["digest"] and got["splits"] == manifest["splits"]
+    assert not [o for o in gcs.objects(remote.rsplit("/", 1)[0], "corpus/") if "lock" in o]
+    a = make_loader(prepare_dataset(store_config(out), out + "_w", vocab_size=V), "train", seq_len=32,
+                    global_batch_size=8, seed=1)
+    b = make_loader(prepare_dataset(store_config(remote), remote + "_w", vocab_size=V), "train", seq_len=32,
+                    global_batch_size=8, seed=1)
+    for _ in range(3):
+        x, y = next(a), next(b)
+        np.testing.assert_array_equal(x["inputs"], y["inputs"])
+
+
+def test_jsonl_and_parquet_text_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"text": f"row {i} " * 30, "id": i} for i in range(30)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:15]) + "\n")
+    pq.write_table(pa.table({"text": [r["text"] for r in rows[15:]]}), tmp_path / "b.parquet")
+    c = default_data_config()
+    c.source, c.files.paths = "files", [str(tmp_path / "*.jsonl"), str(tmp_path / "*.parquet")]
+    assert [d.text for d in load_documents(c)] == [r["text"] for r in rows]
+    c.files.text_field = "body"
+    with pytest.raises(DataError, match="text_field = 'body' is not a field"):
+        load_documents(c)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+def other_tokenizer(path: str) -> None:
+    from tieflax.data.tokenizer import train_bpe
+    texts = [d.text for d in load_documents(corpus_config(5))]
+    train_bpe(texts, vocab_size=300, eos_token="<|endoftext|>").save(path)
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text
+    return text
+
+
+def test_bad_stores_are_refused_in_one_line(local_store, tmp_path):
+    out, manifest = local_store
+    with pytest.raises(DataError, match="does not exist: make it with tieflax prepare") as e:
+        prepare_dataset(store_config(str(tmp_path / "nowhere")), tmp_path / "w", vocab_size=V)
+    one_line(e)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "build.json").write_text("{}")
+    with pytest.raises(DataError, match="has no manifest.json: its prepare never finished") as e:
+        prepare_dataset(store_config(str(half)), tmp_path / "w", vocab_size=V)
+    one_line(e)
+    (half / "lock.json").write_text(json.dumps({"host": "x", "pid": 1, "heartbeat": time.time()}))
+    with pytest.raises(DataError, match="still being written by a tieflax prepare"):
+        prepare_dataset(store_config(str(half)), tmp_path / "w", vocab_size=V)
+    with pytest.raises(DataError, match="being written by another tieflax prepare"):
+        build_store(corpus_config(), str(half))
+    (half / "manifest.json").write_text('{"format": "tieflax-token-store/1", "splits": {}}')
+    with pytest.raises(DataError, match="damaged manifest.json") as e:
+        prepare_dataset(store_config(str(half)), tmp_path / "w", vocab_size=V)
+    one_line(e)
+    with pytest.raises(DataError, match=f"model's vocab_size = 256 does not match the tokenizer's {V}"):
+        prepare_dataset(store_config(out), tmp_path / "w", vocab_size=256)
+    other = tmp_path / "other_tokenizer.json"
+    other_tokenizer(str(other))
+    c = store_config(out)
+    c.tokenizer.path = str(other)
+    with pytest.raises(DataError, match="was made with another tokenizer") as e:
+        prepare_dataset(c, tmp_path / "w", vocab_size=V)
+    one_line(e)
+
+
+def test_bad_corpora_are_refused_in_one_line(tmp_path):
+    c = default_data_config()
+    c.source, c.files.paths = "files", [str(tmp_path / "missing" / "*.txt")]
+    with pytest.raises(DataError, match="matches no file") as e:
+        build_store(c, str(tmp_path / "s1"))
+    one_line(e)
+    assert not (tmp_path / "s1").exists()
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    c.files.paths = [str(tmp_path / "empty.jsonl")]
+    c.tokenizer.path = str(tmp_path / "tok.json")
+    other_tokenizer(c.tokenizer.path)
+    with pytest.raises(DataError, match="produced no documents") as e:
+        build_store(c, str(tmp_path / "s2"))
+    one_line(e)
+    assert not (tmp_path / "s2" / "manifest.json").exists()
