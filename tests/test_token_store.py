@@ -221,3 +221,31 @@ def test_bad_corpora_are_refused_in_one_line(tmp_path):
         build_store(c, str(tmp_path / "s2"))
     one_line(e)
     assert not (tmp_path / "s2" / "manifest.json").exists()
+
+
+def test_tiny_trained_from_a_gs_store_and_from_token_files_has_identical_losses(local_store, gcs, tmp_path):
+    # the local store gives these batches too (test_store_batches_equal_the_same_tokens_as_a_token_file)
+    from test_train_support import micro_config
+    from tieflax.data.token_files import write_token_file
+    from tieflax.metrics import read_metrics
+    from tieflax.train import train_and_evaluate
+    out, manifest = local_store
+    remote = gcs.new_bucket() + "/corpus"
+    build_store(corpus_config(), remote, workers=1, shard_bytes=64 << 10)
+    s = st.open_store(out)
+    for split in ("train", "val"):
+        write_token_file(tmp_path / f"{split}.bin", s.tokens(split)[:], vocab_size=manifest["vocab_size"])
+    losses = {}
+    for name in ("gs", "files"):
+        config = micro_config(str(tmp_path), num_steps=6)
+        config.data = corpus_config()
+        config.data.source = "tokens"
+        if name == "files":
+            config.data.tokens.update(train_path=str(tmp_path / "train.bin"), val_path=str(tmp_path / "val.bin"),
+                                      vocab_size=manifest["vocab_size"], eos_id=manifest["eos_id"])
+        else:
+            config.data.tokens.path = remote
+        workdir = str(tmp_path / name)
+        result = train_and_evaluate(config, workdir)
+        losses[name] = [r["loss"] for r in read_metrics(workdir, "train")] + [result["final_val_loss"]]
+    assert losses["gs"] == losses["files"], losses
