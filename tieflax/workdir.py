@@ -238,13 +238,16 @@ class _Lease:
                 if holder and holder.get("host") == self.me["host"] and holder.get("pid") == self.me["pid"]:
                     return False
                 age = time.time() - float((holder or {}).get("heartbeat", 0.0))
-                if holder and age < LEASE_SECONDS:
+                # A holder on this host whose process is gone (kill -9) is stale at once; one on another
+                # host only once its lease expired.
+                if holder and age < LEASE_SECONDS and _alive(holder):
                     raise WorkdirError(_in_use(self.workdir, holder) + f" (its lease was renewed {age:.0f} s "
                                        f"ago); if that process is gone, the lease expires {LEASE_SECONDS:.0f} "
                                        "s after its last renewal")
                 what = "an unreadable lease" if holder is None else (
-                    f"the expired lease of `tieflax {holder.get('command')}` (host {holder.get('host')}, PID "
-                    f"{holder.get('pid')}, not renewed for {age:.0f} s)")
+                    f"the stale lease of `tieflax {holder.get('command')}` (host {holder.get('host')}, PID "
+                    f"{holder.get('pid')}, " + ("no longer running)" if age < LEASE_SECONDS else
+                                                f"not renewed for {age:.0f} s)"))
                 print(f"tieflax: {self.workdir}: taking over {what}", file=sys.stderr, flush=True)
             self.stamp = storage.compare_and_set(self.path, self._content(), stamp)
             if self.stamp is not None:

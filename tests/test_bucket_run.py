@@ -1,0 +1,189 @@
+"""Runs that live in a bucket: a gs:// workdir against a Cloud Storage protocol server on 127.0.0.1.
+
+Training killed with -9 after a committed checkpoint resumes from the bucket and ends where an
+uninterrupted local run ends; the lease keeps two runs apart; bad paths are refused before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env
+from tieflax import checkpoint as ckpt
+from tieflax import storage
+from tieflax import workdir as wd
+from tieflax.cli import main
+from tieflax.metrics import read_metrics
+from tieflax.train import train_and_evaluate
+
+N = 15
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("bucket_data"))
+    prepare_shared_data(d)
+    return d
+
+
+def _config(data_dir):
+    c = micro_config(data_dir, num_steps=N)
+    c.train.log_every, c.train.checkpoint_every = 5, 5
+    return c
+
+
+def _committed_steps(workdir: str) -> list[int]:
+    """Steps whose checkpoint orbax has committed (on Cloud Storage: its commit_success.txt marker)."""
+    folder = ckpt.checkpoint_dir(workdir)
+    return sorted(int(n) for n in storage.listdir(folder)
+                  if n.isdigit() and storage.is_file(storage.join(folder, n, "commit_success.txt")))
+
+
+def test_kill9_on_a_bucket_resumes_to_the_local_result(gcs, data_dir, tmp_path, capsys):
+    config = _config(data_dir)
+    local = train_and_evaluate(config, str(tmp_path / "local"))
+
+    run = gcs.new_bucket() + "/runs/tiny"
+    proc = start_train(run, config, log_path=str(tmp_path / "gs.log"))
+    deadline = time.time() + 300
+    while not _committed_steps(run):
+        assert proc.poll() is None, open(tmp_path / "gs.log").read()[-3000:]
+        assert time.time() < deadline, "no committed checkpoint in the bucket within 300 s"
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait(timeout=60)
+    killed_at = max(_committed_steps(run))
+    assert killed_at < N
+
+    result = train_and_evaluate(config, run)  # the same run, resumed (the dead holder's lease is stale)
+    out = capsys.readouterr()
+    assert f"resuming from step {killed_at}" in out.out, out
+    assert "taking over the stale lease" in out.err
+    assert result["step"] == N and result["final_val_loss"] == local["final_val_loss"]
+
+    assert main(["eval", "--workdir", run]) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["loss"] == pytest.approx(local["final_val_loss"], rel=1e-6)
+    assert [r["step"] for r in read_metrics(run, "train")] == [5, 10, 15]
+
+    names = gcs.objects(run.rsplit("/runs", 1)[0], "runs/tiny/")
+    top = {n.split("/")[2] for n in names}
+    assert top == {"checkpoints", "config.json", "metrics", "tensorboard", "tokenizer.json"}, top
+    assert wd.LOCK_FILE not in top  # the lease is given back at the end
+    assert not os.path.exists(os.path.join(REPO, "gs:")) and not os.path.exists("gs:")
+
+
+def test_a_live_lease_refuses_and_a_stale_one_is_taken_over(gcs, capsys):
+    run = gcs.new_bucket() + "/run"
+    lock = storage.join(run, wd.LOCK_FILE)
+    other_host = {"host": "pod-worker-7", "pid": 12, "command": "train", "since": "now",
+                  "heartbeat": time.time()}
+    storage.write_text(lock, json.dumps(other_host))
+    with pytest.raises(wd.WorkdirError, match=r"in use by `tieflax train` \(host pod-worker-7, PID 12.*renewed"):
+        with wd.workdir_lock(run, "train"):
+            pass
+    assert json.loads(storage.read_text(lock))["host"] == "pod-worker-7"  # untouched
+
+    storage.write_text(lock, json.dumps({**other_host, "heartbeat": time.time() - wd.LEASE_SECONDS - 1}))
+    with wd.workdir_lock(run, "train") as held:
+        assert json.loads(storage.read_text(lock))["pid"] == os.getpid()
+        held.check()
+        with wd.workdir_lock(run, "convert"):  # re-entrant within one process
+            pass
+        assert storage.is_file(lock)
+    assert "taking over the stale lease of `tieflax train` (host pod-worker-7" in capsys.readouterr().err
+    assert not storage.exists(lock)
+
+
+def test_the_heartbeat_renews_and_a_lost_lease_stops_the_holder(gcs, monkeypatch):
+    monkeypatch.setattr(wd, "HEARTBEAT_SECONDS", 0.2)
+    run = gcs.new_bucket() + "/run"
+    lock = storage.join(run, wd.LOCK_FILE)
+    with wd.workdir_lock(run, "train") as held:
+        first = json.loads(storage.read_text(lock))["heartbeat"]
+        time.sleep(1.0)
+        assert json.loads(storage.read_text(lock))["heartbeat"] > first
+        storage.write_text(lock, json.dumps({"host": "elsewhere", "pid": 1, "command": "train",
+                                             "heartbeat": time.time()}))  # taken over under our feet
+        deadline = time.time() + 10
+        with pytest.raises(wd.WorkdirError, match="taken over by another process"):
+            while time.time() < deadline:
+                held.check()
+                time.sleep(0.1)
+    assert json.loads(storage.read_text(lock))["host"] == "elsewhere"  # the new holder's lease is kept
+
+
+def test_bad_remote_paths_are_refused_in_one_line_before_any_work(gcs, tmp_path, capsys):
+    config_file = os.path.join(REPO, "configs", "experiments", "tiny.py")
+    os.chdir(tmp_path)
+    assert main(["train", "--config", config_file, "--workdir", "gs:/bucket/run"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "slash missing" in err, err
+    assert main(["train", "--config", config_file, "--workdir", "gs://no-such-bucket-b/run"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gs://no-such-bucket-b does not exist" in err, err
+    assert os.listdir(tmp_path) == []  # no folder named gs:, no cache
+
+
+def test_two_runs_cannot_both_claim_a_prefix(gcs, data_dir):
+    run = gcs.new_bucket() + "/run"
+    config = _config(data_dir)
+    assert ckpt.save_config(run, config, claim=True)
+    storage.delete(storage.join(run, "config.json"))
+    # The claim is create-only: a config.json written between the check and the write is not overwritten.
+    storage.write_text(storage.join(run, "config.json"), "{}")
+    assert storage.create_new(storage.join(run, "config.json"), b"mine") is False
+    assert storage.read_text(storage.join(run, "config.json")) == "{}"
+
+
+@pytest.mark.parametrize("mode", ["resume", "save_failure"])
+def test_two_processes_on_a_bucket(gcs, data_dir, tmp_path, mode):
+    """2 processes x 4 CPU devices over gloo on a gs:// workdir: kill -9 and resume; and a save forced to
+    fail on process 1 (orbax's array write raises ENOSPC there) stops both processes with one line."""
+    config = _config(data_dir)
+    config.mesh.data = 8
+    run = gcs.new_bucket() + "/mp"
+    from test_train_support import config_overrides
+
+    def launch(extra_env=None, wait=True):
+        cmd = ["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "4", sys.executable,
+               os.path.join(REPO, "tests", "fault_injection.py"), "train", "--config",
+               os.path.join(REPO, "configs", "experiments", "tiny.py"), "--workdir", run,
+               *config_overrides(config)]
+        env = subprocess_env(4, WORKDIR_LOGS=str(tmp_path), **(extra_env or {}))
+        env.pop("XLA_FLAGS")
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    if mode == "save_failure":
+        proc = launch({"TIEFLAX_TEST_FAIL_SAVE_ON_PROCESS": "1"})
+        out, _ = proc.communicate(timeout=400)
+        other = open(tmp_path / "process_1.log").read()
+        assert proc.returncode != 0, out
+        lines = [l for l in out.splitlines() if l.startswith("tieflax train:")]
+        assert len(lines) == 1 and "process 1: saving checkpoint 5 failed" in lines[0], out[-3000:]
+        assert "saving checkpoint 5 failed" in other.splitlines()[-1], other[-3000:]
+        assert "No space left on device" in lines[0]
+        return
+
+    proc = launch()
+    deadline = time.time() + 400
+    while not _committed_steps(run):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, 9)
+    proc.wait(timeout=60)
+    killed_at = max(_committed_steps(run))
+    proc = launch()
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    assert f"resuming from step {killed_at}" in out
+    assert max(_committed_steps(run)) == N
+    assert [r["step"] for r in read_metrics(run, "train")][-1] == N
