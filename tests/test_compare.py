@@ -10,10 +10,12 @@ import pytest
 from console_support import capture_console, foreign_problems
 from tieflax import cli
 from tieflax.analysis import study
+from tieflax.analysis.resume import StudyMismatch
 from tieflax.model.params import param_report
 from tieflax.analysis.report import REPORT, claims, load_summary
 from tieflax.config import load_config
 from tieflax.model import ModelConfig
+from tieflax.workdir import WorkdirError
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
 WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou thy "
@@ -94,9 +96,10 @@ def compare_run(tmp_path_factory):
         "compare.max_rows=128", "compare.seeds=(0, 1)", "compare.grad_batches=2", "compare.bootstrap=200",
         "compare.n_bins=4", "compare.variants=('tied', 'untied')",
     ]
-    code, console = capture_console(cli.main, ["compare", "--config", CONFIG, "--workdir", str(workdir),
-                                                *[f"--config.{o}" for o in overrides]])
+    argv = ["compare", "--config", CONFIG, "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]
+    code, console = capture_console(cli.main, argv)
     assert code == 0, console
+    (workdir / "argv.json").write_text(json.dumps(argv))  # for the resume tests
     (workdir / "console.txt").write_text(console)  # what the user saw, for test_compare_prints_no_foreign_warning
     return workdir
 
@@ -168,6 +171,35 @@ def test_report_only_rewrites_from_the_summary_and_verdicts_follow_the_interval(
         assert verdict in line and f"{shift:+.4f}" in line
 
 
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_resumed_compare_refuses_runs_trained_with_another_config(compare_run, capsys):
+    """A rerun with --config.train.num_steps changed reused the finished runs silently."""
+    argv = json.loads((compare_run / "argv.json").read_text())
+    before = sorted(os.listdir(compare_run / "tied" / "seed_0"))
+    capsys.readouterr()
+    assert cli.main(argv + ["--config.train.num_steps=5"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train.num_steps 4 -> 5" in err and "--retrain-changed" in err, err
+    assert sorted(os.listdir(compare_run / "tied" / "seed_0")) == before  # nothing trained or removed
+    assert "tieflax.lock" not in os.listdir(compare_run)  # the study's own lock released
+    _strict((compare_run / "summary.json").read_text())
+    _strict((compare_run / "tied" / "seed_0" / "analysis" / "compare.json").read_text())
+
+
+def test_report_only_on_an_unfinished_study_says_finish_it_first(tmp_path, capsys):
+    (tmp_path / "study" / "tied" / "seed_0").mkdir(parents=True)
+    assert cli.main(["compare", "--workdir", str(tmp_path / "study"), "--report-only"]) == 1
+    err = capsys.readouterr().err
+    assert "has not finished" in err and "finish the study first" in err
+    assert cli.main(["compare", "--workdir", str(tmp_path / "none"), "--report-only"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_analyze_command_on_a_compare_run(compare_run, capsys):
     run_dir = compare_run / "untied" / "seed_0"
     assert cli.main(["analyze", "--workdir", str(run_dir), "--step", "2", "--max-rows", "64"]) == 0
@@ -214,10 +246,21 @@ def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):
     text = open(summary["report"]).read()
     assert "Crossing: at about 10^" in text and (tmp_path / "loss_vs_total.png").stat().st_size > 1000
     assert "At the edge of the grid" in text  # a 2-rate grid: every best rate is at an edge
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(WorkdirError, match="--resume"):
         sweep.run_sweep(config, str(tmp_path), train=fake_train)
     sweep.run_sweep(config, str(tmp_path), train=fake_train, resume=True, log=lambda _: None)
     assert len(calls) == n_calls  # every run was finished: nothing retrained
+    # A resume with a field that changes results refused the old runs naming it; it had reused them
+    # silently and recorded the new value in sweep.json.
+    config.train.num_steps = 50
+    with pytest.raises(StudyMismatch, match=r"train.num_steps 4 -> 50.*--retrain-changed"):
+        sweep.run_sweep(config, str(tmp_path), train=fake_train, resume=True, log=lambda _: None)
+    assert len(calls) == n_calls
+    config.train.log_every = 3  # not a result field: no refusal for it
+    summary = sweep.run_sweep(config, str(tmp_path), train=fake_train, resume=True, retrain_changed=True,
+                              log=lambda _: None)
+    assert len(calls) == 2 * n_calls and summary["config"]["train"]["num_steps"] == 50
+    assert json.load(open(tmp_path / "sweep.json"))["runs"][0]["loss"] == summary["runs"][0]["loss"]
 
 
 def test_embedding_sgd_ablation_steps_embeddings_by_their_gradient():

@@ -7,12 +7,15 @@ function writes one PNG and returns its path.
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
 # Figures are drawn on `Figure` objects, never through pyplot, so importing this module neither opens a
 # window nor changes the backend of a notebook that imports it.
 from matplotlib.figure import Figure
+
+from tieflax import storage
 
 COLORS = {"tied": "tab:blue", "untied": "tab:orange", "untied_matched": "tab:green", "untied_width": "tab:red",
           "untied_depth": "tab:purple"}
@@ -23,8 +26,11 @@ def _color(label: str, i: int) -> str:
 
 
 def _save(fig, path: str) -> str:
+    """Renders ``fig`` to PNG bytes in memory and writes them whole (local or gs:// / s3://)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    storage.write_bytes(path, buffer.getvalue())
     return path
 
 

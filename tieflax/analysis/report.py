@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import defaultdict
 
 import numpy as np
 
-from tieflax.analysis import plots
+from tieflax import storage
+from tieflax.analysis import jsonable, plots
 from tieflax.analysis import stats as st
 from tieflax.analysis.jsonable import to_jsonable
 
@@ -343,11 +343,11 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None
                if row.get("split") == "train" and ("ce_loss" in row or "loss" in row)] for r in rs]
         va = [[(row["step"], float(row["loss"])) for row in r["metrics"] if row.get("split") == "val"] for r in rs]
         curves[v] = dict(train=tr, val=va)
-    paths["loss_curves"] = plots.loss_curves_seeds(curves, os.path.join(out_dir, "loss_curves.png"))
+    paths["loss_curves"] = plots.loss_curves_seeds(curves, storage.join(out_dir, "loss_curves.png"))
     comps = loss_comparisons(summary or {}, groups)
     if comps:
         paths["loss_differences"] = plots.interval_bars(
-            {c["variant"]: c for c in comps}, os.path.join(out_dir, "loss_differences.png"),
+            {c["variant"]: c for c in comps}, storage.join(out_dir, "loss_differences.png"),
             ylabel="val loss minus tied (nats/token)",
             title=f"validation loss minus tied, 95% CI over seeds x documents (n={comps[0]['n_seeds']} seeds, "
                   f"{comps[0]['n_docs']} docs)")
@@ -369,11 +369,11 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None
     if profiles:
         paths["norm_vs_frequency"] = plots.profile_lines(
             {k: (p["x"], p["final"], p["init"]) for k, p in profiles.items()},
-            os.path.join(out_dir, "norm_vs_frequency.png"), ylabel="mean row L2 norm",
+            storage.join(out_dir, "norm_vs_frequency.png"), ylabel="mean row L2 norm",
             title="row norm by equal-token-mass bin (dotted: same matrix at init)")
         paths["movement_by_bin"] = plots.profile_lines(
             {k: (p["x"], p["move"], None) for k, p in profiles.items()},
-            os.path.join(out_dir, "movement_by_bin.png"), ylabel="mean ||W_t[i] - W_0[i]||",
+            storage.join(out_dir, "movement_by_bin.png"), ylabel="mean ||W_t[i] - W_0[i]||",
             title="row movement from init by equal-token-mass bin")
     aniso = {}
     for key, label in (("mean_cosine", "mean cosine"), ("mean_cosine_freq", "mean cosine, unigram-weighted"),
@@ -381,7 +381,7 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None
         aniso[label] = {name: (ci_of(groups, v, mat(side, "final", "aniso", key)),
                                ci_of(groups, v, mat(side, "init", "aniso", key))["mean"])
                         for name, v, side in mats}
-    paths["anisotropy"] = plots.metric_panels(aniso, os.path.join(out_dir, "anisotropy.png"),
+    paths["anisotropy"] = plots.metric_panels(aniso, storage.join(out_dir, "anisotropy.png"),
                                               title="unit-row anisotropy, 95% CI over seeds (x: same matrix at init)")
     grad = {}
     for key, label in (("cross_share", "cross-term share (SGD)"), ("cross_share_adam", "cross-term share (Adam)"),
@@ -393,14 +393,14 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None
             panel[f"{v} shuffled"] = (ci_of(groups, v, _a(lambda a, k=key: a["gradient"]["final"]["shuffled"][k])), NAN)
         grad[label] = panel
     paths["gradient_interference"] = plots.metric_panels(
-        grad, os.path.join(out_dir, "gradient_interference.png"), reference=0.0,
+        grad, storage.join(out_dir, "gradient_interference.png"), reference=0.0,
         title="gradient interference on K held-out batches, 95% CI over seeds (x: at init)")
     upd = {v: np.array([r["analysis"]["gradient"]["final"]["updated"]["bin_frac_0.01"]
                         for r in rs if r.get("analysis")]) for v, rs in groups.items()}
     x0 = next(iter(profiles.values()))["x"] if profiles else None
     if x0 is not None:
         paths["updated_by_bin"] = plots.profile_lines(
-            {v: (x0, u, None) for v, u in upd.items() if len(u)}, os.path.join(out_dir, "updated_by_bin.png"),
+            {v: (x0, u, None) for v, u in upd.items() if len(u)}, storage.join(out_dir, "updated_by_bin.png"),
             ylabel="fraction of rows", title="rows whose gradient reaches 1% of a looked-up row's, by bin")
     return paths
 
@@ -475,24 +475,24 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
     ]
     for key, caption in CAPTIONS.items():
         if key in plot_paths:
-            parts += [f"**{caption}**", "", f"![{key}]({os.path.basename(plot_paths[key])})", ""]
+            parts += [f"**{caption}**", "", f"![{key}]({storage.name(plot_paths[key])})", ""]
     parts += ["## What these numbers support, and what they do not", "", caveats(summary), "",
               "## Runs", "", *[f"- `{r['variant']}` seed {r['seed']}: `{r['run_dir']}`" for r in summary["runs"]], ""]
     return "\n".join(parts)
 
 
 def write_report(summary: dict, out_dir: str) -> str:
-    """Writes ``summary.json``, the PNGs, ``report.md`` (and ``report.html`` if cheap); returns the .md path."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Writes ``summary.json``, the PNGs, ``report.md`` (and ``report.html`` if cheap); returns the .md path.
+    ``out_dir`` may be a local folder or a ``gs://`` / ``s3://`` prefix; every file is written whole."""
+    out_dir = storage.resolve(out_dir)
+    storage.makedirs(out_dir)
     summary = to_jsonable(summary)
-    with open(os.path.join(out_dir, SUMMARY), "w", encoding="utf-8") as f:
-        json.dump(summary, f, default=float)
+    storage.write_text(storage.join(out_dir, SUMMARY), jsonable.dumps(summary))
     plot_paths = make_plots(_by_variant(summary["runs"]), out_dir, summary)
     text = render(summary, plot_paths)
-    path = os.path.join(out_dir, REPORT)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    write_html(text, os.path.join(out_dir, "report.html"))
+    path = storage.join(out_dir, REPORT)
+    storage.write_text(path, text)
+    write_html(text, storage.join(out_dir, "report.html"))
     return path
 
 
@@ -507,11 +507,25 @@ def write_html(markdown_text: str, path: str) -> str | None:
             "body{font-family:sans-serif;max-width:70em;margin:2em auto;line-height:1.4}"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em}"
             "img{max-width:100%}</style></head><body>" + body + "</body></html>")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(html)
+    storage.write_text(path, html)
     return path
 
 
 def load_summary(out_dir: str) -> dict:
-    with open(os.path.join(out_dir, SUMMARY), encoding="utf-8") as f:
-        return json.load(f)
+    """``summary.json`` of a finished study in ``out_dir``; a study still in progress (runs but no summary
+    yet) or a folder that holds none is a one-line error saying which and what to do."""
+    from tieflax.workdir import WorkdirError  # noqa: PLC0415
+
+    out_dir = storage.resolve(out_dir)
+    path = storage.join(out_dir, SUMMARY)
+    try:
+        return jsonable.loads(storage.read_text(path))
+    except FileNotFoundError:
+        pass
+    if not storage.exists(out_dir):
+        raise WorkdirError(f"--workdir {out_dir} does not exist: give the folder a `tieflax compare` wrote")
+    if storage.listdir(out_dir):
+        raise WorkdirError(f"{out_dir} holds a study that has not finished (no {SUMMARY} yet): finish the study "
+                           "first (rerun the same `tieflax compare` command without --report-only); "
+                           "--report-only rewrites the report of a finished one")
+    raise WorkdirError(f"{out_dir} is empty: run `tieflax compare` there first")

@@ -22,11 +22,12 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import time
 
 import ml_collections
 
+from tieflax import storage
+from tieflax.analysis import jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigValueError
 from tieflax.model.params import param_report
@@ -260,11 +261,10 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     from tieflax.analysis.workdir import analysis_loss_options, checkpoint_steps, load_params_at
     from tieflax.config import model_config
 
-    path = os.path.join(run_dir, "analysis", "compare.json")
+    path = storage.join(run_dir, "analysis", "compare.json")
     steps = checkpoint_steps(run_dir)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+    if storage.is_file(path):
+        saved = jsonable.loads(storage.read_text(path))
         if saved.get("step") == steps[-1] and ("arrays" in saved) >= with_arrays:
             return saved
     mc = model_config(config)
@@ -274,33 +274,49 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
                          grad_batches=data["grad_batches"], loss_options=analysis_loss_options(config),
                          n_bins=cc.n_bins, max_rows=cc.max_rows or None, with_arrays=with_arrays)
     result.update(step=int(last), data_dir=data["data_dir"])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, default=float)
-    return result
+    storage.write_text(path, jsonable.dumps(result))
+    return jsonable.loads(jsonable.dumps(result))  # as a rerun reads it back (plain floats and lists)
 
 
 def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> str:
     """Prepares the data once in ``workdir/data`` and returns the tokenizer every variant will use."""
     from tieflax.data import prepare_dataset
 
-    data_dir = os.path.join(workdir, "data")
+    data_dir = storage.join(workdir, "data")
     if config.data.tokenizer.path:
         return config.data.tokenizer.path
     if config.data.source == "tokens":
         return ""
     prepare_dataset(config.data, data_dir, vocab_size=config.model.vocab_size)
-    return os.path.join(data_dir, "tokenizer.json")
+    return storage.join(data_dir, "tokenizer.json")
 
 
-def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -> dict:
+def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
+                retrain_changed: bool = False) -> dict:
     """Trains every variant and seed, analyses them and writes ``workdir/report.md``; returns the summary.
 
     Layout: ``workdir/<variant>/seed_<s>/`` (a normal tieflax workdir each: rerunning resumes),
     ``workdir/data/`` (the shared tokenizer and token cache), ``workdir/summary.json``, ``report.md``,
     ``report.html`` (when markdown-it-py is installed) and the PNGs. ``log`` receives progress lines.
+    ``workdir`` may be a ``gs://`` / ``s3://`` prefix. A rerun reuses a run only if it was trained with
+    the config it would be trained with now (``tieflax.analysis.resume``); ``retrain_changed`` trains
+    the ones that differ again instead of refusing.
     """
+    import jax
+
+    from tieflax.workdir import workdir_lock
+
+    workdir = storage.resolve(workdir)
+    cc = compare_config(config)  # every config error before anything is written
+    variants, match = variant_configs(config)
+    # One compare at a time in a workdir (each run's trainer locks its own folder as well).
+    with workdir_lock(workdir, "compare", enabled=jax.process_index() == 0):
+        return _run_compare(config, workdir, cc, variants, match, log=log, retrain_changed=retrain_changed)
+
+
+def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
     from tieflax.analysis.report import write_report
+    from tieflax.analysis.resume import check_run_matches
     from tieflax.config import model_config
     from tieflax.metrics import read_metrics
     from tieflax.train import train_and_evaluate
@@ -308,48 +324,50 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print) -
     import jax
 
     is_main = jax.process_index() == 0
-    workdir = os.path.abspath(workdir)
-    cc = compare_config(config)  # every config error before anything is written
-    variants, match = variant_configs(config)
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     tokenizer = shared_tokenizer(config, workdir)
     runs, data = [], None
     total = len(variants) * len(cc.seeds)
     t_start = time.perf_counter()
-    # Seed-major order: an interrupted run has every variant at the first seeds (paired) before more seeds.
-    for seed in cc.seeds:
+    planned = []
+    for seed in cc.seeds:  # seed-major: an interrupted study has every variant at the first seeds (paired)
         for name, vcfg in variants.items():
             cfg = copy.deepcopy(vcfg)
             cfg.seed = int(seed)
             if tokenizer:
                 cfg.data.tokenizer.path = tokenizer
             if not cfg.data.cache_dir:
-                cfg.data.cache_dir = os.path.join(workdir, "data", "data_cache")
+                cfg.data.cache_dir = storage.join(workdir, "data", "data_cache")
             t = cfg.train
             t.checkpoint_every = max(1, t.num_steps // cc.analysis_points)
             t.keep_checkpoints = cc.analysis_points + 1
-            run_dir = os.path.join(workdir, name, f"seed_{seed}")
-            log(f"[{len(runs) + 1}/{total}] training {name} (seed {seed}) in {run_dir}")
-            t0 = time.perf_counter()
-            result = train_and_evaluate(cfg, run_dir)
-            if result.get("preempted"):
-                # SIGTERM: the run saved a checkpoint; stop here, and rerunning the command resumes.
-                log(f"stopped by SIGTERM during {name} (seed {seed}); rerun the same command to resume")
-                raise SystemExit(143)
-            t1 = time.perf_counter()
-            # Analysis and the report run on process 0 only; the others go on to the next run's training
-            # and wait for it there.
-            analysis = None
-            if is_main:
-                data = data or study_data(cfg, run_dir, cc)
-                analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0])
-            full = f", full split {analysis['val']['loss']:.4f}" if analysis else ""
-            log(f"[{len(runs) + 1}/{total}] {name} seed {seed}: val loss {result['final_val_loss']:.4f}{full} "
-                f"(train {t1 - t0:.0f} s, analysis {time.perf_counter() - t1:.0f} s)")
-            runs.append(dict(variant=name, seed=int(seed), run_dir=run_dir, result=result, analysis=analysis,
-                             metrics=read_metrics(run_dir) if is_main else [], model=cfg.model.to_dict(),
-                             train=cfg.train.to_dict(), params=param_counts(model_config(cfg)),
-                             seconds=dict(train=t1 - t0, analysis=time.perf_counter() - t1)))
+            planned.append((seed, name, cfg, storage.join(workdir, name, f"seed_{seed}")))
+    # Before training anything: every run already in the workdir must match the config it would get now.
+    for seed, name, cfg, run_dir in planned:
+        if check_run_matches(run_dir, cfg, retrain=retrain_changed) and is_main:
+            log(f"{run_dir}: trained with a different config; training it again (--retrain-changed)")
+    for seed, name, cfg, run_dir in planned:
+        log(f"[{len(runs) + 1}/{total}] training {name} (seed {seed}) in {run_dir}")
+        t0 = time.perf_counter()
+        result = train_and_evaluate(cfg, run_dir)
+        if result.get("preempted"):
+            # SIGTERM: the run saved a checkpoint; stop here, and rerunning the command resumes.
+            log(f"stopped by SIGTERM during {name} (seed {seed}); rerun the same command to resume")
+            raise SystemExit(143)
+        t1 = time.perf_counter()
+        # Analysis and the report run on process 0 only; the others go on to the next run's training
+        # and wait for it there.
+        analysis = None
+        if is_main:
+            data = data or study_data(cfg, run_dir, cc)
+            analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0])
+        full = f", full split {analysis['val']['loss']:.4f}" if analysis else ""
+        log(f"[{len(runs) + 1}/{total}] {name} seed {seed}: val loss {result['final_val_loss']:.4f}{full} "
+            f"(train {t1 - t0:.0f} s, analysis {time.perf_counter() - t1:.0f} s)")
+        runs.append(dict(variant=name, seed=int(seed), run_dir=run_dir, result=result, analysis=analysis,
+                         metrics=read_metrics(run_dir) if is_main else [], model=cfg.model.to_dict(),
+                         train=cfg.train.to_dict(), params=param_counts(model_config(cfg)),
+                         seconds=dict(train=t1 - t0, analysis=time.perf_counter() - t1)))
     summary = dict(config=json.loads(config.to_json_best_effort()), compare=cc.to_dict(), match=match,
                    runs=runs, wall_seconds=time.perf_counter() - t_start,
                    data=dict(train_tokens=data["train_tokens"], n_docs=data["n_docs"],

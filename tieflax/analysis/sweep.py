@@ -31,10 +31,13 @@ from typing import Callable
 import ml_collections
 import numpy as np
 
+from tieflax import storage
+from tieflax.analysis import jsonable
 from tieflax.analysis import stats as st
 from tieflax.analysis.jsonable import to_jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigValueError
+from tieflax.workdir import WorkdirError
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
 RESULT = "sweep_result.json"
@@ -99,7 +102,7 @@ def plan(config, sc) -> list[dict]:
 
 
 def _run_dir(workdir, r, lr) -> str:
-    return os.path.join(workdir, "runs", r["variant"], f"size_{r['size']}", f"lr_{lr:g}", f"seed_{r['seed']}")
+    return storage.join(workdir, "runs", r["variant"], f"size_{r['size']}", f"lr_{lr:g}", f"seed_{r['seed']}")
 
 
 def _train(cfg, run_dir) -> dict:
@@ -109,19 +112,48 @@ def _train(cfg, run_dir) -> dict:
 
 
 def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool = False, log=print,
-              train: Callable[[ml_collections.ConfigDict, str], dict] = _train) -> dict:
+              train: Callable[[ml_collections.ConfigDict, str], dict] = _train,
+              retrain_changed: bool = False) -> dict:
     """Runs (or resumes) the sweep and writes its report; returns the summary. ``train(config, run_dir)``
-    must return a dict with ``final_val_loss`` (the trainer's, on the whole split: ``eval_batches=0``)."""
+    must return a dict with ``final_val_loss`` (the trainer's, on the whole split: ``eval_batches=0``).
+
+    On ``resume``, a run found in the workdir is reused only if it was trained with the config it would
+    get now (``tieflax.analysis.resume``); otherwise the sweep refuses naming the fields, or with
+    ``retrain_changed`` trains it again. ``workdir`` may be a ``gs://`` / ``s3://`` prefix."""
+    import jax
+
+    from tieflax.workdir import workdir_lock
+
+    sc = sweep_config(config)
+    workdir = storage.resolve(workdir)
+    if storage.is_dir(storage.join(workdir, "runs")) and not resume:
+        raise WorkdirError(f"{workdir} already holds a sweep; pass --resume to continue it, or use a new "
+                           "--workdir")
+    runs = plan(config, sc)  # every variant validated at every size before anything is written
+    with workdir_lock(workdir, "sweep", enabled=jax.process_index() == 0):
+        return _run_sweep(config, workdir, sc, runs, log=log, train=train, retrain_changed=retrain_changed)
+
+
+def _run_config(r: dict, lr: float, workdir: str, tokenizer: str) -> ml_collections.ConfigDict:
+    cfg = copy.deepcopy(r["config"])
+    cfg.seed = r["seed"]
+    cfg.train.learning_rate = float(lr)
+    cfg.train.eval_batches = 0           # the whole validation split
+    cfg.train.eval_every = cfg.train.num_steps
+    cfg.train.checkpoint_every = cfg.train.num_steps
+    if tokenizer:
+        cfg.data.tokenizer.path = tokenizer
+    if not cfg.data.cache_dir:
+        cfg.data.cache_dir = storage.join(workdir, "data", "data_cache")
+    return cfg
+
+
+def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrain_changed: bool) -> dict:
+    from tieflax.analysis.resume import check_run_matches, result_fields
     from tieflax.analysis.study import param_counts, shared_tokenizer
     from tieflax.config import model_config
 
-    sc = sweep_config(config)
-    workdir = os.path.abspath(workdir)
-    if os.path.isdir(os.path.join(workdir, "runs")) and not resume:
-        raise FileExistsError(f"{workdir!r} already holds a sweep; pass --resume to continue it, "
-                              "or use a new --workdir")
-    runs = plan(config, sc)  # every variant validated at every size before anything is written
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     tokenizer = shared_tokenizer(config, workdir)
     best: dict[str, float] = {}
     done, t0 = [], time.perf_counter()
@@ -131,33 +163,24 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
             log("best learning rates: " + ", ".join(f"{v} {lr:g}" for v, lr in best.items()))
         lr = r["lr"] if r["lr"] is not None else best[r["variant"]]
         run_dir = _run_dir(workdir, r, lr)
-        path = os.path.join(run_dir, RESULT)
-        cfg = copy.deepcopy(r["config"])
-        cfg.seed = r["seed"]
-        cfg.train.learning_rate = float(lr)
-        cfg.train.eval_batches = 0           # the whole validation split
-        cfg.train.eval_every = cfg.train.num_steps
-        cfg.train.checkpoint_every = cfg.train.num_steps
-        if tokenizer:
-            cfg.data.tokenizer.path = tokenizer
-        if not cfg.data.cache_dir:
-            cfg.data.cache_dir = os.path.join(workdir, "data", "data_cache")
+        path = storage.join(run_dir, RESULT)
+        cfg = _run_config(r, lr, workdir, tokenizer)
         counts = param_counts(model_config(cfg))
         if any(d["run_dir"] == run_dir for d in done):  # the lr phase's seed at lr_size: reused
             continue
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                res = json.load(f)
-        else:
+        res = jsonable.loads(storage.read_text(path)) if storage.is_file(path) else None
+        if check_run_matches(run_dir, cfg, retrain=retrain_changed, saved_fields=(res or {}).get("config")):
+            log(f"{run_dir}: trained with a different config; training it again (--retrain-changed)")
+            res = None
+        if res is None:
             log(f"[{k + 1}/{len(runs)}] {r['phase']}: {r['variant']} size {r['size']} lr {lr:g} seed {r['seed']}")
             res = train(cfg, run_dir)
             if res.get("preempted"):
                 log("stopped by SIGTERM; rerun with --resume to continue")
                 raise SystemExit(143)
-            res = dict(final_val_loss=float(res["final_val_loss"]))
-            os.makedirs(run_dir, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(res, f)
+            # The fields it was trained with, for the check of a later --resume.
+            res = dict(final_val_loss=float(res["final_val_loss"]), config=result_fields(cfg))
+            storage.write_text(path, jsonable.dumps(res))
         done.append(dict(phase=r["phase"], size=r["size"], variant=r["variant"], seed=r["seed"], lr=float(lr),
                          run_dir=run_dir, loss=res["final_val_loss"], params=counts, match=r["match"]))
     if not best:
@@ -165,8 +188,7 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
     summary = dict(sweep=sc.to_dict(), best_lr=best, runs=done, wall_seconds=time.perf_counter() - t0,
                    config=json.loads(config.to_json_best_effort()))
     summary = to_jsonable(summary)
-    with open(os.path.join(workdir, "sweep.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f)
+    storage.write_text(storage.join(workdir, "sweep.json"), jsonable.dumps(summary))
     summary["report"] = write_sweep_report(summary, workdir)
     return summary
 
@@ -254,7 +276,7 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
     for key, label in (("total", "total parameters"), ("non_embedding", "non-embedding parameters")):
         paths[key] = plots.loss_vs_params(
             {v: [(p[key], p["ci"]) for p in pts] for v, pts in cur.items()},
-            os.path.join(out_dir, f"loss_vs_{key}.png"), xlabel=label,
+            storage.join(out_dir, f"loss_vs_{key}.png"), xlabel=label,
             title=f"validation loss vs {label}: mean over seeds, 95% bootstrap CI (n={len(summary['sweep']['seeds'])})")
     lines = ["# Tied vs untied across sizes: sweep report", "",
              f"Produced by `tieflax sweep` in {summary['wall_seconds'] / 60:.1f} minutes. Every variant trained "
@@ -295,7 +317,6 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
               f"- {len(summary['sweep']['seeds'])} seeds per point: intervals over so few seeds under-cover.",
               "- The learning rate is tuned at one size and reused at the others.",
               "- On a CPU the sizes are small; `tie_scaling.py:pod` extends the curve to a 1B-parameter model.", ""]
-    path = os.path.join(out_dir, "sweep_report.md")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    path = storage.join(out_dir, "sweep_report.md")
+    storage.write_text(path, "\n".join(lines))
     return path

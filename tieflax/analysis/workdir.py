@@ -10,13 +10,13 @@ pod-sized ones ``max_rows`` bounds the pairwise and spectral work.
 from __future__ import annotations
 
 import functools
-import json
-import os
 from typing import Any
 
 import jax
 import numpy as np
 
+from tieflax import storage
+from tieflax.analysis import jsonable
 from tieflax.analysis.diagnostics import embedding_diagnostics
 from tieflax.analysis.frequency import as_matrix
 from tieflax.analysis.geometry import pairwise_cosines, row_cosines
@@ -29,7 +29,7 @@ def checkpoint_steps(workdir: str) -> list[int]:
     """Steps with a complete checkpoint in ``workdir`` (ascending; empty when none)."""
     from tieflax import checkpoint as ckpt
 
-    if not os.path.isdir(ckpt.checkpoint_dir(workdir)):
+    if not storage.is_dir(ckpt.checkpoint_dir(workdir)):
         return []
     import orbax.checkpoint as ocp
 
@@ -189,20 +189,19 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     result = analyze_params(mc, params, data["token_counts"], train_batch=data["train_batch"],
                             val_batches=data["val_batches"], loss_options=analysis_loss_options(config),
                             n_buckets=n_buckets, max_rows=max_rows, with_arrays=True)
-    result.update(step=int(step), workdir=os.path.abspath(workdir), data_dir=data["data_dir"])
-    out_dir = out_dir or os.path.join(workdir, "analysis")
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, f"step_{step}.json")}
-    with open(paths["json"], "w", encoding="utf-8") as f:
-        json.dump(without_arrays(result), f, indent=1, default=float)
+    result.update(step=int(step), workdir=storage.resolve(workdir), data_dir=data["data_dir"])
+    out_dir = storage.resolve(out_dir or storage.join(workdir, "analysis"))
+    storage.makedirs(out_dir)
+    paths = {"json": storage.join(out_dir, f"step_{step}.json")}
+    storage.write_text(paths["json"], jsonable.dumps(without_arrays(result), indent=1))
     if plots:
         from tieflax.analysis import plots as plotting
 
         name = "tied" if result["tied"] else "untied"
         paths["norm_vs_frequency"] = plotting.norm_vs_frequency(
-            {name: result}, os.path.join(out_dir, f"step_{step}_norm_vs_frequency.png"))
+            {name: result}, storage.join(out_dir, f"step_{step}_norm_vs_frequency.png"))
         paths["cosines"] = plotting.cosine_histograms(
-            {name: result}, os.path.join(out_dir, f"step_{step}_cosines.png"))
+            {name: result}, storage.join(out_dir, f"step_{step}_cosines.png"))
     result["paths"] = paths
     return result
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 HELP = "embedding diagnostics of a checkpoint"
 
@@ -21,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tieflax.analysis import jsonable
     from tieflax.analysis.workdir import analyze_workdir, without_arrays
 
     if args.overrides:
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     result = analyze_workdir(args.workdir, step=args.step, n_val_batches=args.val_batches,
                              n_buckets=args.buckets, max_rows=args.max_rows or None, out_dir=args.out,
                              plots=not args.no_plots)
-    print(json.dumps(summary_lines(without_arrays(result)), indent=1))
+    print(jsonable.dumps(summary_lines(without_arrays(result)), indent=1))
     for kind, path in result["paths"].items():
         print(f"{kind}: {path}")
     return 0

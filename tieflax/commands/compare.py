@@ -8,6 +8,7 @@ unfinished runs; ``--report-only`` rewrites the report from ``DIR/summary.json``
 from __future__ import annotations
 
 import argparse
+import os
 
 HELP = "the tied-vs-untied study: train the variants and write a report with plots"
 
@@ -15,24 +16,36 @@ HELP = "the tied-vs-untied study: train the variants and write a report with plo
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/experiments/tie_vs_untie.py",
                         help="experiment config with a `compare` section (default: %(default)s)")
-    parser.add_argument("--workdir", required=True, help="output folder: runs, report.md, PNGs")
+    parser.add_argument("--workdir", required=True, help="output folder (or gs:// / s3:// prefix): runs, "
+                                                         "report.md, PNGs")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite report.md and the plots from WORKDIR/summary.json without training")
+    parser.add_argument("--retrain-changed", action="store_true",
+                        help="runs in WORKDIR trained with a different config are trained again (default: refuse, "
+                             "naming the fields that differ)")
 
 
-def _compilation_cache(path: str) -> None:
+def compilation_cache(workdir: str) -> None:
     """Seeds of one variant compile the same programs: a persistent cache (unless the user set one) turns
-    the later seeds' compiles into reads."""
+    the later seeds' compiles into reads. Kept in ``workdir/data/jax_cache`` locally; for a gs:// or
+    s3:// workdir in this machine's cache folder (compiled programs are per machine anyway)."""
     import jax
 
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from tieflax import storage
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    workdir = storage.resolve(workdir)
+    if storage.is_remote(workdir):
+        path = os.path.join(os.path.expanduser("~"), ".cache", "tieflax", "jax_cache")
+    else:
+        path = os.path.join(workdir, "data", "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
+    from tieflax import storage
     from tieflax.analysis.report import load_summary, write_report
 
     if args.report_only:
@@ -42,14 +55,15 @@ def run(args: argparse.Namespace) -> int:
         from tieflax.config import load_config
 
         config = load_config(args.config, args.overrides)
-        _compilation_cache(os.path.join(os.path.abspath(args.workdir), "data", "jax_cache"))
-        summary = run_compare(config, args.workdir, log=lambda line: print(line, flush=True))
+        compilation_cache(args.workdir)
+        summary = run_compare(config, args.workdir, log=lambda line: print(line, flush=True),
+                              retrain_changed=args.retrain_changed)
         path = summary["report"]
         if path is None:  # not process 0 of a multi-process run: process 0 writes the report
             return 0
         print(f"compare finished in {summary['wall_seconds'] / 60:.1f} min")
-    print(f"report: {os.path.abspath(path)}")
-    html = os.path.splitext(path)[0] + ".html"
-    if os.path.exists(html):
-        print(f"html:   {os.path.abspath(html)}")
+    print(f"report: {path}")
+    html = path[: -len(".md")] + ".html" if path.endswith(".md") else path + ".html"
+    if storage.exists(html):
+        print(f"html:   {html}")
     return 0

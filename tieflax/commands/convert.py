@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tieflax.analysis import jsonable
+
     overrides = list(getattr(args, "overrides", []) or [])
     overwrite = getattr(args, "overwrite", False)
     if args.from_hf:
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             report = scan_workdir(args.workdir, args.out, args.scan_layers, overrides, overwrite=overwrite)
         else:
             report = tie_workdir(args.workdir, args.out, args.tie, overrides, overwrite=overwrite)
-    print(json.dumps(report, indent=2))
+    print(jsonable.dumps(report, indent=2))
     return 0
 
 

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         reports.append(param_report(model_config(load_config(path, args.overrides)), name=name))
     if args.json:
         payload = [r.as_dict() for r in reports]
-        print(json.dumps(payload[0] if args.config else payload, indent=2))
+        print(json.dumps(payload[0] if args.config else payload, indent=2, allow_nan=False))  # integers only
     else:
         print(format_table(reports))
     return 0

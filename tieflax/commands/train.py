@@ -13,7 +13,6 @@ finishes the current step, saves a checkpoint and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 HELP = "train a model (resumes from the workdir's latest checkpoint)"
@@ -52,10 +51,11 @@ def run(args: argparse.Namespace) -> int:
 
     import jax  # noqa: PLC0415
 
+    from tieflax.analysis.jsonable import dumps as strict_json  # noqa: PLC0415
     from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
     config = load_run_config(args.config, args.workdir, args.overrides)
     result = train_and_evaluate(config, args.workdir)
     if jax.process_index() == 0:
-        print(json.dumps(result, default=float))
+        print(strict_json(result))  # NaN (a run stopped before its first evaluation) as "NaN": strict JSON
     return 0
