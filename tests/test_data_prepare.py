@@ -242,3 +242,27 @@ def test_given_tokenizer_may_be_smaller_than_a_padded_model_vocab(built, tmp_pat
     assert p.token_counts.shape == (V + 64,) and p.token_counts[V:].sum() == 0
     with pytest.raises(DataError, match=f"vocab_size = {V - 1} does not match the tokenizer's {V}"):
         prepare_dataset(c, tmp_path / "w", vocab_size=V - 1)
+
+
+def test_a_bucket_workdir_caches_files_from_a_bucket_glob_with_the_local_numbers(tmp_path, gcs):
+    from tieflax import storage
+    write_corpus(tmp_path / "corpus")
+    local = prepare_dataset(files_config(tmp_path / "corpus"), tmp_path / "w", vocab_size=V)
+    bucket = gcs.new_bucket()
+    for f in sorted((tmp_path / "corpus").glob("*.txt")):
+        storage.write_bytes(f"{bucket}/text/{f.name}", f.read_bytes())
+    c = files_config(tmp_path / "corpus")
+    c.files.paths = [f"{bucket}/text/*.txt"]
+    remote = prepare_dataset(c, f"{bucket}/run", vocab_size=V)
+    assert str(remote.data_dir).startswith(f"{bucket}/run/data_cache/files-")
+    assert storage.is_file(f"{bucket}/run/tokenizer.json") and storage.is_file(f"{remote.data_dir}/meta.json")
+    # the documents' names are their paths, so the cache key differs; the tokens and the counts do not
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(remote.tokens(split), local.tokens(split))
+    np.testing.assert_array_equal(remote.token_counts, local.token_counts)
+    before = set(gcs.objects(bucket, "run/"))
+    again = prepare_dataset(c, f"{bucket}/run", vocab_size=V)  # reopened, nothing rewritten
+    assert again.data_dir == remote.data_dir and set(gcs.objects(bucket, "run/")) == before
+    with pytest.raises(DataError, match="matches no file"):
+        c.files.paths = [f"{bucket}/nothing/*.txt"]
+        prepare_dataset(c, f"{bucket}/run2", vocab_size=V)

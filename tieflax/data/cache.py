@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import ml_collections
 import numpy as np
 from tokenizers import Tokenizer
 
+from tieflax import storage
 from tieflax.data.config import DataError
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,25 @@ class PreparedDataset:
         if split not in SPLITS:
             raise DataError(f"split {split!r} is not one of {SPLITS}.")
         return self.train_tokens if split == "train" else self.val_tokens
+
+
+def cache_path(base, *parts):
+    """``base/parts``: a ``Path`` for a local cache (as before), a string URL for one on a bucket."""
+    if storage.is_remote(str(base)):
+        return storage.join(str(base), *parts)
+    return Path(base).expanduser().joinpath(*parts)
+
+
+def is_committed(data_dir) -> bool:
+    """A cache folder is complete once its ``meta.json`` exists (written last)."""
+    return storage.is_file(str(cache_path(data_dir, "meta.json")))
+
+
+def load_array(path) -> np.ndarray:
+    """A cache array: memory-mapped when local, read whole into memory from a bucket."""
+    if storage.is_remote(str(path)):
+        return np.load(io.BytesIO(storage.read_bytes(str(path))), allow_pickle=False)
+    return np.load(path, mmap_mode="r")
 
 
 def loader_settings(c: ml_collections.ConfigDict) -> dict:
@@ -129,8 +150,10 @@ def count_tokens(stream: np.ndarray, vocab_size: int, *, where: str,
     return counts
 
 
-def file_digest(path: Path) -> str:
+def file_digest(path) -> str:
     """BLAKE2b of the file (whole up to 64 MiB; else of 256 evenly spread 256 KiB blocks and the size)."""
+    if storage.is_remote(str(path)):
+        return bytes_digest(storage.read_bytes(str(path)))
     size = os.path.getsize(path)
     h = hashlib.blake2b(str(size).encode(), digest_size=16)
     with open(path, "rb") as f:
@@ -144,9 +167,33 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_cache(data_dir: Path, info: dict, arrays: dict[str, np.ndarray]) -> None:
+def bytes_digest(data: bytes) -> str:
+    """:func:`file_digest` of a file holding ``data``."""
+    size = len(data)
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    if size <= WHOLE_FILE_DIGEST_BYTES:
+        h.update(data)
+    else:
+        for i in range(SAMPLE_BLOCKS):
+            at = (size - SAMPLE_BLOCK_BYTES) * i // (SAMPLE_BLOCKS - 1)
+            h.update(data[at:at + SAMPLE_BLOCK_BYTES])
+    return h.hexdigest()
+
+
+def write_cache(data_dir, info: dict, arrays: dict[str, np.ndarray]) -> None:
     """Writes ``arrays`` (name -> array, saved as ``<name>.npy``) and ``meta.json`` (``info`` plus their
-    digests) into ``data_dir`` atomically: a temporary folder renamed when complete."""
+    digests) into ``data_dir`` atomically: locally a temporary folder renamed when complete; on a bucket
+    (no rename) whole objects with ``meta.json`` written last, so an unfinished folder is never read."""
+    if storage.is_remote(str(data_dir)):
+        digests = {}
+        for name, array in arrays.items():
+            buf = io.BytesIO()
+            np.save(buf, array)
+            digests[f"{name}.npy"] = bytes_digest(buf.getvalue())
+            storage.write_bytes(storage.join(data_dir, f"{name}.npy"), buf.getvalue())
+        storage.write_text(storage.join(data_dir, "meta.json"),
+                           json.dumps({**info, "format": FORMAT_VERSION, "digests": digests}, indent=1))
+        return
     tmp = data_dir.with_name(f".{data_dir.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -161,28 +208,29 @@ def write_cache(data_dir: Path, info: dict, arrays: dict[str, np.ndarray]) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_digests(data_dir: Path, info: dict, names) -> None:
+def check_digests(data_dir, info: dict, names) -> None:
     """Raises DataError when a file's content differs from the digest ``meta.json`` recorded."""
     for name in names:
         want = info.get("digests", {}).get(name)
-        if want is None or file_digest(data_dir / name) != want:
+        if want is None or file_digest(cache_path(data_dir, name)) != want:
             raise DataError(f"data cache {data_dir} is stale or corrupt ({name} does not match the digest in "
                             "meta.json: it was changed after it was written): delete that folder and it is "
                             "rebuilt on the next run.")
 
 
-def open_cache(data_dir: Path, *, key: str | None, vocab_size: int
+def open_cache(data_dir, *, key: str | None, vocab_size: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    """Memmaps of ``data_dir``'s files after checking them against its ``meta.json``."""
+    """``data_dir``'s arrays (memmaps locally; in memory from a bucket) after checking them against its
+    ``meta.json``."""
     def corrupt(why: str) -> DataError:
         return DataError(f"data cache {data_dir} is stale or corrupt ({why}): delete that folder and "
                          "it is rebuilt on the next run.")
     try:
-        info = json.loads((data_dir / "meta.json").read_text())
-        train = np.load(data_dir / "train.npy", mmap_mode="r")
-        val = np.load(data_dir / "val.npy", mmap_mode="r")
-        counts = np.load(data_dir / "token_counts.npy")
-    except (OSError, ValueError) as e:
+        info = json.loads(storage.read_text(str(cache_path(data_dir, "meta.json"))))
+        train = load_array(cache_path(data_dir, "train.npy"))
+        val = load_array(cache_path(data_dir, "val.npy"))
+        counts = np.asarray(load_array(cache_path(data_dir, "token_counts.npy")))
+    except (OSError, ValueError, storage.StorageError) as e:
         raise corrupt(f"cannot read it: {e}") from e
     if info.get("format") != FORMAT_VERSION:
         raise corrupt(f"format {info.get('format')}, expected {FORMAT_VERSION}")

@@ -22,10 +22,11 @@ import ml_collections
 import numpy as np
 from tokenizers import Tokenizer
 
+from tieflax import storage
 from tieflax.data import tokenizer as tokenizer_lib
 from tieflax.data.cache import (FORMAT_VERSION, SPLITS, PreparedDataset, count_tokens,  # noqa: F401
-                                join_documents, loader_settings, open_cache, split_indices, token_dtype,
-                                write_cache)
+                                cache_path, is_committed, join_documents, loader_settings, open_cache,
+                                split_indices, token_dtype, write_cache)
 from tieflax.data.config import DataError, validate_data_config  # noqa: F401
 from tieflax.data.sources import Document, load_documents
 from tieflax.data.token_files import prepare_token_files
@@ -53,8 +54,9 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, workdir: str | os.Pa
         from tieflax.data.store import open_store_dataset  # noqa: PLC0415
 
         return open_store_dataset(c, str(workdir), vocab_size=vocab_size)
-    workdir = Path(workdir).expanduser()
-    cache_root = Path(c.cache_dir).expanduser() if c.cache_dir else workdir / "data_cache"
+    # a local workdir/cache stays a Path (memmapped files); a bucket one is a URL (see cache.cache_path)
+    workdir = cache_path(storage.resolve(str(workdir)))
+    cache_root = cache_path(storage.resolve(c.cache_dir) if c.cache_dir else cache_path(workdir, "data_cache"))
     if c.source == "tokens":
         return prepare_token_files(c, workdir, cache_root, vocab_size=vocab_size)
 
@@ -63,13 +65,13 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, workdir: str | os.Pa
                                            where=f"data.source = {c.source!r}")
     tok = tokenizer_lib.resolve_tokenizer(c, workdir, train_docs)
     tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), vocab_size,
-                                   where=f"tokenizer {workdir / tokenizer_lib.TOKENIZER_FILE}",
+                                   where=f"tokenizer {cache_path(workdir, tokenizer_lib.TOKENIZER_FILE)}",
                                    allow_smaller_tokenizer=bool(c.tokenizer.path))
     eos_id = tokenizer_lib.eos_id_of(tok, c.tokenizer.eos_token)
     bos_id = tokenizer_lib.bos_id_of(tok, c.tokenizer.bos_token)
     key = cache_key(docs, tok, c)
-    data_dir = cache_root / f"{c.source}-{key[:16]}"
-    if not (data_dir / "meta.json").exists():
+    data_dir = cache_path(cache_root, f"{c.source}-{key[:16]}")
+    if not is_committed(data_dir):
         build_cache(data_dir, key, tok, eos_id, bos_id, vocab_size, train_docs, val_docs,
                     source=c.source)
     train, val, counts, info = open_cache(data_dir, key=key, vocab_size=vocab_size)
@@ -113,7 +115,7 @@ def encode_stream(tok: Tokenizer, docs: list[Document], eos_id: int, dtype: np.d
                           eos_id, bos_id, dtype)
 
 
-def build_cache(data_dir: Path, key: str, tok: Tokenizer, eos_id: int, bos_id: int | None,
+def build_cache(data_dir, key: str, tok: Tokenizer, eos_id: int, bos_id: int | None,
                 vocab_size: int,
                 train_docs: list[Document], val_docs: list[Document], *, source: str) -> None:
     """Tokenises both splits into ``data_dir`` (atomically, with digests: see ``tieflax.data.cache``)."""

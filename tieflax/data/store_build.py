@@ -102,7 +102,7 @@ def tokenise_part(k: int, first_doc: int, texts: list[str]) -> tuple[int, int, f
 
 def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, shard: tuple[int, int] = (0, 1),
                 finalize_only: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                progress: Callable[[str], None] | None = None) -> dict | None:
+                progress: Callable[[str], None] | None = None, stats: dict | None = None) -> dict | None:
     """Builds (or resumes) the token store ``out`` from the data config ``c``.
 
     Returns the manifest, or None after a ``shard=(i, n)`` with ``n > 1`` (its share done; finalize
@@ -138,11 +138,18 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
     with st.BuildLock(out, "lock.json" if n == 1 else f"lock-{i}-of-{n}.json"):
         tok = _store_tokenizer(c, out, say)
         settings = _check_settings(c, out, tok, shard_bytes)
+        stats = {} if stats is None else stats
         if not finalize_only:
-            _tokenise(c, out, tok, settings, workers=workers, shard=shard, shard_bytes=shard_bytes, say=say)
+            t0 = time.perf_counter()
+            stats["tokens"] = _tokenise(c, out, tok, settings, workers=workers, shard=shard,
+                                        shard_bytes=shard_bytes, say=say)
+            stats["tokenise_s"] = time.perf_counter() - t0
         if n > 1 and not finalize_only:
             return None
-        return finalize(out, settings, say=say)
+        t0 = time.perf_counter()
+        manifest = finalize(out, settings, say=say)
+        stats["finalize_s"] = time.perf_counter() - t0
+        return manifest
 
 
 def _store_tokenizer(c, out: str, say):
@@ -202,8 +209,9 @@ def _check_settings(c, out: str, tok, shard_bytes: int) -> dict:
 
 
 def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[int, int], shard_bytes: int,
-              say) -> None:
-    """Streams the corpus into input shards and tokenises this machine's unfinished ones."""
+              say) -> int:
+    """Streams the corpus into input shards and tokenises this machine's unfinished ones; returns the
+    number of tokens it tokenised."""
     i, n = shard
     done = set(st.finished_parts(out))
     ctx = multiprocessing.get_context("spawn")  # no fork after tensorstore's and rayon's threads
@@ -267,6 +275,7 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
     say(f"tokenised {stats['parts']} input shards ({stats['skipped']} done before): "
         f"{stats['tokens']:,} tokens in {wall:.1f} s, {stats['tokens'] / max(wall, 1e-9) / 1e6:.2f}M tokens/s "
         f"({workers} workers)")
+    return stats["tokens"]
 
 
 # ------------------------------------------------------------------------------------------- finalize

@@ -30,8 +30,10 @@ import ml_collections
 import numpy as np
 
 from tieflax.data import tokenizer as tokenizer_lib
-from tieflax.data.cache import (FORMAT_VERSION, PreparedDataset, check_digests, count_tokens, join_documents,
-                                loader_settings, open_cache, split_indices, write_cache)
+from tieflax import storage
+from tieflax.data.cache import (FORMAT_VERSION, PreparedDataset, cache_path, check_digests, count_tokens,
+                                is_committed, join_documents, load_array, loader_settings, open_cache,
+                                split_indices, write_cache)
 from tieflax.data.config import DataError
 from tieflax.data.tokenizer import resolve_tokenizer
 
@@ -163,7 +165,7 @@ def split_stream(stream: np.ndarray, eos_id: int, bos_id: int | None, c: ml_coll
     return gather(train_idx), gather(val_idx)
 
 
-def prepare_token_files(c: ml_collections.ConfigDict, workdir: Path, cache_root: Path, *,
+def prepare_token_files(c: ml_collections.ConfigDict, workdir, cache_root, *,
                         vocab_size: int) -> PreparedDataset:
     """The :class:`PreparedDataset` of pre-tokenised files (see the module docstring)."""
     if c.tokenizer.path:
@@ -182,10 +184,10 @@ def prepare_token_files(c: ml_collections.ConfigDict, workdir: Path, cache_root:
                                                                 "data.tokens.val_path"))]
     # the sidecars' dtypes are part of the key: a corrected sidecar must not reuse a cache read the old way
     key = hashlib.sha256((_fingerprint(paths, c, vocab, eos_id, bos_id) + ",".join(dtypes)).encode()).hexdigest()
-    data_dir = cache_root / f"tokens-{key[:16]}"
+    data_dir = cache_path(cache_root, f"tokens-{key[:16]}")
     convert = not c.tokens.val_path or any(p.suffix == ".array_record" for p in paths)
 
-    if not (data_dir / "meta.json").exists():
+    if not is_committed(data_dir):
         streams = [_load(p, d, eos_id, bos_id, f) for p, d, f in zip(paths, dtypes, ("data.tokens.train_path",
                                                                                   "data.tokens.val_path"))]
         if not c.tokens.val_path:
@@ -204,11 +206,11 @@ def prepare_token_files(c: ml_collections.ConfigDict, workdir: Path, cache_root:
     if convert:
         train, val, counts, info = open_cache(data_dir, key=key, vocab_size=vocab)
     else:
-        info = json.loads((data_dir / "meta.json").read_text())
+        info = json.loads(storage.read_text(str(cache_path(data_dir, "meta.json"))))
         train = open_stream(paths[0], dtypes[0], "data.tokens.train_path")
         val = open_stream(paths[1], dtypes[1], "data.tokens.val_path")
         check_digests(data_dir, info, ("token_counts.npy",))
-        counts = np.load(data_dir / "token_counts.npy")
+        counts = np.asarray(load_array(cache_path(data_dir, "token_counts.npy")))
         if int(counts.sum()) != len(train):
             raise DataError(f"data cache {data_dir} is stale or corrupt (token_counts.npy does not "
                             "match the train file): delete that folder and it is rebuilt.")

@@ -15,6 +15,7 @@ from typing import Iterable
 import ml_collections
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tieflax import storage
 from tieflax.data.config import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -45,8 +46,11 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, eos_token: str,
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, path: Path) -> None:
+def save_tokenizer(tok: Tokenizer, path) -> None:
     """Writes ``tok`` to ``path`` atomically, so concurrent processes never read half a file."""
+    if storage.is_remote(str(path)):
+        storage.write_text(str(path), tok.to_str())  # one object: whole or absent
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tok.save(str(tmp))
@@ -54,7 +58,16 @@ def save_tokenizer(tok: Tokenizer, path: Path) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A tokenizer from a ``tokenizer.json`` (ours, or a published one such as Llama-3's)."""
+    """A tokenizer from a ``tokenizer.json`` (ours, or a published one such as Llama-3's; local or on a
+    bucket)."""
+    if storage.is_remote(str(path)):
+        if not storage.is_file(str(path)):
+            raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer.path, or leave it "
+                            "empty to train a BPE on the corpus.")
+        try:
+            return Tokenizer.from_str(storage.read_text(str(path)))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise DataError(f"tokenizer file {path} is not a valid tokenizer.json ({e}); replace it.") from e
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer.path, or leave it "
@@ -114,17 +127,18 @@ def check_vocab_size(tokenizer_vocab: int, model_vocab: int, *, where: str,
         "retrain it).")
 
 
-def resolve_tokenizer(c: ml_collections.ConfigDict, workdir: Path,
+def resolve_tokenizer(c: ml_collections.ConfigDict, workdir,
                       train_docs: list) -> Tokenizer:
     """The run's tokenizer: ``<workdir>/tokenizer.json`` if present, else the given or a trained one.
 
     A given tokenizer (``data.tokenizer.path``) is copied into the workdir; a workdir copy that differs
     from it is an error, since the workdir's checkpoints were trained on the copy's ids.
     """
-    saved = workdir / TOKENIZER_FILE
+    saved = storage.join(str(workdir), TOKENIZER_FILE) if storage.is_remote(str(workdir)) else \
+        Path(workdir) / TOKENIZER_FILE
     if c.tokenizer.path:
         given = load_tokenizer(c.tokenizer.path)
-        if saved.exists():
+        if storage.is_file(str(saved)):
             if tokenizer_digest(load_tokenizer(saved)) != \
                     tokenizer_digest(given):
                 raise DataError(
@@ -134,7 +148,7 @@ def resolve_tokenizer(c: ml_collections.ConfigDict, workdir: Path,
         else:
             save_tokenizer(given, saved)
         return given
-    if saved.exists():
+    if storage.is_file(str(saved)):
         tok = load_tokenizer(saved)
         got = tokenizer_vocab_size(tok)
         if got != c.tokenizer.vocab_size:
