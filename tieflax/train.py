@@ -565,8 +565,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -
                 elif at_log or at_ckpt or preempted:
                     _raise_if_any_failed(saves.failure(wait=at_ckpt or preempted))
                 held.check()  # the workdir's lease (object stores) is still this run's
-                if at_ckpt or preempted:
+                if (at_ckpt or preempted) and jax.process_count() == 1:
                     saves.start(step, state, train_loader)
+                elif at_ckpt or preempted:  # a save refused at its start on any process stops every one
+                    try:
+                        saves.start(step, state, train_loader)
+                        refused = None
+                    except ckpt.CheckpointError as e:
+                        refused = e
+                    _raise_if_any_failed(refused)
                 if diagnostics is not None and step % t.analyze_every == 0:
                     scalars = diagnostics(state["params"], prepared.token_counts)
                     writer.write(step, {k.removeprefix("diag/"): v for k, v in scalars.items()}, split="diag")
