@@ -1,12 +1,27 @@
 """The tied-vs-untied study at scale: ~1B-parameter Llama-style models, 128k vocabulary, pre-tokenised data.
 
-    # on every worker of a TPU pod slice (see launch/):
-    tieflax compare --config configs/experiments/tie_vs_untie_pod.py --workdir /shared/runs/tie_vs_untie \
-        --config.data.tokens.train_path=/data/train.bin --config.data.tokens.val_path=/data/val.bin \
-        --config.data.tokenizer.path=/data/tokenizer.json
+Data step, once, on any machine (or several: add --shard i/N to each, then run once with --finalize):
+tokenise the corpus onto the bucket with Llama-3's tokenizer into a token store::
 
-The workdir must be a path every worker shares (an NFS or Filestore mount): the data cache, config and
-metrics use ordinary file I/O, so ``gs://`` workdirs are not supported.
+    tieflax prepare --config configs/experiments/tie_vs_untie_pod.py --out gs://BUCKET/stores/llama3_corpus \
+        --config.data.source=files --config.data.files.paths='gs://BUCKET/text/*.jsonl' \
+        --config.data.tokenizer.path=gs://BUCKET/tokenizers/llama3/tokenizer.json --workers 32
+
+then, on every worker of a TPU pod slice (see launch/), compare on it; each host reads only the windows
+of its own rows::
+
+    tieflax compare --config configs/experiments/tie_vs_untie_pod.py --workdir gs://BUCKET/runs/tie_vs_untie \
+        --config.data.tokens.path=gs://BUCKET/stores/llama3_corpus
+
+The same two steps at CPU scale (the ``:runlocal`` variant: the King James Bible, a trained 8,192-token
+BPE; a few minutes on 2 cores)::
+
+    tieflax prepare --config configs/experiments/tie_vs_untie_pod.py:runlocal --out /tmp/pod_store --workers 2
+    tieflax compare --config configs/experiments/tie_vs_untie_pod.py:runlocal --workdir /tmp/pod_runlocal \
+        --config.data.source=tokens --config.data.tokens.path=/tmp/pod_store
+
+Token files made elsewhere also work: ``--config.data.tokens.train_path=/data/train.bin
+--config.data.tokens.val_path=/data/val.bin --config.data.tokenizer.path=/data/tokenizer.json``.
 
 Same three variants as ``tie_vs_untie.py``: ``tied`` (Llama-3.2-1B shape: d 2048, 16 layers, V 128,256,
 tied as published), ``untied`` (+262,668,288 parameters, equal body) and ``untied_matched`` (the same
