@@ -38,8 +38,8 @@ def init(c: ModelConfig, seed=0):
     return nn.unbox(TransformerLM(c).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32)))["params"]
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Tied and untied differ only in the head matrix; both are checked on llama, one each elsewhere (test time).
+@pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("gemma2", True), ("gpt2", False)])
 def test_cached_greedy_equals_recomputing_the_prefix(family, tied):
     c = config(family, tied)
     params = init(c)

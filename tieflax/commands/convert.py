@@ -16,12 +16,11 @@ defines cannot be overridden (use --untie/--tie for the tie switch).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
-import shutil
 from typing import Any, Sequence
+
+from tieflax import storage
 
 HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layouts of checkpoints"
 HF_FILES_DIR = "hf_files"      # tokenizer and generation files carried from an imported HF folder
@@ -90,10 +89,11 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
 
     from tieflax.config import validate_config
     from tieflax.destinations import check_destination as check_safe_destination
-    from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
+    from tieflax.destinations import check_empty_or_replaceable, copy_file, writing_new_workdir
 
+    workdir, hf_dir = storage.resolve(workdir), storage.resolve(hf_dir)
     check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
-    check_destination(workdir, overwrite=overwrite)
+    check_empty_or_replaceable(workdir, overwrite=overwrite, flag="--workdir")
     imported = config_from_hf(read_hf_config(hf_dir))
     config = default_config()
     config.model = default_model_config(**dataclasses.asdict(imported))
@@ -102,14 +102,13 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     validate_config(config)
     mc = model_config(config)
     weights = read_safetensors(hf_dir)
-    with workdir_lock(workdir, "convert"), _removed_unless_published(fresh_partial_folder(workdir)) as partial:
+    with writing_new_workdir(workdir, overwrite=overwrite) as partial:
         if tokenizer:
-            shutil.copy2(tokenizer, os.path.join(partial, "tokenizer.json"))
+            copy_file(tokenizer, storage.join(partial, "tokenizer.json"))
         params = params_from_state(weights, mc)
         ckpt.save_initial_params(partial, config, params)
-        copied = _copy_files(hf_dir, os.path.join(partial, HF_FILES_DIR), SIDE_FILES)
-        publish(partial, workdir, overwrite=overwrite)
-    return dict(action="from-hf", source=os.path.abspath(hf_dir), workdir=os.path.abspath(workdir),
+        copied = _copy_files(hf_dir, storage.join(partial, HF_FILES_DIR), SIDE_FILES)
+    return dict(action="from-hf", source=hf_dir, workdir=workdir,
                 family=mc.family, tied=mc.tie_embeddings, params=count_params(abstract_params(mc), mc),
                 tokenizer=config.data.tokenizer.path or None, carried_files=copied)
 
@@ -121,23 +120,26 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
     from tieflax import checkpoint as ckpt
     from tieflax.config import model_config
     from tieflax.interop.hf import SIDE_FILES, save_hf_checkpoint
+    from tieflax.interop.hf_tokenizer import export_tokenizer_side
     from tieflax.destinations import check_destination as check_safe_destination
-    from tieflax.workdir import WorkdirError, holds_a_run
+    from tieflax.workdir import WorkdirError
 
+    workdir, out = storage.resolve(workdir), storage.resolve(out)
     check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
-    if os.path.abspath(out) == os.path.abspath(workdir) or (holds_a_run(out) and not overwrite and any(
-            os.path.exists(os.path.join(out, n)) for n in ("checkpoints", "initial_params", "metrics.jsonl"))):
-        raise WorkdirError(f"--out {os.path.abspath(out)} holds a tieflax run: export to a new folder (or pass "
-                           "--overwrite to write into it anyway)")
+    if not overwrite and any(storage.exists(storage.join(out, n))
+                             for n in ("checkpoints", "initial_params", "metrics.jsonl", "metrics")):
+        raise WorkdirError(f"--out {out} holds a tieflax run: export to a new folder (or pass --overwrite to "
+                           "write into it anyway)")
 
     config, params, step = ckpt.load_latest_params(workdir)
     mc = model_config(config)
     written = save_hf_checkpoint(out, mc, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    carried = _copy_files(os.path.join(workdir, HF_FILES_DIR), out, SIDE_FILES)
-    if not carried and os.path.isfile(os.path.join(workdir, "tokenizer.json")):
+    carried = _copy_files(storage.join(workdir, HF_FILES_DIR), out, SIDE_FILES)
+    if not carried and storage.is_file(storage.join(workdir, "tokenizer.json")):
         carried = _copy_files(workdir, out, ("tokenizer.json",))
-    return dict(action="to-hf", workdir=os.path.abspath(workdir), step=step, out=os.path.abspath(out),
-                family=mc.family, tied=mc.tie_embeddings, files=[os.path.basename(p) for p in written] + carried)
+        carried += export_tokenizer_side(out, config)   # special tokens and ids: lm-eval and generate need them
+    return dict(action="to-hf", workdir=workdir, step=step, out=out,
+                family=mc.family, tied=mc.tie_embeddings, files=[storage.name(p) for p in written] + carried)
 
 
 def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:
@@ -185,11 +187,13 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     from tieflax import checkpoint as ckpt
     from tieflax.config import model_config, validate_config
     from tieflax.destinations import check_destination as check_safe_destination
-    from tieflax.workdir import check_destination, fresh_partial_folder, publish, workdir_lock
+    from tieflax.analysis import jsonable
+    from tieflax.destinations import check_empty_or_replaceable, copy_tree, writing_new_workdir
 
+    workdir, out = storage.resolve(workdir), storage.resolve(out)
     # Before anything is read: --out must not be, contain or lie inside the source or another run.
     check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
-    check_destination(out, overwrite=overwrite)
+    check_empty_or_replaceable(out, overwrite=overwrite)
     config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
     # The parameters exist already: overrides may change training and data settings, not their shapes.
@@ -198,51 +202,37 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     validate_config(config)
     _repoint_tokenizer(config, workdir, out)
     report.setdefault("reset", RESET_BY_SURGERY)
-    report = dict(action=action, workdir=os.path.abspath(workdir), step=step, out=os.path.abspath(out), **report)
-    with workdir_lock(out, "convert"), _removed_unless_published(fresh_partial_folder(out)) as partial:
+    report = dict(action=action, workdir=workdir, step=step, out=out, **report)
+    with writing_new_workdir(out, overwrite=overwrite) as partial:
         ckpt.save_initial_params(partial, config, params)
         for name in ("tokenizer.json", HF_FILES_DIR):
-            src = os.path.join(workdir, name)
-            if os.path.isdir(src):
-                shutil.copytree(src, os.path.join(partial, name), dirs_exist_ok=True)
-            elif os.path.isfile(src):
-                shutil.copy2(src, os.path.join(partial, name))
-        with open(os.path.join(partial, SURGERY_REPORT), "w") as f:
-            json.dump(report, f, indent=2)
-        publish(partial, out, overwrite=overwrite)
+            src = storage.join(workdir, name)
+            if storage.is_file(src):
+                storage.write_bytes(storage.join(partial, name), storage.read_bytes(src))
+            elif storage.is_dir(src):
+                copy_tree(src, storage.join(partial, name))
+        storage.write_text(storage.join(partial, SURGERY_REPORT), jsonable.dumps(report, indent=2))
     return report
-
-
-@contextlib.contextmanager
-def _removed_unless_published(partial: str):
-    """Yields ``partial``; removes it if the block fails or is interrupted (SIGTERM/SIGINT arrive as
-    exceptions, see tieflax.cli), so only a kill -9 leaves one, which `tieflax train` then refuses."""
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
 
 
 def _repoint_tokenizer(config, workdir: str, out: str) -> None:
     """A tokenizer path inside the source workdir becomes the copy in the new one."""
     path = config.data.tokenizer.path
-    if path and os.path.abspath(path) == os.path.abspath(os.path.join(workdir, "tokenizer.json")):
-        config.data.tokenizer.path = os.path.abspath(os.path.join(out, "tokenizer.json"))
+    if path and storage.resolve(path) == storage.join(storage.resolve(workdir), "tokenizer.json"):
+        config.data.tokenizer.path = storage.join(storage.resolve(out), "tokenizer.json")
 
 
 # ------------------------------------------------------------------------------------------------------
 def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> str | None:
     """Points the data pipeline at the checkpoint's own tokenizer as it will be copied into ``workdir``, if
     it has one; returns the file to copy (or None)."""
-    src = os.path.join(hf_dir, "tokenizer.json")
-    if not os.path.isfile(src):
+    src = storage.join(hf_dir, "tokenizer.json")
+    if not storage.is_file(src):
         return None
-    config.data.tokenizer.path = os.path.abspath(os.path.join(workdir, "tokenizer.json"))
-    tok_config = os.path.join(hf_dir, "tokenizer_config.json")
-    if os.path.isfile(tok_config):
-        with open(tok_config) as f:
-            eos = json.load(f).get("eos_token")
+    config.data.tokenizer.path = storage.join(storage.resolve(workdir), "tokenizer.json")
+    tok_config = storage.join(hf_dir, "tokenizer_config.json")
+    if storage.is_file(tok_config):
+        eos = json.loads(storage.read_text(tok_config)).get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str) and eos:
             config.data.tokenizer.eos_token = eos
@@ -267,11 +257,10 @@ def _apply_overrides(config, overrides: Sequence[str], before, mode: str, also_f
 
 
 def _copy_files(src_dir: str, dst_dir: str, names: Sequence[str]) -> list[str]:
-    found = [n for n in names if os.path.isfile(os.path.join(src_dir, n))]
-    if found:
-        os.makedirs(dst_dir, exist_ok=True)
+    """The files ``names`` that ``src_dir`` holds, copied whole into ``dst_dir`` (local or remote)."""
+    found = [n for n in names if storage.is_file(storage.join(src_dir, n))]
     for name in found:
-        shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+        storage.write_bytes(storage.join(dst_dir, name), storage.read_bytes(storage.join(src_dir, name)))
     return found
 
 

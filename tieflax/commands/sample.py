@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1 or args.temperature < 0:
         raise EvalError("--max-new-tokens must be >= 1 and --temperature >= 0")
-    lm = TieflaxLM.from_workdir(args.workdir, step=args.step, batch_size=1)
-    shards = lm.shards
+    lm = TieflaxLM.from_workdir(args.workdir, step=args.step, batch_size=None)
+    shards = lm.shards   # one row per data shard: the same prompt, the first row printed
     prompt = lm.tok_encode(args.prompt) or [lm.prefix_token_id]
     out = lm.generator.generate(lm.generator.layer_params(lm.params), [prompt] * shards,
                                 max_new_tokens=args.max_new_tokens, stop_ids=(lm.eot_token_id,),

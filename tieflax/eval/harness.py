@@ -64,13 +64,14 @@ class TieflaxLM(TemplateLM):
       config: the model's ``ModelConfig``; params: its parameters (host or placed on ``mesh``; scanned
         or per-layer); tokenizer: a ``tokenizers.Tokenizer``; eos_id / prefix_id: the end-of-text id and
         the id that opens a document (BOS, or EOS when the run has none).
-      max_length: the context (the run's ``train.seq_len``); batch_size: sequences per generation batch;
+      max_length: the context (the run's ``train.seq_len``); batch_size: sequences per generation batch
+        (None: one per data x fsdp shard);
       token_budget: tokens per loglikelihood batch (rows = budget // padded length).
       mesh: the run's mesh (batches are split over data x fsdp, the vocabulary over tensor), or None.
     """
 
     def __init__(self, config: ModelConfig, params: Any, tokenizer, *, eos_id: int, prefix_id: Optional[int] = None,
-                 max_length: int, batch_size: int = 8, token_budget: int = 4096, mesh=None,
+                 max_length: int, batch_size: Optional[int] = 8, token_budget: int = 4096, mesh=None,
                  max_gen_toks: int = 256, seed: int = 0):
         super().__init__()
         if jax.process_count() > 1:
@@ -81,6 +82,7 @@ class TieflaxLM(TemplateLM):
         self.mesh = mesh
         self._max_length, self._max_gen_toks = max_length, max_gen_toks
         self.shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        batch_size = batch_size or self.shards
         if batch_size % self.shards:
             raise EvalError(f"--batch-size {batch_size} does not divide over the mesh's {self.shards} data x "
                             f"fsdp shards; use a multiple of {self.shards}")
@@ -110,12 +112,29 @@ class TieflaxLM(TemplateLM):
         tok = load_tokenizer(path)
         eos = eos_id_of(tok, config.data.tokenizer.eos_token)
         bos = bos_id_of(tok, config.data.tokenizer.bos_token)
-        mesh = shd.mesh_from_config(config.mesh)
+        mesh = run_mesh(config.mesh)
         max_length = int(config.train.seq_len)
         if mc.position == "learned":
             max_length = min(max_length, mc.max_seq_len)
         params = place_params(mc, params, mesh)
         return cls(mc, params, tok, eos_id=eos, prefix_id=bos, max_length=max_length, mesh=mesh, **kwargs)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None) -> "TieflaxLM":
+        """lm-eval's constructor: ``model="tieflax", model_args={"pretrained": RUN, "step": N,
+        "token_budget": T}`` (the ``pretrained`` key also names lm-eval's output folder)."""
+        args = dict(arg_dict)
+        if "pretrained" not in args:
+            raise EvalError("the tieflax lm-eval model needs model_args pretrained=RUN (a tieflax workdir)")
+        kwargs = {k: int(args[k]) for k in ("step", "token_budget", "seed", "max_gen_toks") if args.get(k) is not None}
+        batch_size = (additional_config or {}).get("batch_size")
+        if batch_size not in (None, "auto"):
+            kwargs["batch_size"] = int(batch_size)
+        return cls.from_workdir(str(args["pretrained"]), **kwargs)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None) -> "TieflaxLM":
+        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
 
     # ------------------------------------------------------------------------------------ lm-eval API
     @property
@@ -253,6 +272,15 @@ class TieflaxLM(TemplateLM):
 
     def _context(self):
         return self.generator._context()
+
+
+def run_mesh(mesh_config) -> jax.sharding.Mesh:
+    """The run's mesh; a fixed-size one (no -1 axis) smaller than the machine takes its first devices."""
+    sizes = [int(mesh_config[a]) for a in shd.MESH_AXES]
+    devices = jax.devices()
+    if -1 not in sizes and 0 < int(np.prod(sizes)) < len(devices):
+        devices = devices[:int(np.prod(sizes))]
+    return shd.mesh_from_config(mesh_config, devices)
 
 
 def place_params(config: ModelConfig, params: Any, mesh) -> Any:

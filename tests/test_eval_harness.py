@@ -1,0 +1,221 @@
+"""lm-evaluation-harness on tieflax runs (tieflax.eval.harness, ``tieflax evaluate``), offline.
+
+The tests write three small tasks (multiple choice, generate_until with exact_match, rolling
+loglikelihood) over local JSON files, train a tiny run, and check that ``tieflax evaluate`` on the run and
+lm-eval's own ``hf`` backend on its ``tieflax convert --to-hf`` export agree sample by sample:
+log-likelihoods within 1e-4 (fp32), the same is_greedy, the same greedy generations. Random-init runs of
+other families (gemma2 soft-caps and sliding windows, gpt2 learned positions; tied and untied) get the same
+check, their large init making generations varied.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"   # noqa: E402 (before lm-eval imports datasets)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate (the test extra)")
+
+import flax.linen as nn  # noqa: E402
+
+from tieflax.checkpoint import load_workdir_config, save_initial_params  # noqa: E402
+from tieflax.cli import main  # noqa: E402
+from tieflax.config import default_model_config, model_config  # noqa: E402
+from tieflax.eval.tasks import run_tasks, task_manager  # noqa: E402
+from tieflax.model import TransformerLM  # noqa: E402
+
+TASKS = ["tf_mc", "tf_gen", "tf_roll"]
+SEQ = 64
+VERSES = ["In the beginning God created the heaven and the earth.", "And the earth was without form, and void;",
+          "And God said, Let there be light: and there was light.", "And God saw the light, that it was good:",
+          "And God called the light Day, and the darkness he called Night."]
+YAML = {
+    "tf_mc": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""",
+    "tf_gen": """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{target}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""",
+    "tf_roll": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+  - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+""",
+}
+TRAIN = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=512", "--config.model.d_model=32",
+         "--config.model.n_layers=2", "--config.model.d_ff=64", f"--config.model.max_seq_len={SEQ}",
+         f"--config.train.seq_len={SEQ}", "--config.train.num_steps=20", "--config.train.global_batch_size=8",
+         "--config.train.eval_every=1000", "--config.train.eval_batches=1"]
+
+
+def write_tasks(folder) -> str:
+    """The three task YAMLs and their JSON-lines data files in ``folder``; -> the folder."""
+    os.makedirs(folder, exist_ok=True)
+    rows = {
+        "mc": [{"question": " ".join(v.split()[:-2]), "choices": [" ".join(v.split()[-2:]), "the fish", "of the sea",
+                                                                   "and Lord"], "answer": 0} for v in VERSES],
+        "gen": [{"prompt": " ".join(v.split()[:4]), "target": " " + " ".join(v.split()[4:6])} for v in VERSES],
+        # Long enough for several rolling windows of SEQ tokens.
+        "roll": [{"text": " ".join([v] * 6)} for v in VERSES[:3]],
+    }
+    for name, items in rows.items():
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
+    for task, body in YAML.items():
+        data = os.path.join(folder, task[3:] + ".jsonl")
+        with open(os.path.join(folder, f"{task}.yaml"), "w") as f:
+            f.write(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    f"test_split: test\n{body}")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tiny.py")
+    run = str(root / "run")
+    assert main(["train", "--config", tiny, "--workdir", run, *TRAIN]) == 0
+    return {"root": root, "tasks": write_tasks(root / "tasks"), "run": run}
+
+
+def random_run(world, name: str, **model) -> str:
+    """A workdir holding random large-init params of another model (the trained run's tokenizer and data)."""
+    run = str(world["root"] / name)
+    config = load_workdir_config(world["run"])
+    config.model = default_model_config(**{**dict(vocab_size=512, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                                                  max_seq_len=SEQ, init_std=0.3, embed_init_std=1.0), **model})
+    config.mesh.data = 1   # one device: compiles faster (the trained run covers the 8-device mesh)
+    params = TransformerLM(model_config(config)).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"]
+    save_initial_params(run, config, nn.unbox(params))
+    shutil.copy(os.path.join(world["run"], "tokenizer.json"), os.path.join(run, "tokenizer.json"))
+    return run
+
+
+def close(a: float, b: float) -> bool:
+    """Within 1e-4, or within fp32 rounding of a long sum (a random-init model's whole-text log-likelihood
+    is about -2,300, where one fp32 ulp is 2.4e-4)."""
+    return abs(a - b) <= 1e-4 + 1e-7 * abs(b)
+
+
+def hf_samples(world, run: str, tasks=TASKS) -> dict:
+    """lm-eval's ``hf`` backend on ``run``'s export (made here, used as exported): {task: samples}."""
+    export = run + "_hf"
+    assert main(["convert", "--to-hf", "--workdir", run, "--out", export]) == 0
+    theirs = run_tasks("hf", tasks, task_manager(tasks, world["tasks"]), batch_size=8, log_samples=True,
+                       model_args={"pretrained": export, "max_length": SEQ, "dtype": "float32", "device": "cpu"})
+    return theirs["samples"]
+
+
+def assert_same_samples(ours: dict, theirs: dict) -> None:
+    """Per sample: the same prompt, log-likelihoods within 1e-4, the same is_greedy and generations.
+    Values may be strings (as lm-eval's samples files hold them) or numbers (in memory)."""
+    for task in TASKS:
+        mine = sorted(ours[task], key=lambda s: s["doc_id"])
+        hf = sorted(theirs[task], key=lambda s: s["doc_id"])
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in hf] and mine
+        for a, b in zip(mine, hf):
+            assert a["doc_hash"] == b["doc_hash"] and a["prompt_hash"] == b["prompt_hash"]
+            for ra, rb in zip(a["resps"], b["resps"]):
+                ra, rb = ra[0], rb[0]
+                if task == "tf_gen":
+                    assert ra == rb, (a["doc_id"], ra, rb)
+                elif task == "tf_mc":
+                    assert close(float(ra[0]), rb[0]) and str(ra[1]) == str(rb[1]), (a["doc_id"], ra, rb)
+                else:
+                    assert close(float(ra), rb), (a["doc_id"], ra, rb)
+
+
+def test_evaluate_on_a_trained_run_agrees_with_the_hf_backend_on_its_export(world, capsys):
+    """``tieflax evaluate --output --log-samples`` writes lm-eval's own files; their samples match ``hf``."""
+    out = str(world["root"] / "out")
+    assert main(["evaluate", "--workdir", world["run"], "--tasks", ",".join(TASKS), "--include-path",
+                 world["tasks"], "--output", out, "--log-samples"]) == 0
+    assert "tf_mc" in capsys.readouterr().out
+    (results,) = glob.glob(os.path.join(out, "*", "results_*.json"))
+    assert set(json.load(open(results))["results"]) == set(TASKS)
+    ours = {}
+    for task in TASKS:
+        (samples,) = glob.glob(os.path.join(out, "*", f"samples_{task}_*.jsonl"))
+        ours[task] = [json.loads(line) for line in open(samples)]
+        assert {"doc_id", "resps", "filtered_resps", "doc_hash", "prompt_hash"} <= set(ours[task][0])
+    assert_same_samples(ours, hf_samples(world, world["run"]))
+    # The export as exported: transformers generates and stops on its own EOS.
+    export = world["run"] + "_hf"
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    assert tok.eos_token == "<|endoftext|>" and tok.bos_token_id == tok.eos_token_id == tok.pad_token_id
+    assert transformers.GenerationConfig.from_pretrained(export).eos_token_id == tok.eos_token_id
+
+
+@pytest.mark.parametrize("family,model", [
+    ("gemma2_untied", dict(family="gemma2", mlp="geglu", norm_unit_offset=True, sandwich_norms=True,
+                           attn_softcap=50.0, final_logit_softcap=30.0, query_pre_attn_scalar=16.0, sliding_window=8,
+                           sliding_window_every=2, scale_input_embedding=True, n_kv_heads=2, head_dim=16,
+                           embed_init_std=0.03, tie_embeddings=False)),
+    ("gpt2_tied", dict(family="gpt2", norm="layernorm", mlp="gelu", position="learned", qkv_bias=True,
+                       attn_out_bias=True, mlp_bias=True, tie_embeddings=True)),
+    ("llama_untied", dict(family="llama", n_kv_heads=2, tie_embeddings=False)),
+])
+def test_other_families_agree_with_the_hf_backend(world, family, model):
+    run = random_run(world, family, **model)
+    ours = run_tasks("tieflax", TASKS, task_manager(TASKS, world["tasks"]), model_args={"pretrained": run},
+                     batch_size=8, log_samples=True)["samples"]
+    assert_same_samples(ours, hf_samples(world, run))
+    generations = [s["resps"][0][0] for s in ours["tf_gen"]]
+    assert len(set(generations)) > 1, generations   # varied text, so equal generations mean something
+
+
+def _fails(capsys, argv, *needles):
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(n in err for n in needles), err
+
+
+def test_bad_input_is_one_line(world, capsys, tmp_path):
+    run, tasks = world["run"], world["tasks"]
+    _fails(capsys, ["evaluate", "--workdir", run, "--tasks", "no_such_task", "--include-path", tasks],
+           "unknown lm-eval task 'no_such_task'")
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    shutil.copy(os.path.join(run, "config.json"), empty)
+    _fails(capsys, ["evaluate", "--workdir", empty, "--tasks", "tf_mc", "--include-path", tasks],
+           "no checkpoint", "train first")
+    _fails(capsys, ["evaluate", "--workdir", run, "--tasks", "tf_mc", "--include-path", tasks, "--batch-size", "3"],
+           "--batch-size 3 does not divide", "multiple of 8")
+    _fails(capsys, ["sample", "--workdir", run, "--prompt", "In the beginning " * 40], "exceeds the model's context")
+
+
+def test_sample_continues_a_prompt(world, capsys):
+    assert main(["sample", "--workdir", world["run"], "--prompt", "In the beginning", "--max-new-tokens", "8"]) == 0
+    greedy = capsys.readouterr().out
+    assert main(["sample", "--workdir", world["run"], "--prompt", "In the beginning", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == greedy and greedy.strip()
