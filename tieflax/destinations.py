@@ -9,8 +9,10 @@ source). Paths may be local or ``gs://`` / ``s3://`` URLs (``tieflax.storage``).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Sequence
+import shutil
+from typing import Iterator, Sequence
 
 from tieflax import storage
 from tieflax.workdir import LOCK_FILE, WorkdirError, holds_a_run
@@ -30,7 +32,8 @@ def _inside(path: str, folder: str) -> bool:
     return path != folder and path.startswith(folder.rstrip(sep) + sep)
 
 
-def _is_run(folder: str) -> bool:
+def is_run(folder: str) -> bool:
+    """True when ``folder`` holds anything a run or a running command left (config, checkpoints, ...)."""
     if storage.is_remote(folder):
         return any(storage.exists(storage.join(folder, n)) for n in RUN_MARKERS)
     return holds_a_run(folder) or os.path.exists(os.path.join(folder, LOCK_FILE))
@@ -56,10 +59,10 @@ def check_destination(out: str, *, sources: Sequence[tuple[str, str]] = (), over
             raise WorkdirError(f"{flag} {shown}{link} lies inside {source_flag} {src}: write to a new folder "
                                "outside it")
     for ancestor in _ancestors(dest):
-        if _is_run(ancestor):
+        if is_run(ancestor):
             raise WorkdirError(f"{flag} {shown}{link} lies inside the run {ancestor}: write to a new folder "
                                "outside it")
-    if overwrite and not _is_run(dest):
+    if overwrite and not is_run(dest):
         inner = _first_run_inside(dest)
         if inner:
             raise WorkdirError(f"{flag} {shown}{link} contains the run {inner}; --overwrite would delete it: "
@@ -91,6 +94,83 @@ def _first_run_inside(folder: str) -> str | None:
             sub = os.path.join(top, d)
             if os.path.islink(sub):
                 dirs.remove(d)  # rmtree removes a link, never what it points at
-            elif _is_run(sub):
+            elif is_run(sub):
                 return sub
     return None
+
+
+# ----------------------------------------------------------------------------------------- writing
+def check_empty_or_replaceable(dest: str, *, overwrite: bool, flag: str = "--out") -> None:
+    """Before any work: a local destination may hold something only with ``overwrite`` (it is replaced
+    whole by a rename); a gs:// / s3:// prefix must be empty, since there is no rename to replace it
+    whole, except for what an interrupted convert left behind its incomplete marker."""
+    from tieflax.workdir import INCOMPLETE_MARKER, check_destination as check_local  # noqa: PLC0415
+
+    dest = storage.resolve(dest)
+    if not storage.is_remote(dest):
+        check_local(dest, overwrite=overwrite)
+        return
+    names = set(storage.listdir(dest)) - {LOCK_FILE}
+    if names and INCOMPLETE_MARKER not in names:
+        raise WorkdirError(f"{flag} {dest} is not empty: on an object store convert writes only into an empty "
+                           f"prefix{' (--overwrite cannot replace one: there is no rename)' if overwrite else ''}; "
+                           "choose a new prefix, or delete this one first")
+
+
+@contextlib.contextmanager
+def writing_new_workdir(dest: str, *, overwrite: bool, command: str = "convert") -> Iterator[str]:
+    """Yields the folder to write a new workdir into, holding ``dest``'s lock; it appears complete or is
+    marked incomplete.
+
+    Local: a partial folder beside ``dest``, renamed to ``dest`` when the block ends (replacing it with
+    ``overwrite``). gs:// / s3://: ``dest`` itself, with the marker object ``INCOMPLETE_MARKER`` written
+    first and deleted last; `tieflax train` refuses a workdir holding it. A block that fails or is
+    interrupted (SIGTERM/SIGINT arrive as exceptions, see tieflax.cli) removes what it wrote; only a
+    kill -9 leaves a partial folder or a marked prefix behind, and rerunning the command clears it.
+    """
+    from tieflax.workdir import (INCOMPLETE_MARKER, fresh_partial_folder, publish,  # noqa: PLC0415
+                                 workdir_lock)
+
+    dest = storage.resolve(dest)
+    with workdir_lock(dest, command):
+        if not storage.is_remote(dest):
+            partial = fresh_partial_folder(dest)
+            try:
+                yield partial
+                publish(partial, dest, overwrite=overwrite)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+            return
+        marker = storage.join(dest, INCOMPLETE_MARKER)
+        _remove_all_but_the_lock(dest)  # empty, or what an interrupted convert left (checked before)
+        storage.write_text(marker, f"tieflax {command} is writing this workdir; it is complete once this "
+                                   "object is gone\n")
+        try:
+            yield dest
+        except BaseException:
+            _remove_all_but_the_lock(dest)  # this command wrote all of it (the prefix was empty)
+            raise
+        storage.delete(marker)
+
+
+def _remove_all_but_the_lock(prefix: str) -> None:
+    for path in storage.walk_files(prefix):
+        if storage.name(path) != LOCK_FILE or storage.parent(path) != prefix:
+            storage.delete(path)
+
+
+def copy_file(src: str, dst: str) -> None:
+    """One file, whole, between any two kinds of path."""
+    storage.write_bytes(dst, storage.read_bytes(src))
+
+
+def copy_tree(src: str, dst: str) -> list[str]:
+    """Every file under ``src`` to the same place under ``dst``; returns the relative names copied."""
+    src = storage.resolve(src)
+    names = []
+    for path in storage.walk_files(src):
+        rel = path[len(src):].lstrip("/" if storage.is_remote(src) else os.sep)
+        copy_file(path, storage.join(dst, *rel.split("/" if storage.is_remote(src) else os.sep)))
+        names.append(rel)
+    return names

@@ -27,6 +27,7 @@ from tieflax.errors import UserError
 
 LOCK_FILE = "tieflax.lock"
 PARTIAL_TAG = ".partial-"
+INCOMPLETE_MARKER = "tieflax.incomplete"  # a gs:// / s3:// import or surgery in progress (see tieflax.destinations)
 
 
 class WorkdirError(UserError, RuntimeError):
@@ -321,7 +322,10 @@ def fresh_partial_folder(workdir: str) -> str:
 
 
 def partial_imports(workdir: str) -> list[str]:
-    workdir = os.path.abspath(workdir)
+    workdir = storage.resolve(workdir)
+    if storage.is_remote(workdir):  # no rename there: convert writes in place behind a marker object
+        marker = storage.join(workdir, INCOMPLETE_MARKER)
+        return [marker] if storage.is_file(marker) else []
     pattern = os.path.join(os.path.dirname(workdir), f".{glob.escape(os.path.basename(workdir))}{PARTIAL_TAG}*")
     found = glob.glob(pattern)
     # orbax writes initial_params/ under a temporary name first: a kill during that write leaves it
@@ -334,7 +338,7 @@ def check_no_partial_import(workdir: str) -> None:
     """Refuses a workdir whose import or surgery was interrupted (it would train from random weights)."""
     found = partial_imports(workdir)
     if found:
-        raise WorkdirError(f"an import into {os.path.abspath(workdir)} did not finish ({found[0]} is "
+        raise WorkdirError(f"an import into {storage.resolve(workdir)} did not finish ({found[0]} is "
                            "incomplete): rerun the `tieflax convert` command that writes it, or delete "
                            f"{found[0]} to train without it")
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
+from tieflax import storage
 from tieflax.interop.hf_config import config_from_hf, config_to_hf
 from tieflax.interop.hf_weights import params_from_state, state_from_params
 from tieflax.model.config import ModelConfig
@@ -45,23 +47,22 @@ class DamagedCheckpoint(UserError, ValueError):
 
 def read_hf_config(path: str) -> dict[str, Any]:
     """The ``config.json`` of a checkpoint folder, as a dict."""
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
+    config_path = storage.join(path, CONFIG_FILE)
+    if not storage.is_file(config_path):
         _refuse_pickles_only(path)  # the more useful message when only pickled weights are there
         raise FileNotFoundError(f"{path!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint folder "
                                 "(config.json + model.safetensors)")
     try:
-        with open(config_path) as f:
-            return json.load(f)
+        return json.loads(storage.read_text(config_path))
     except json.JSONDecodeError as e:
         raise DamagedCheckpoint(f"{config_path} is not valid JSON (line {e.lineno}: {e.msg}): download or copy the "
                          "checkpoint again") from None
 
 
 def _refuse_pickles_only(path: str) -> None:
-    if os.path.isfile(os.path.join(path, WEIGHTS_FILE)) or os.path.isfile(os.path.join(path, INDEX_FILE)):
+    if storage.is_file(storage.join(path, WEIGHTS_FILE)) or storage.is_file(storage.join(path, INDEX_FILE)):
         return
-    pickles = [name for name in _PICKLE_FILES if os.path.exists(os.path.join(path, name))]
+    pickles = [name for name in _PICKLE_FILES if storage.exists(storage.join(path, name))]
     if pickles:
         raise UnsafeCheckpoint(
             f"{path!r} holds pickled weights ({', '.join(pickles)}), which tieflax refuses to load because "
@@ -85,8 +86,9 @@ class SafetensorsFolder(Mapping):
     """A read-only, lazy ``{name: numpy array}`` over a checkpoint's safetensors files: a tensor is read
     (memory-mapped) only when indexed, so importing a large checkpoint never holds all of it twice."""
 
-    def __init__(self, files: dict[str, str]):
-        self._files = files  # tensor name -> file path
+    def __init__(self, files: dict[str, str], keep_alive: Any = None):
+        self._files = files  # tensor name -> local file path
+        self._keep_alive = keep_alive  # the temporary folder holding local copies of remote files
 
     def __getitem__(self, name: str) -> np.ndarray:
         with _open_safetensors(self._files[name]) as f:
@@ -105,22 +107,22 @@ class SafetensorsFolder(Mapping):
 
 def read_safetensors(path: str) -> SafetensorsFolder:
     """All tensors of a checkpoint folder (single file or sharded), lazily, by name."""
-    single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+    single, index = storage.join(path, WEIGHTS_FILE), storage.join(path, INDEX_FILE)
+    if storage.is_file(index):
+        weight_map: dict[str, str] = json.loads(storage.read_text(index))["weight_map"]
+        files, keep_alive = _local_files(path, {name: shard for name, shard in weight_map.items()})
         for shard in sorted(set(files.values())):
             with _open_safetensors(shard) as f:
                 held = set(f.keys())
             missing = sorted(n for n, s in files.items() if s == shard and n not in held)
             if missing:
-                raise ValueError(f"{INDEX_FILE} in {path!r} lists tensors that {os.path.basename(shard)} does "
+                raise DamagedCheckpoint(f"{INDEX_FILE} in {path!r} lists tensors that {os.path.basename(shard)} does "
                                  f"not hold: {missing[:8]}")
-        return SafetensorsFolder(files)
-    if os.path.isfile(single):
-        with _open_safetensors(single) as f:
-            return SafetensorsFolder({name: single for name in f.keys()})
+        return SafetensorsFolder(files, keep_alive)
+    if storage.is_file(single):
+        files, keep_alive = _local_files(path, {"": WEIGHTS_FILE})
+        with _open_safetensors(files[""]) as f:
+            return SafetensorsFolder({name: files[""] for name in f.keys()}, keep_alive)
     _refuse_pickles_only(path)
     raise FileNotFoundError(f"{path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
 
@@ -129,7 +131,7 @@ def load_hf_checkpoint(path: str, *, param_dtype: str = "float32",
                        **config_overrides: Any) -> tuple[ModelConfig, dict]:
     """Folder -> (``ModelConfig``, unboxed params). ``config_overrides`` set tieflax-only fields (e.g.
     ``vocab_pad_multiple``, ``dtype``); checkpoint-defined fields come from ``config.json``."""
-    path = os.path.expanduser(path)
+    path = storage.resolve(path)
     config = config_from_hf(read_hf_config(path), param_dtype=param_dtype, **config_overrides)
     return config, params_from_state(read_safetensors(path), config)
 
@@ -143,34 +145,48 @@ def save_hf_checkpoint(path: str, config: ModelConfig, params: Mapping, *, dtype
     ``config.json`` (token ids, for instance). Returns the files written.
     """
     import ml_dtypes
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
-    path = os.path.expanduser(path)
+    path = storage.resolve(path)
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, None: None}.get(dtype, dtype)
     state = state_from_params(params, config, dtype=np_dtype)
     dtype_name = dtype or str(next(iter(state.values())).dtype)
     hf_config = {**config_to_hf(config, dtype=dtype_name), **dict(extra_config or {})}
-    os.makedirs(path, exist_ok=True)
-    written = [os.path.join(path, CONFIG_FILE)]
-    with open(written[0], "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
+    storage.makedirs(path)
+    written = [storage.join(path, CONFIG_FILE)]
+    storage.write_text(written[0], json.dumps(hf_config, indent=2, sort_keys=True, allow_nan=False))
     shards = _shard(state, max_shard_bytes)
     metadata = {"format": "pt"}  # transformers checks this key when it loads safetensors
     if len(shards) == 1:
-        written.append(os.path.join(path, WEIGHTS_FILE))
-        save_file(shards[0], written[-1], metadata=metadata)
+        written.append(storage.join(path, WEIGHTS_FILE))
+        storage.write_bytes(written[-1], save(shards[0], metadata=metadata))  # whole, local or remote
         return written
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, name), metadata=metadata)
+        storage.write_bytes(storage.join(path, name), save(shard, metadata=metadata))
         weight_map.update({key: name for key in shard})
-        written.append(os.path.join(path, name))
+        written.append(storage.join(path, name))
     total = sum(x.nbytes for x in state.values())
-    written.append(os.path.join(path, INDEX_FILE))
-    with open(written[-1], "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    written.append(storage.join(path, INDEX_FILE))
+    storage.write_text(written[-1], json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                               indent=2, sort_keys=True))
     return written
+
+
+def _local_files(path: str, names: dict[str, str]) -> tuple[dict[str, str], Any]:
+    """``({key: local file}, keep_alive)`` for the files ``names`` (key -> file name) of ``path``: the
+    files themselves when local; for a gs:// or s3:// folder, local copies in a temporary folder (kept
+    while ``keep_alive`` lives), since safetensors reads a tensor from a memory-mapped local file."""
+    if not storage.is_remote(path):
+        return {k: os.path.join(path, n) for k, n in names.items()}, None
+    tmp = tempfile.TemporaryDirectory(prefix="tieflax-hf-")
+    local = {}
+    for n in sorted(set(names.values())):
+        local[n] = os.path.join(tmp.name, n)
+        with open(local[n], "wb") as f:
+            f.write(storage.read_bytes(storage.join(path, n)))
+    return {k: local[n] for k, n in names.items()}, tmp
 
 
 def _shard(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
