@@ -133,3 +133,11 @@ def test_a_signal_at_any_moment_is_one_line_an_exit_code_and_no_stale_lock(tmp_p
     assert f"stopped by {signame}" in err and "rerun" in err
     assert os.listdir(workdir) == []  # the lock is gone
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
+
+
+def test_a_folder_in_data_files_paths_says_folder_and_suggests_a_glob(tmp_path, capsys):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text")
+    err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(tmp_path / "w"),
+                             "--config.data.source=files", f"--config.data.files.paths=('{tmp_path / 'texts'}',)"])
+    assert "is a folder" in err and f"{tmp_path / 'texts'}/*.txt" in err

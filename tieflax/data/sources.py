@@ -127,6 +127,9 @@ def expand_paths(patterns: list[str]) -> list[str]:
             matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
                 [expanded] if os.path.exists(expanded) else [])
             matches = [str(Path(m)) for m in matches if os.path.isfile(m)]
+        if not matches and storage.is_dir(os.path.expanduser(str(pattern))):
+            raise DataError(f"data.files.paths entry {pattern!r} is a folder, not a file: give a glob of its "
+                            f"files, e.g. {storage.join(str(pattern), '*.txt')!r}")
         if not matches:
             raise DataError(f"data.files.paths entry {pattern!r} matches no file: check the path "
                             "(relative paths start from the current directory).")
