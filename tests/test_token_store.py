@@ -217,6 +217,10 @@ def test_bad_corpora_are_refused_in_one_line(tmp_path):
     c.files.paths = [str(tmp_path / "empty.jsonl")]
     c.tokenizer.path = str(tmp_path / "tok.json")
     other_tokenizer(c.tokenizer.path)
+    with pytest.raises(DataError, match="model's vocab_size = 256 does not match the tokenizer's 300") as e:
+        build_store(c, str(tmp_path / "s3"), model_vocab_size=256)
+    one_line(e)
+    assert not (tmp_path / "s3" / "parts").exists()
     with pytest.raises(DataError, match="produced no documents") as e:
         build_store(c, str(tmp_path / "s2"))
     one_line(e)

@@ -66,7 +66,7 @@ def get_config(arg: str = ""):
     config.compare.max_rows = 4096
     if arg == "runlocal":
         config.model.update(vocab_size=8192, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                            d_ff=256, max_seq_len=128, rope_scaling_factor=0.0, dtype="float32", remat=False)
+                            d_ff=256, max_seq_len=128, rope_scaling_factor=0.0, dtype="float32", remat="none")
         config.data.source = "kjv"
         config.data.tokenizer.eos_token = "<|endoftext|>"
         config.mesh.update(data=-1, fsdp=1, tensor=1)

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     manifest = build_store(config.data, args.out, workers=args.workers, shard=parse_shard(args.shard),
                            finalize_only=args.finalize, shard_bytes=int(args.shard_mb * (1 << 20)),
-                           progress=print_progress)
+                           progress=print_progress, model_vocab_size=config.model.vocab_size)
     if manifest is not None:
         s = manifest["splits"]
         print(f"token store {args.out}: {s['train']['tokens']:,} train / {s['val']['tokens']:,} val tokens, "

@@ -102,7 +102,8 @@ def tokenise_part(k: int, first_doc: int, texts: list[str]) -> tuple[int, int, f
 
 def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, shard: tuple[int, int] = (0, 1),
                 finalize_only: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                progress: Callable[[str], None] | None = None, stats: dict | None = None) -> dict | None:
+                progress: Callable[[str], None] | None = None, stats: dict | None = None,
+                model_vocab_size: int | None = None) -> dict | None:
     """Builds (or resumes) the token store ``out`` from the data config ``c``.
 
     Returns the manifest, or None after a ``shard=(i, n)`` with ``n > 1`` (its share done; finalize
@@ -137,6 +138,9 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
     storage.makedirs(out)
     with st.BuildLock(out, "lock.json" if n == 1 else f"lock-{i}-of-{n}.json"):
         tok = _store_tokenizer(c, out, say)
+        if model_vocab_size is not None:
+            tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), model_vocab_size,
+                                           where="the tokenizer of tieflax prepare", allow_smaller_tokenizer=True)
         settings = _check_settings(c, out, tok, shard_bytes)
         stats = {} if stats is None else stats
         if not finalize_only:
