@@ -191,6 +191,23 @@ def test_a_resumed_compare_refuses_runs_trained_with_another_config(compare_run,
     _strict((compare_run / "tied" / "seed_0" / "analysis" / "compare.json").read_text())
 
 
+def test_report_only_from_a_bucket(compare_run, gcs, capsys):
+    """`tieflax compare --workdir gs://B/compare --report-only`: summary.json read from the bucket, the
+    report, its HTML and the PNGs written there whole; nothing else in the bucket."""
+    from tieflax import storage
+
+    study = gcs.new_bucket() + "/compare"
+    storage.write_bytes(f"{study}/summary.json", (compare_run / "summary.json").read_bytes())
+    assert cli.main(["compare", "--workdir", study, "--report-only"]) == 0
+    assert f"report: {study}/report.md" in capsys.readouterr().out
+    names = set(gcs.objects(study.rsplit("/", 1)[0], ""))
+    assert names == {f"compare/{n}" for n in ("summary.json", "report.md", "report.html",
+                                              *[f"{p}.png" for p in PLOTS])}, names
+    assert storage.read_text(f"{study}/report.md") == (compare_run / REPORT).read_text()
+    png = storage.read_bytes(f"{study}/loss_curves.png")
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
 def test_report_only_on_an_unfinished_study_says_finish_it_first(tmp_path, capsys):
     (tmp_path / "study" / "tied" / "seed_0").mkdir(parents=True)
     assert cli.main(["compare", "--workdir", str(tmp_path / "study"), "--report-only"]) == 1

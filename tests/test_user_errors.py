@@ -141,3 +141,32 @@ def test_a_folder_in_data_files_paths_says_folder_and_suggests_a_glob(tmp_path, 
     err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(tmp_path / "w"),
                              "--config.data.source=files", f"--config.data.files.paths=('{tmp_path / 'texts'}',)"])
     assert "is a folder" in err and f"{tmp_path / 'texts'}/*.txt" in err
+
+
+@pytest.mark.parametrize("command, config", [("compare", COMPARE), ("sweep", SCALING + ":smoke")])
+def test_sigterm_during_a_studys_set_up_is_one_line_and_leaves_no_lock(tmp_path, command, config):
+    """The real command in a subprocess, signalled as soon as it holds its study's lock (while it
+    prepares the data): it exited 143 with no word and left tieflax.lock for the next run to take over."""
+    import subprocess
+    import time
+
+    from test_train_support import subprocess_env
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"d{i}.txt").write_text(" ".join(["alpha beta gamma delta"] * 200))
+    workdir = tmp_path / "study"
+    cmd = [sys.executable, "-m", "tieflax.cli", command, "--config", config, "--workdir", str(workdir),
+           "--config.data.source=files", f"--config.data.files.paths=('{corpus}/*.txt',)"]
+    proc = subprocess.Popen(cmd, env=subprocess_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (workdir / "tieflax.lock").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out, err)
+    assert err.strip().splitlines() == [f"tieflax {command}: stopped by SIGTERM; the workdir's lock is released "
+                                        "and finished work is kept: rerun the same command to continue"], err
+    assert not [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == "tieflax.lock"]
