@@ -19,7 +19,19 @@ def gcs():
     subprocesses. ``gcs.new_bucket()`` returns a fresh ``gs://`` bucket."""
     from object_store import GcsServer  # noqa: PLC0415
 
-    server = GcsServer()
+    yield from _serve(GcsServer())
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on 127.0.0.1 for the session (``tests/object_store.py``); ``s3.new_bucket()``
+    returns a fresh ``s3://`` bucket."""
+    from object_store import S3Server  # noqa: PLC0415
+
+    yield from _serve(S3Server())
+
+
+def _serve(server):
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)
     try:

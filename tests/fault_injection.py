@@ -1,8 +1,9 @@
 """``python tests/fault_injection.py <tieflax arguments>``: the tieflax console with one fault injected,
 for tests of what other processes do when one process fails.
 
-``TIEFLAX_TEST_FAIL_SAVE_ON_PROCESS=i``: on process ``i``, orbax's checkpoint write of step 5 fails with
-ENOSPC (a full disk), as a real one would: raised from orbax's save.
+``TIEFLAX_TEST_FAIL_SAVE_ON_PROCESS=i``: on process ``i``, the first checkpoint's array write fails with
+ENOSPC (a full disk) in orbax's background save, where a real write failure surfaces; the other processes'
+saves go on (and wait for process ``i`` at orbax's commit barrier).
 """
 
 import errno
@@ -16,19 +17,31 @@ def _inject() -> None:
     target = os.environ.get("TIEFLAX_TEST_FAIL_SAVE_ON_PROCESS")
     if target is None or os.environ.get("TIEFLAX_PROCESS_ID") != target:
         return
-    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.serialization import jax_array_handlers
 
-    original = ocp.CheckpointManager.save
+    original = jax_array_handlers.ArrayHandler.serialize
+    calls = []
 
-    def failing_save(self, step, *args, **kwargs):
-        if step == 5:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{self.directory}/{step}")
-        return original(self, step, *args, **kwargs)
+    class FullDisk:
+        """A commit future whose write failed: orbax's background save thread raises it."""
 
-    ocp.CheckpointManager.save = failing_save
+        def result(self, timeout=None):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "checkpoints/5/state (process shard)")
+
+    async def failing_serialize(self, values, infos, args=None):
+        futures = await original(self, values, infos, args)
+        calls.append(1)
+        # The parameters' arrays of the first save (step 5) fail as a full disk would, in the background.
+        return list(futures) + [FullDisk()] if len(calls) == 1 else futures
+
+    jax_array_handlers.ArrayHandler.serialize = failing_serialize
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is each thread?
     _inject()
     from tieflax.cli import main
 

@@ -84,3 +84,33 @@ class GcsServer:
         self.process.wait(timeout=10)
 
 
+
+
+class S3Server:
+    """moto's S3 server in a subprocess; ``env`` points boto3/s3fs (``AWS_ENDPOINT_URL``) and tensorstore
+    (``tieflax.storage.kvstore_spec`` reads the same variable) at it, with test credentials."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                         str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(self.url + "/moto-api/")
+        except TimeoutError:
+            self.process.kill()
+            raise
+        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                    "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def new_bucket(self, prefix: str = "tieflax") -> str:
+        import boto3  # noqa: PLC0415
+
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        boto3.client("s3", endpoint_url=self.url, aws_access_key_id="test", aws_secret_access_key="test",
+                     region_name="us-east-1").create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)

@@ -170,6 +170,8 @@ def test_two_processes_on_a_bucket(gcs, data_dir, tmp_path, mode):
         assert len(lines) == 1 and "process 1: saving checkpoint 5 failed" in lines[0], out[-3000:]
         assert "saving checkpoint 5 failed" in other.splitlines()[-1], other[-3000:]
         assert "No space left on device" in lines[0]
+        # The failure surfaced at the next log interval (step 10), not later: nothing logged beyond it.
+        assert max(r["step"] for r in read_metrics(run, "train")) <= 10
         return
 
     proc = launch()

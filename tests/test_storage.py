@@ -74,3 +74,8 @@ def test_gcs_create_new_has_one_winner(gcs):
 def test_gcs_missing_bucket_is_one_line(gcs):
     with pytest.raises(storage.StorageError, match=r"gs://no-such-bucket-x.*does not exist"):
         storage.check_writable("gs://no-such-bucket-x/run")
+
+
+def test_s3_roundtrip(s3):
+    """The same operations against moto's S3 server: create-only and compare-and-set hold there too."""
+    _roundtrip(s3.new_bucket() + "/prefix")

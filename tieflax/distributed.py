@@ -63,6 +63,16 @@ def is_main_process() -> bool:
 _rounds: dict[str, int] = {}
 
 
+def any_process(flag: bool) -> bool:
+    """True on every process when ``flag`` is True on any (one collective)."""
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
 def first_failure(local_error: str | None, tag: str) -> str | None:
     """Every process calls this at the same point; all get the same answer: the message of the lowest
     failing process, or None when no process failed.

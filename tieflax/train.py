@@ -355,13 +355,32 @@ def _stop_everywhere(local: bool) -> bool:
     return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
 
 
-def _raise_if_any_failed(error: Exception | None) -> None:
+class ProcessesStopped(ckpt.CheckpointError):
+    """A save failed on some process and every process stopped at the same step. Orbax's save thread may
+    still wait for the failed process at its commit barrier: the command exits without joining it."""
+
+
+def _settle_saves(saves: ckpt.SaveWatch) -> None:
+    """Multi-process: waits until the pending save has ended on every process, all processes polling
+    together, and raises on all of them as soon as it failed on any. (A blocking wait would hang: the
+    healthy processes' saves wait for the failed one at orbax's commit barrier.)"""
+    from tieflax import distributed  # noqa: PLC0415
+
+    while True:
+        _raise_if_any_failed(saves.failure(wait=False), saves)
+        if not distributed.any_process(saves.pending is not None):
+            return
+        time.sleep(0.05)
+
+
+def _raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
     """Every process calls this at the same step: all raise the first failing process's error, or none."""
     from tieflax import distributed  # noqa: PLC0415
 
     message = distributed.first_failure(str(error) if error is not None else None, "save")
     if message is not None:
-        raise ckpt.CheckpointError(message) from error
+        saves.abandon()
+        raise ProcessesStopped(message) from error
 
 
 def _close_all(*closers: Callable[[], Any]) -> None:
@@ -562,8 +581,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -
                 # processes, a save that failed on any one of them stops every one at the same step.
                 if jax.process_count() == 1:
                     saves.check(step)
-                elif at_log or at_ckpt or preempted:
-                    _raise_if_any_failed(saves.failure(wait=at_ckpt or preempted))
+                elif at_ckpt or preempted:
+                    _settle_saves(saves)  # before orbax starts the next save (it would wait for this one)
+                elif at_log:
+                    _raise_if_any_failed(saves.failure(wait=False), saves)
                 held.check()  # the workdir's lease (object stores) is still this run's
                 if (at_ckpt or preempted) and jax.process_count() == 1:
                     saves.start(step, state, train_loader)
@@ -573,7 +594,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -
                         refused = None
                     except ckpt.CheckpointError as e:
                         refused = e
-                    _raise_if_any_failed(refused)
+                    _raise_if_any_failed(refused, saves)
                 if diagnostics is not None and step % t.analyze_every == 0:
                     scalars = diagnostics(state["params"], prepared.token_counts)
                     writer.write(step, {k.removeprefix("diag/"): v for k, v in scalars.items()}, split="diag")
@@ -588,6 +609,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -
                         print(f"tieflax: SIGTERM received; checkpoint saved at step {step}; exiting.",
                               flush=True)
                     break
+            if jax.process_count() > 1:
+                _settle_saves(saves)  # the last save, ended (or failed) on every process
         finally:
             # Every resource is closed; the first failure is raised unless one is already on its way
             # (a full disk also fails the metric files' close: the failed save is the error to report).

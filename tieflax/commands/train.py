@@ -54,8 +54,19 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.analysis.jsonable import dumps as strict_json  # noqa: PLC0415
     from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
+    from tieflax.train import ProcessesStopped  # noqa: PLC0415
+
     config = load_run_config(args.config, args.workdir, args.overrides)
-    result = train_and_evaluate(config, args.workdir)
+    try:
+        result = train_and_evaluate(config, args.workdir)
+    except ProcessesStopped as e:
+        # Every process stops with this line; orbax's save thread of a healthy process still waits for the
+        # failed one at its commit barrier, and joining it at exit would hang: leave without it.
+        import sys  # noqa: PLC0415
+
+        print(f"tieflax train: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     if jax.process_index() == 0:
         print(strict_json(result))  # NaN (a run stopped before its first evaluation) as "NaN": strict JSON
     return 0
