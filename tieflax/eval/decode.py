@@ -197,8 +197,11 @@ def _recompute_loop(model: TransformerLM, config: ModelConfig, params: dict, tok
     variables = {"params": params}
 
     def forward(seq, at):
-        logits = model.apply(variables, seq, positions, seg)   # [B, P + N, V_pad]
-        return jax.lax.dynamic_index_in_dim(logits, at, axis=1, keepdims=False).astype(jnp.float32)
+        # The whole sequence through the body; the head only at the position read (as a cache-less
+        # generator would do: the [B, P + N, V] logits of every position are not needed).
+        hidden = model.apply(variables, seq, positions, seg, method="hidden_states")
+        hidden = jax.lax.dynamic_slice_in_dim(hidden, at, 1, axis=1)               # [B, 1, d]
+        return model.apply(variables, hidden, method=_head_logits)[:, 0].astype(jnp.float32)
 
     first = _pick(forward(seq, length - 1), jax.random.fold_in(rng, 0), temperature)
 
@@ -208,6 +211,13 @@ def _recompute_loop(model: TransformerLM, config: ModelConfig, params: dict, tok
 
     del total
     return _loop(step, first, positions[:, length], seq, b, max_new_tokens, stop_ids, pad_id)
+
+
+def _head_logits(model: TransformerLM, hidden: Array) -> Array:
+    """hidden [B, t, d] -> logits [B, t, V_pad] as ``TransformerLM.__call__`` makes them (pads -inf)."""
+    c = model.config
+    logits = model.lm_head(hidden, model.head_bias_or_none())
+    return jnp.where(jnp.arange(c.padded_vocab) < c.vocab_size, logits, -jnp.inf)
 
 
 def _loop(step, first: Array, position: Array, state, b: int, n: int, stop_ids: tuple[int, ...],
