@@ -316,7 +316,7 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
 
 def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
     from tieflax.analysis.report import write_report
-    from tieflax.analysis.resume import check_run_matches
+    from tieflax.analysis.resume import StudyMismatch, check_run_matches
     from tieflax.config import model_config
     from tieflax.metrics import read_metrics
     from tieflax.train import train_and_evaluate
@@ -343,9 +343,20 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
             t.keep_checkpoints = cc.analysis_points + 1
             planned.append((seed, name, cfg, storage.join(workdir, name, f"seed_{seed}")))
     # Before training anything: every run already in the workdir must match the config it would get now.
-    for seed, name, cfg, run_dir in planned:
-        if check_run_matches(run_dir, cfg, retrain=retrain_changed) and is_main:
-            log(f"{run_dir}: trained with a different config; training it again (--retrain-changed)")
+    # Process 0 checks (and removes, when asked); one collective gives every process its verdict.
+    from tieflax import distributed
+
+    error = None
+    if is_main:
+        try:
+            for seed, name, cfg, run_dir in planned:
+                if check_run_matches(run_dir, cfg, retrain=retrain_changed):
+                    log(f"{run_dir}: trained with a different config; training it again (--retrain-changed)")
+        except StudyMismatch as e:
+            error = str(e)
+    error = distributed.first_failure(error, "compare-resume")
+    if error is not None:
+        raise StudyMismatch(error)
     for seed, name, cfg, run_dir in planned:
         log(f"[{len(runs) + 1}/{total}] training {name} (seed {seed}) in {run_dir}")
         t0 = time.perf_counter()

@@ -149,9 +149,14 @@ def _run_config(r: dict, lr: float, workdir: str, tokenizer: str) -> ml_collecti
 
 
 def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrain_changed: bool) -> dict:
-    from tieflax.analysis.resume import check_run_matches, result_fields
+    import jax
+
+    from tieflax import distributed
+    from tieflax.analysis.resume import StudyMismatch, check_run_matches, result_fields
     from tieflax.analysis.study import param_counts, shared_tokenizer
     from tieflax.config import model_config
+
+    is_main = jax.process_index() == 0
 
     storage.makedirs(workdir)
     tokenizer = shared_tokenizer(config, workdir)
@@ -169,8 +174,21 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
         if any(d["run_dir"] == run_dir for d in done):  # the lr phase's seed at lr_size: reused
             continue
         res = jsonable.loads(storage.read_text(path)) if storage.is_file(path) else None
-        if check_run_matches(run_dir, cfg, retrain=retrain_changed, saved_fields=(res or {}).get("config")):
-            log(f"{run_dir}: trained with a different config; training it again (--retrain-changed)")
+        # Process 0 checks the run against its config (and removes it when asked); one collective gives
+        # every process the verdict.
+        error, retrain = None, False
+        if is_main:
+            try:
+                retrain = check_run_matches(run_dir, cfg, retrain=retrain_changed,
+                                            saved_fields=(res or {}).get("config"))
+            except StudyMismatch as e:
+                error = str(e)
+        error = distributed.first_failure(error, "sweep-resume")
+        if error is not None:
+            raise StudyMismatch(error)
+        if retrain or (res is not None and not storage.is_file(path)):  # removed by process 0
+            if retrain:
+                log(f"{run_dir}: trained with a different config; training it again (--retrain-changed)")
             res = None
         if res is None:
             log(f"[{k + 1}/{len(runs)}] {r['phase']}: {r['variant']} size {r['size']} lr {lr:g} seed {r['seed']}")
@@ -180,7 +198,8 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
                 raise SystemExit(143)
             # The fields it was trained with, for the check of a later --resume.
             res = dict(final_val_loss=float(res["final_val_loss"]), config=result_fields(cfg))
-            storage.write_text(path, jsonable.dumps(res))
+            if is_main:
+                storage.write_text(path, jsonable.dumps(res))
         done.append(dict(phase=r["phase"], size=r["size"], variant=r["variant"], seed=r["seed"], lr=float(lr),
                          run_dir=run_dir, loss=res["final_val_loss"], params=counts, match=r["match"]))
     if not best:
@@ -188,8 +207,9 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
     summary = dict(sweep=sc.to_dict(), best_lr=best, runs=done, wall_seconds=time.perf_counter() - t0,
                    config=json.loads(config.to_json_best_effort()))
     summary = to_jsonable(summary)
-    storage.write_text(storage.join(workdir, "sweep.json"), jsonable.dumps(summary))
-    summary["report"] = write_sweep_report(summary, workdir)
+    if is_main:
+        storage.write_text(storage.join(workdir, "sweep.json"), jsonable.dumps(summary))
+    summary["report"] = write_sweep_report(summary, workdir) if is_main else None
     return summary
 
 

@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     compilation_cache(args.workdir)
     summary = run_sweep(config, args.workdir, resume=args.resume, retrain_changed=args.retrain_changed,
                         log=lambda line: print(line, flush=True))
+    if summary["report"] is None:  # not process 0 of a multi-process run: process 0 writes the report
+        return 0
     print(f"sweep finished in {summary['wall_seconds'] / 60:.1f} min")
     print(f"report: {summary['report']}")
     return 0
