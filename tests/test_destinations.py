@@ -82,3 +82,11 @@ def test_remote_prefixes_are_compared_as_prefixes():
         check_destination("gs://b/P", sources=src, overwrite=False)
     with pytest.raises(WorkdirError, match="is --workdir"):
         check_destination("gs://b/P/run/", sources=src, overwrite=False)
+
+
+def test_a_lone_config_json_is_not_a_run(tmp_path):
+    """A Hugging Face folder (config.json + safetensors) above the destination is not a run."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "config.json").write_text("{}")
+    check_destination(str(tmp_path / "models" / "export"), sources=[("--workdir", str(tmp_path / "run"))],
+                      overwrite=True)

@@ -15,9 +15,10 @@ import shutil
 from typing import Iterator, Sequence
 
 from tieflax import storage
-from tieflax.workdir import LOCK_FILE, WorkdirError, holds_a_run
+from tieflax.workdir import LOCK_FILE, WorkdirError
 
-RUN_MARKERS = ("config.json", "checkpoints", "initial_params", "metrics.jsonl", "metrics", LOCK_FILE)
+# A tieflax run: its config.json beside what training or an import leaves; or a folder a command holds.
+RUN_CONTENT = ("checkpoints", "initial_params", "metrics.jsonl", "metrics")
 
 
 def real(path: str) -> str:
@@ -33,10 +34,10 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def is_run(folder: str) -> bool:
-    """True when ``folder`` holds anything a run or a running command left (config, checkpoints, ...)."""
-    if storage.is_remote(folder):
-        return any(storage.exists(storage.join(folder, n)) for n in RUN_MARKERS)
-    return holds_a_run(folder) or os.path.exists(os.path.join(folder, LOCK_FILE))
+    """True when ``folder`` holds a tieflax run (``config.json`` with checkpoints, initial parameters or
+    metrics) or is held by a command (its lock). A lone config.json (a Hugging Face folder) is not one."""
+    there = lambda n: storage.exists(storage.join(folder, n))  # noqa: E731
+    return there(LOCK_FILE) or (there("config.json") and any(there(n) for n in RUN_CONTENT))
 
 
 def check_destination(out: str, *, sources: Sequence[tuple[str, str]] = (), overwrite: bool,
@@ -83,9 +84,14 @@ def _ancestors(path: str) -> list[str]:
 def _first_run_inside(folder: str) -> str | None:
     """A run (or a locked folder) anywhere under ``folder``, not following links; None when none."""
     if storage.is_remote(folder):
-        for path in storage.walk_files(folder):
-            if storage.name(path) in ("config.json", LOCK_FILE):
+        keys = storage.walk_files(folder)
+        for path in keys:
+            if storage.name(path) == LOCK_FILE:
                 return storage.parent(path)
+            if storage.name(path) == "config.json":
+                run = storage.parent(path)
+                if any(k.startswith(storage.join(run, n)) for k in keys for n in RUN_CONTENT):
+                    return run
         return None
     if not os.path.isdir(folder):
         return None
