@@ -3,7 +3,6 @@ lock. Nothing here trains or compiles: each case fails before that, which is the
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys

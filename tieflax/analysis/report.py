@@ -9,7 +9,6 @@ come with the same matrix at initialisation and a row-shuffled control.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 

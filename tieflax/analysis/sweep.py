@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from typing import Callable
 
