@@ -5,6 +5,13 @@ Published shapes; 1,235,814,400 parameters as published, which `tieflax params` 
     tieflax params --config configs/models/llama3_2_1b.py
 
 Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+
+With the pod defaults below (bf16 compute, fp32 parameters and Adam, FSDP over all chips, scanned
+layers, remat 'full'), one 8,192-token sequence per chip fits
+v5e:2x4 with 71% of each chip's HBM left tied, 69% untied (benchmarks/README.md,
+"Fits at pod scale"):
+
+    tieflax plan --config configs/models/llama3_2_1b.py --topology v5e:2x4 --config.train.seq_len=8192 --tie both
 """
 
 from tieflax.config import default_config, default_model_config
