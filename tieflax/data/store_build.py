@@ -145,9 +145,11 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
         stats = {} if stats is None else stats
         if not finalize_only:
             t0 = time.perf_counter()
-            stats["tokens"] = _tokenise(c, out, tok, settings, workers=workers, shard=shard,
-                                        shard_bytes=shard_bytes, say=say)
+            c0 = time.process_time()
+            stats.update(_tokenise(c, out, tok, settings, workers=workers, shard=shard,
+                                   shard_bytes=shard_bytes, say=say))
             stats["tokenise_s"] = time.perf_counter() - t0
+            stats["main_cpu_s"] = time.process_time() - c0
         if n > 1 and not finalize_only:
             return None
         t0 = time.perf_counter()
@@ -213,9 +215,9 @@ def _check_settings(c, out: str, tok, shard_bytes: int) -> dict:
 
 
 def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[int, int], shard_bytes: int,
-              say) -> int:
+              say) -> dict:
     """Streams the corpus into input shards and tokenises this machine's unfinished ones; returns the
-    number of tokens it tokenised."""
+    tokens it tokenised and the workers' CPU seconds (``tokens``, ``worker_cpu_s``)."""
     i, n = shard
     done = set(st.finished_parts(out))
     ctx = multiprocessing.get_context("spawn")  # no fork after tensorstore's and rayon's threads
@@ -279,7 +281,7 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
     say(f"tokenised {stats['parts']} input shards ({stats['skipped']} done before): "
         f"{stats['tokens']:,} tokens in {wall:.1f} s, {stats['tokens'] / max(wall, 1e-9) / 1e6:.2f}M tokens/s "
         f"({workers} workers)")
-    return stats["tokens"]
+    return {"tokens": stats["tokens"], "worker_cpu_s": stats["cpu"]}
 
 
 # ------------------------------------------------------------------------------------------- finalize
