@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 
-os.environ["HF_DATASETS_OFFLINE"] = "1"   # noqa: E402 (before lm-eval imports datasets)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # before lm-eval imports datasets
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
