@@ -3,6 +3,7 @@ across machines, lives on gs://, trains bit-identically to token files, and refu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -130,6 +131,16 @@ def test_store_batches_equal_the_same_tokens_as_a_token_file(local_store, tmp_pa
             x, y = next(a), next(b)
             for k in x:
                 np.testing.assert_array_equal(x[k], y[k])
+    # exact resume: a loader restored from a saved state continues with the same batches
+    store = dataclasses.replace(store, read_threads=2)  # the default: grain's threads read ahead
+    it = make_loader(store, "train", seq_len=32, global_batch_size=8, seed=7)
+    for _ in range(3):
+        next(it)
+    state, want = it.get_state(), [next(it) for _ in range(3)]
+    again = make_loader(store, "train", seq_len=32, global_batch_size=8, seed=7)
+    again.set_state(state)
+    for w in want:
+        np.testing.assert_array_equal(next(again)["inputs"], w["inputs"])
 
 
 def test_a_gs_store_equals_the_local_one(local_store, gcs):
