@@ -264,3 +264,20 @@ def test_tiny_trained_from_a_gs_store_and_from_token_files_has_identical_losses(
         result = train_and_evaluate(config, workdir)
         losses[name] = [r["loss"] for r in read_metrics(workdir, "train")] + [result["final_val_loss"]]
     assert losses["gs"] == losses["files"], losses
+
+
+def test_the_prepare_command_builds_reports_and_fails_in_one_line(tmp_path, capsys):
+    from tieflax.cli import main
+    for i, d in enumerate(load_documents(corpus_config(4))):
+        (tmp_path / f"{i}.txt").write_text(d.text)
+    base = ["prepare", "--config", "configs/experiments/tiny.py", "--config.data.source=files",
+            "--config.data.tokenizer.vocab_size=300", "--config.model.vocab_size=300",
+            "--config.data.val_fraction=0.5"]
+    assert main(base + [f"--config.data.files.paths={tmp_path}/nothing*.txt", "--out", str(tmp_path / "s")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tieflax prepare: data.files.paths entry '{tmp_path}/nothing*.txt' matches no file: check "
+                   "the path (relative paths start from the current directory)."], err
+    assert main(base + [f"--config.data.files.paths={tmp_path}/*.txt", "--out", str(tmp_path / "s")]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"token store {tmp_path / 's'}: ") and "committed" in err
+    assert st.open_store(str(tmp_path / "s")).manifest["vocab_size"] == 300
