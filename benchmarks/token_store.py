@@ -1,7 +1,8 @@
-"""Token store throughput: prepare tokens/s with 1 and 2 workers (and per worker CPU-second, which
-says whether a shortfall in the speed-up is the tokenizer's or the machine's cores); loader tokens/s per process (1 and 2
-processes) from a local store, from a gs:// store on the Cloud Storage emulator, and from the memmap .bin
-path, all on the same tokens in one run.
+"""Token store throughput: prepare tokens/s with 1 and 2 workers; loader tokens/s per process.
+
+Prepare is also given per worker CPU-second, which says whether a shortfall in the 2-worker speed-up is
+the tokenizer's or the machine's cores. The loader runs in one and in two processes, from a local store,
+from a gs:// store on the Cloud Storage emulator and from the memmap .bin path, on the same tokens.
 
     python benchmarks/token_store.py                       # KJV, trained 8192-token BPE, tiny's shapes
     python benchmarks/token_store.py --corpus python_stdlib --seq-len 2048 --batches 200

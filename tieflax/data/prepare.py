@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-from pathlib import Path
 
 import ml_collections
 import numpy as np
