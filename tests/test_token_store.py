@@ -281,3 +281,18 @@ def test_the_prepare_command_builds_reports_and_fails_in_one_line(tmp_path, caps
     out, err = capsys.readouterr()
     assert out.startswith(f"token store {tmp_path / 's'}: ") and "committed" in err
     assert st.open_store(str(tmp_path / "s")).manifest["vocab_size"] == 300
+
+
+def test_an_hf_dataset_streams_into_a_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    pytest.importorskip("datasets", reason="the optional `datasets` extra is not installed")
+    docs = load_documents(corpus_config(12))
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d.text}) for d in docs))
+    c = default_data_config()
+    c.source, c.hf.path, c.hf.data_files, c.hf.max_documents = "hf", "json", str(tmp_path / "d.jsonl"), 0
+    c.val_fraction = 0.3
+    c.tokenizer.path = str(tmp_path / "tok.json")
+    other_tokenizer(c.tokenizer.path)
+    m = build_store(c, str(tmp_path / "s"))  # max_documents = 0: every row, streamed
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == len(docs)
