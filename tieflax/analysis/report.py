@@ -447,6 +447,14 @@ CAPTIONS = {
 }
 
 
+def _tasks_part(summary: dict) -> list[str]:
+    """The benchmark-task section (``config.compare.tasks``), or nothing when no task was scored."""
+    from tieflax.analysis.tasks import tasks_section  # noqa: PLC0415
+
+    text = tasks_section(summary.get("tasks") or {}, _table)
+    return ["## Benchmark tasks", "", text, ""] if text else []
+
+
 def render(summary: dict, plot_paths: dict[str, str]) -> str:
     groups = _by_variant(summary["runs"])
     parts = [
@@ -457,6 +465,7 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
         "first); padding rows are excluded everywhere. Definitions: `tieflax/analysis/measures.py`.", "",
         "## Setup", "", _setup_section(summary, groups), "",
         "## Results", "", results_table(groups), "",
+        *_tasks_part(summary),
         "## The claims, checked against these numbers", "",
         *[f"- {c}" for c in claims(groups, summary)], "",
         "## Geometry (final checkpoint against init and a row-shuffled control)", "",
@@ -486,6 +495,13 @@ def write_report(summary: dict, out_dir: str) -> str:
     out_dir = storage.resolve(out_dir)
     storage.makedirs(out_dir)
     summary = to_jsonable(summary)
+    if any(r.get("tasks") for r in summary["runs"]):
+        # Recomputed from the per-item scores each time (``--report-only`` included): a prompt-hash
+        # mismatch is refused here, before anything is written.
+        from tieflax.analysis.tasks import compare_tasks  # noqa: PLC0415
+
+        summary["tasks"] = to_jsonable(compare_tasks(summary["runs"],
+                                                     summary.get("compare", {}).get("bootstrap", st.N_BOOT)))
     storage.write_text(storage.join(out_dir, SUMMARY), jsonable.dumps(summary))
     plot_paths = make_plots(_by_variant(summary["runs"]), out_dir, summary)
     text = render(summary, plot_paths)

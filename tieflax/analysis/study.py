@@ -61,6 +61,13 @@ def default_compare_config() -> ml_collections.ConfigDict:
     c.n_bins = 8                 # equal-token-mass frequency bins (rarest first)
     c.max_rows = 1024            # row sample for the spectral anisotropy measures (0 = every row)
     c.bootstrap = 2000           # bootstrap replicates per interval
+    # Benchmark tasks (tieflax.analysis.tasks): lm-eval task names scored on each run's final checkpoint.
+    c.tasks = ()                 # () = off; e.g. ('arc_easy', 'hellaswag') (the `eval` extra)
+    c.task_include_path = ""     # a folder of extra task YAMLs ("" = lm-eval's registry only)
+    c.task_num_fewshot = -1      # -1 = each task's own setting
+    c.task_limit = 0.0           # items per task (a fraction if < 1; 0 = every item)
+    c.task_batch_size = 0        # sequences per generation batch (0 = one per data x fsdp shard)
+    c.task_token_budget = 4096   # tokens per loglikelihood batch
     return c
 
 
@@ -81,6 +88,9 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         raise ConfigValueError(f"config.compare.analysis_points = {cc.analysis_points}: must be >= 1")
     if cc.grad_batches < 1:
         raise ConfigValueError(f"config.compare.grad_batches = {cc.grad_batches}: must be >= 1")
+    from tieflax.analysis.tasks import check_settings
+
+    check_settings(cc)
     return cc
 
 
@@ -308,6 +318,10 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
 
     workdir = storage.resolve(workdir)
     cc = compare_config(config)  # every config error before anything is written
+    if cc.tasks:
+        from tieflax.analysis.tasks import check_settings
+
+        check_settings(cc, lookup=True)  # an unknown task fails now, not after hours of training
     variants, match = variant_configs(config)
     # One compare at a time in a workdir (each run's trainer locks its own folder as well).
     with workdir_lock(workdir, "compare", enabled=jax.process_index() == 0):
@@ -372,11 +386,17 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
         if is_main:
             data = data or study_data(cfg, run_dir, cc)
             analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0])
+        scores = None
+        if is_main and cc.tasks:
+            from tieflax.analysis.tasks import score_run
+
+            scores = score_run(run_dir, cc, log=log)
         full = f", full split {analysis['val']['loss']:.4f}" if analysis else ""
         log(f"[{len(runs) + 1}/{total}] {name} seed {seed}: val loss {result['final_val_loss']:.4f}{full} "
             f"(train {t1 - t0:.0f} s, analysis {time.perf_counter() - t1:.0f} s)")
         runs.append(dict(variant=name, seed=int(seed), run_dir=run_dir, result=result, analysis=analysis,
                          metrics=read_metrics(run_dir) if is_main else [], model=cfg.model.to_dict(),
+                         tasks=scores,
                          train=cfg.train.to_dict(), params=param_counts(model_config(cfg)),
                          seconds=dict(train=t1 - t0, analysis=time.perf_counter() - t1)))
     summary = dict(config=json.loads(config.to_json_best_effort()), compare=cc.to_dict(), match=match,

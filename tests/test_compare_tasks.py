@@ -1,0 +1,147 @@
+"""``config.compare.tasks``: a short CPU compare scores every run on a local multiple-choice task (offline)
+and its report and summary.json hold per-task accuracy per variant and the paired difference to tied with
+95% intervals; a resumed compare reuses the scores; runs scored on different prompts are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # before lm-eval imports datasets
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
+
+from console_support import capture_console  # noqa: E402
+from tieflax import cli  # noqa: E402
+from tieflax.analysis import stats as st  # noqa: E402
+from tieflax.analysis import study  # noqa: E402
+from tieflax.analysis.tasks import compare_tasks, tasks_section  # noqa: E402
+from tieflax.config import load_config  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
+WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou thy "
+         "was god which my me said but ye their have will thee from as are when this out were upon man by "
+         "you israel king son up there hath then people came had house into her").split()
+MC = """task: tf_cmp_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def _write_task(folder, rng) -> str:
+    os.makedirs(folder, exist_ok=True)
+    data = os.path.join(folder, "mc.jsonl")
+    with open(data, "w") as f:
+        for _ in range(16):
+            words = list(rng.choice(WORDS, 6))
+            f.write(json.dumps({"question": " ".join(words[:4]), "answer": int(rng.integers(0, 3)),
+                                "choices": [" ".join(rng.choice(WORDS, 2)) for _ in range(3)]}) + "\n")
+    with open(os.path.join(folder, "tf_cmp_mc.yaml"), "w") as f:
+        f.write(MC.format(data=data))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    """A 2-variant x 2-seed compare of 1-layer models (4 steps), each run scored on a 16-item local task."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        text = "\n".join(" ".join(rng.choice(WORDS, rng.integers(5, 15))) + "." for _ in range(8))
+        (root / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
+    tasks = _write_task(root / "tasks", rng)
+    workdir = tmp_path_factory.mktemp("compare_tasks")
+    overrides = [
+        "data.source=files", f"data.files.paths={root}/*.txt", "data.tokenizer.vocab_size=300",
+        "data.val_fraction=0.25", "model.vocab_size=300", "model.d_model=32", "model.n_layers=1",
+        "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=32",
+        "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.eval_every=4",
+        "train.eval_batches=1", "train.log_every=2", "compare.max_rows=128", "compare.seeds=(0, 1)",
+        "compare.grad_batches=1", "compare.val_batches=1", "compare.bootstrap=200", "compare.n_bins=4",
+        "compare.variants=('tied', 'untied')", "compare.tasks=('tf_cmp_mc',)", f"compare.task_include_path={tasks}",
+    ]
+    argv = ["compare", "--config", CONFIG, "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]
+    code, console = capture_console(cli.main, argv)
+    assert code == 0, console
+    return dict(workdir=workdir, argv=argv, tasks=tasks)
+
+
+def test_compare_reports_task_accuracy_with_paired_intervals(scored):
+    workdir = scored["workdir"]
+    summary = json.loads((workdir / "summary.json").read_text())
+    task = summary["tasks"]["tf_cmp_mc"]
+    assert task["metric"] == "acc" and task["n_items"] == 16 and task["seeds"] == [0, 1]
+    for v in ("tied", "untied"):
+        ci = task["variants"][v]
+        # The mean is the per-item accuracy averaged over seeds x items, recomputed here from the run's files.
+        accs = []
+        for seed in (0, 1):
+            saved = json.loads((workdir / v / f"seed_{seed}" / "analysis" / "tasks.json").read_text())
+            accs += [row[3] for row in saved["tasks"]["tf_cmp_mc"]["items"]]
+            lines = (workdir / v / f"seed_{seed}" / "lm_eval" / "samples_tf_cmp_mc.jsonl").read_text().splitlines()
+            assert len(lines) == 16 and "prompt_hash" in json.loads(lines[0])
+        assert ci["mean"] == pytest.approx(np.mean(accs)) and ci["lo"] <= ci["mean"] <= ci["hi"]
+    d = task["minus_tied"]["untied"]
+    assert d["mean"] == pytest.approx(task["variants"]["untied"]["mean"] - task["variants"]["tied"]["mean"])
+    assert d["lo"] <= d["mean"] <= d["hi"] and d["n_seeds"] == 2 and d["n_docs"] == 16
+    text = (workdir / "report.md").read_text()
+    assert "## Benchmark tasks" in text and "**tf_cmp_mc** (acc; 16 items x 2 seed(s))" in text
+    section = text.split("## Benchmark tasks")[1].split("## The claims")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| untied |"))
+    assert f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" in row
+    assert ("includes 0" in row) == (not st.excludes_zero(d))
+
+
+def test_a_resumed_compare_reuses_the_scores(scored):
+    workdir = scored["workdir"]
+    samples = workdir / "tied" / "seed_0" / "lm_eval" / "samples_tf_cmp_mc.jsonl"
+    before = samples.stat().st_mtime_ns
+    code, console = capture_console(cli.main, scored["argv"])
+    assert code == 0, console
+    assert samples.stat().st_mtime_ns == before   # not scored again
+
+
+def test_mismatched_prompt_hash_is_refused_in_one_line(scored, capsys, tmp_path):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    summary = json.loads((scored["workdir"] / "summary.json").read_text())
+    run = next(r for r in summary["runs"] if r["variant"] == "untied" and r["seed"] == 1)
+    run["tasks"]["tasks"]["tf_cmp_mc"]["items"][3][2] = "0" * 64
+    (copy / "summary.json").write_text(json.dumps(summary))
+    assert cli.main(["compare", "--workdir", str(copy), "--report-only"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "prompt hash" in err and "untied seed 1" in err, err
+    assert not (copy / "report.md").exists()
+
+
+def test_task_comparison_on_planted_items():
+    """Planted: untied right on every item, tied on half: accuracy 1 vs 0.5, difference +0.5 resolved."""
+    def run(v, s, values):
+        items = [["t", i, f"h{i}", float(x)] for i, x in enumerate(values)]
+        return dict(variant=v, seed=s, tasks=dict(tasks={"t": dict(metric="acc", items=items)}))
+    runs = [run("tied", s, [i % 2 for i in range(40)]) for s in (0, 1)] + [run("untied", s, [1] * 40) for s in (0, 1)]
+    out = compare_tasks(runs, n_boot=500)["t"]
+    assert out["variants"]["untied"]["mean"] == 1.0 and out["variants"]["tied"]["mean"] == 0.5
+    d = out["minus_tied"]["untied"]
+    assert d["mean"] == pytest.approx(0.5) and d["lo"] > 0
+    assert "untied scores higher" in tasks_section({"t": out}, lambda h, rows: str(rows))
+
+
+def test_tasks_are_off_by_default_and_checked():
+    assert tuple(study.compare_config(load_config(CONFIG)).tasks) == ()
+    with pytest.raises(ValueError, match="config.compare.tasks"):
+        study.compare_config(load_config(CONFIG, ["compare.tasks=('arc_easy', '')"]))
