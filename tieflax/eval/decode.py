@@ -77,10 +77,14 @@ def _pick(logits: Array, key: Array, temperature: float) -> Array:
 
 
 def _is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
-    stop = jnp.zeros(tokens.shape, bool)
-    for s in stop_ids:
-        stop = stop | (tokens == s)
-    return stop
+    """tokens [B] -> [B] bool: whether each is one of ``stop_ids`` (a lookup in a [max id + 1] mask, so
+    that hundreds of stop ids cost one gather)."""
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, bool)
+    mask = np.zeros(max(stop_ids) + 1, bool)
+    mask[list(stop_ids)] = True
+    inside = tokens < mask.shape[0]
+    return inside & jnp.asarray(mask)[jnp.where(inside, tokens, 0)]
 
 
 class Generator:
@@ -132,11 +136,12 @@ class Generator:
         """Continues every prompt by up to ``max_new_tokens`` tokens (see the module docstring)."""
         length = self.check(prompts, max_new_tokens)
         tokens, valid = left_pad(prompts, length, self.pad_id)
-        key = (length, len(prompts), max_new_tokens, float(temperature), tuple(stop_ids), cached)
+        stop_ids = tuple(sorted({int(s) for s in stop_ids}))
+        key = (length, len(prompts), max_new_tokens, float(temperature), stop_ids, cached)
         if key not in self._compiled:
             loop = _cached_loop if cached else _recompute_loop
             fn = functools.partial(loop, self.model, self.config, max_new_tokens=max_new_tokens,
-                                   stop_ids=tuple(int(s) for s in stop_ids), temperature=float(temperature),
+                                   stop_ids=stop_ids, temperature=float(temperature),
                                    pad_id=self.pad_id, cache_dtype=self.cache_dtype)
             self._compiled[key] = jax.jit(fn)
         with self._context():

@@ -13,9 +13,9 @@ export scored by ``hf`` gives the same per-sample numbers:
   ``token_budget`` tokens (rows = budget / bucket), so a task compiles a handful of shapes.
 * loglikelihood_rolling: lm-eval's disjoint rolling windows of ``max_length`` tokens, prefixed by the
   prefix token.
-* generate_until: a static KV cache (``tieflax.eval.decode``), greedy or with temperature, the EOS token
-  stopping each row; the text is cut at the first stop sequence as the ``hf`` backend does, and contexts
-  are left-truncated to ``max_length - max_gen_toks`` tokens.
+* generate_until: a static KV cache (``tieflax.eval.decode``), greedy or with temperature; a row stops at
+  EOS or at a token whose text holds a stop sequence; the text is cut at the first stop sequence as the
+  ``hf`` backend does, and contexts are left-truncated to ``max_length - max_gen_toks`` tokens.
 
 BOS policy: the run's documents open with ``data.tokenizer.bos_token`` when set, else with EOS; that
 token is the prefix of empty contexts and rolling windows (``prefix_token_id``), as ``hf`` uses the
@@ -249,7 +249,8 @@ class TieflaxLM(TemplateLM):
             prompts = [self.tok_encode(c)[-(self.max_length - new):] for c in contexts]
             padded = list(prompts) + [prompts[0]] * (self._batch_size - len(prompts))  # one shape per task
             self.seed += 1
-            gen = self.generator.generate(params, padded, max_new_tokens=new, stop_ids=(self.eot_token_id,),
+            stops = (self.eot_token_id, *self.tokens_containing(tuple(until)))
+            gen = self.generator.generate(params, padded, max_new_tokens=new, stop_ids=stops,
                                           temperature=temperature, seed=self.seed)
             for r, context in enumerate(contexts):
                 text = self.tok_decode(gen.tokens[r, :gen.lengths[r]].tolist())
@@ -261,6 +262,17 @@ class TieflaxLM(TemplateLM):
         return collator.get_original(out)
 
     # ------------------------------------------------------------------------------------- helpers
+    def tokens_containing(self, stops: tuple[str, ...]) -> tuple[int, ...]:
+        """Ids whose text contains a stop sequence: once one is generated the text to keep (cut at the
+        first stop sequence) is settled, so its row may stop there. A stop sequence split over several
+        tokens is still cut on the host, only later. Cached per stop tuple (one pass over the vocabulary)."""
+        cache = self.__dict__.setdefault("_stop_tokens", {})
+        if stops not in cache:
+            stops_ = [s for s in stops if s]
+            cache[stops] = tuple(i for i in range(self.config.vocab_size)
+                                 if any(s in self.tok_decode([i], skip_special_tokens=False) for s in stops_))
+        return cache[stops]
+
     def scoring_params(self):
         """Params in the layout the scoring model expects (scanned stays scanned)."""
         return nn.unbox(self.params)
