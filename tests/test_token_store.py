@@ -252,7 +252,8 @@ def test_tiny_trained_from_a_gs_store_and_from_token_files_has_identical_losses(
         write_token_file(tmp_path / f"{split}.bin", s.tokens(split)[:], vocab_size=manifest["vocab_size"])
     losses = {}
     for name in ("gs", "files"):
-        config = micro_config(str(tmp_path), num_steps=6)
+        config = micro_config(str(tmp_path), num_steps=4)
+        config.train.update(log_every=1, checkpoint_every=100, eval_batches=1)
         config.data = corpus_config()
         config.data.source = "tokens"
         if name == "files":
