@@ -1,5 +1,6 @@
 """tieflax plan: the real train and eval steps compiled for abstract TPU chips from this CPU machine."""
 
+import dataclasses
 import json
 import os
 
@@ -51,7 +52,7 @@ def test_tiny_config_fits_on_four_v5e_chips():
     assert d["model_tflops_per_device"] == pytest.approx(model.train / 4 / 1e12)
     assert d["step_time_lower_bound"] == pytest.approx(max(model.train / 4 / 197e12,
                                                            p.train.traffic / 819e9))
-    assert d["recompute_factor"] is None and p.train.compiled_flops_note
+    assert d["recompute_factor"] is None and "Pallas" in p.train.compiled_flops_note   # splash, the loss
     assert "model TFLOPs per step (all devices)" in text and "compiled FLOPs not shown" in text
     assert "197 TFLOP/s and 819 GB/s per device" in text
 
@@ -142,18 +143,14 @@ def test_compiled_flops_give_the_recompute_factor_where_xla_counts_the_whole_ste
     """On this machine's CPU, a step without loops or kernels (unscanned, dense loss, einsum attention):
     XLA's count is the model's plus what the model count leaves out (the einsum attention computes the
     whole T x T square, RoPE's permutation matmul, ...); with remat 'full' the forward runs again."""
-    overrides = ["--config.train.loss_impl=dense", "--config.model.attention=xla"]
-    target = targets.resolve("cpu")
+    overrides = ["--config.train.loss_impl=dense", "--config.model.attention=xla", "--config.model.n_layers=2"]
+    target = dataclasses.replace(targets.resolve("cpu"), devices=tuple(jax.devices()[:1]))   # one: quick
     factors = {}
     for remat in ("none", "full"):
         config = load_config(TINY, overrides + [f"--config.model.remat={remat}"])
-        p = plan.plan_config(config, target, name="tiny", global_batch_size=len(target.devices),
-                             with_eval=False)
+        p = plan.plan_config(config, target, name="tiny", global_batch_size=1, with_eval=False)
         assert p.flops.train == flops.step_flops(model_config(config), p.global_batch_size, 128).train
         factors[remat] = p.recompute_factor
     assert 1.0 < factors["none"] < 1.3, factors
     # 'full' recomputes each block's forward in the backward: up to 4/3 of the block's matmuls more.
-    assert factors["none"] * 1.1 < factors["full"] < factors["none"] * 4 / 3 + 0.05, factors
-    looped = plan.plan_config(load_config(TINY, ["--config.model.scan_layers=True"]), target, name="tiny",
-                              global_batch_size=len(target.devices), with_eval=False)
-    assert looped.recompute_factor is None and "loop" in looped.train.compiled_flops_note
+    assert factors["none"] * 1.05 < factors["full"] < factors["none"] * 4 / 3 + 0.05, factors
