@@ -6,6 +6,13 @@ Published shapes; 9,241,705,984 parameters as published, which `tieflax params` 
     tieflax params --config configs/models/gemma2_9b.py
 
 Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+
+With the pod defaults below (bf16 compute, fp32 parameters and Adam, FSDP over all chips, scanned
+layers, remat 'full'), one 8,192-token sequence per chip fits
+v5p:4x4x4 with 91% of each chip's HBM left tied and untied (benchmarks/README.md,
+"Fits at pod scale"):
+
+    tieflax plan --config configs/models/gemma2_9b.py --topology v5p:4x4x4 --config.train.seq_len=8192 --tie both
 """
 
 from tieflax.config import default_config, default_model_config
