@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
 
-from console_support import capture_console  # noqa: E402
+from console_support import capture_console, foreign_problems  # noqa: E402
 from tieflax import cli  # noqa: E402
 from tieflax.analysis import stats as st  # noqa: E402
 from tieflax.analysis import study  # noqa: E402
@@ -77,7 +77,7 @@ def scored(tmp_path_factory):
     argv = ["compare", "--config", CONFIG, "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]
     code, console = capture_console(cli.main, argv)
     assert code == 0, console
-    return dict(workdir=workdir, argv=argv, tasks=tasks)
+    return dict(workdir=workdir, argv=argv, tasks=tasks, console=console)
 
 
 def test_compare_reports_task_accuracy_with_paired_intervals(scored):
@@ -104,6 +104,11 @@ def test_compare_reports_task_accuracy_with_paired_intervals(scored):
     row = next(line for line in section.splitlines() if line.startswith("| untied |"))
     assert f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" in row
     assert ("includes 0" in row) == (not st.excludes_zero(d))
+
+
+def test_compare_with_tasks_prints_no_foreign_warning(scored):
+    assert "compare finished in" in scored["console"]
+    assert foreign_problems(scored["console"]) == [], scored["console"]
 
 
 def test_a_resumed_compare_reuses_the_scores(scored):
