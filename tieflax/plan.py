@@ -12,6 +12,11 @@ workspace: what the program needs on top of its inputs), outputs not aliased to 
 their total against the device's memory. A TPU compile that does not fit fails with
 ``RESOURCE_EXHAUSTED``; that is reported as "does not fit" with the memory it needed, and in every case
 the largest temporaries are named from the compiler's buffer assignment (``tieflax.hlo_buffers``).
+
+FLOPs: the model's count for the step (``tieflax.flops``), per step and per device; the compiled
+program's FLOPs over it where XLA's cost analysis covers the whole step (no loops, no Pallas kernels);
+and a lower bound on the step time per device from the target's peak FLOP/s and HBM bandwidth
+(``Target.peak``).
 """
 
 from __future__ import annotations
