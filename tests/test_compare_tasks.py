@@ -56,21 +56,30 @@ def _write_task(folder, rng) -> str:
 
 
 @pytest.fixture(scope="module")
-def scored(tmp_path_factory):
-    """A 2-variant x 2-seed compare of 1-layer models (4 steps), each run scored on a 16-item local task."""
+def corpus(tmp_path_factory):
+    """A small generated corpus and the local task: -> (corpus folder, task folder)."""
     root = tmp_path_factory.mktemp("corpus")
     rng = np.random.default_rng(0)
     for i in range(12):
         text = "\n".join(" ".join(rng.choice(WORDS, rng.integers(5, 15))) + "." for _ in range(8))
         (root / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
-    tasks = _write_task(root / "tasks", rng)
+    return root, _write_task(root / "tasks", rng)
+
+
+def _small(root) -> list[str]:
+    return ["data.source=files", f"data.files.paths={root}/*.txt", "data.tokenizer.vocab_size=300",
+            "data.val_fraction=0.25", "model.vocab_size=300", "model.d_model=32", "model.n_layers=1",
+            "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=32",
+            "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.log_every=2"]
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, corpus):
+    """A 2-variant x 2-seed compare of 1-layer models (4 steps), each run scored on a 16-item local task."""
+    root, tasks = corpus
     workdir = tmp_path_factory.mktemp("compare_tasks")
     overrides = [
-        "data.source=files", f"data.files.paths={root}/*.txt", "data.tokenizer.vocab_size=300",
-        "data.val_fraction=0.25", "model.vocab_size=300", "model.d_model=32", "model.n_layers=1",
-        "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=32",
-        "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.eval_every=4",
-        "train.eval_batches=1", "train.log_every=2", "compare.max_rows=128", "compare.seeds=(0, 1)",
+        *_small(root), "train.eval_every=4", "train.eval_batches=1", "compare.max_rows=128", "compare.seeds=(0, 1)",
         "compare.grad_batches=1", "compare.val_batches=1", "compare.bootstrap=200", "compare.n_bins=4",
         "compare.variants=('tied', 'untied')", "compare.tasks=('tf_cmp_mc',)", f"compare.task_include_path={tasks}",
     ]
@@ -150,3 +159,21 @@ def test_tasks_are_off_by_default_and_checked():
     assert tuple(study.compare_config(load_config(CONFIG)).tasks) == ()
     with pytest.raises(ValueError, match="config.compare.tasks"):
         study.compare_config(load_config(CONFIG, ["compare.tasks=('arc_easy', '')"]))
+
+
+def test_sweep_takes_the_same_tasks(corpus, tmp_path):
+    """``tieflax sweep`` with ``config.compare.tasks``: the runs at each variant's best rate are scored and
+    the sweep report gains the per-size task table (one size, one seed: intervals over items)."""
+    from tieflax.analysis import sweep
+
+    root, tasks = corpus
+    scaling = os.path.join(os.path.dirname(CONFIG), "tie_scaling.py")
+    config = load_config(scaling + ":smoke", [*_small(root), "sweep.sizes=((32, 1, 64, 2),)", "sweep.seeds=(0,)",
+                                              "sweep.lrs=(1e-2,)", "sweep.variants=('tied', 'untied')",
+                                              "compare.tasks=('tf_cmp_mc',)", f"compare.task_include_path={tasks}"])
+    summary = sweep.run_sweep(config, str(tmp_path), log=lambda _: None)
+    task = summary["tasks"][0]["tf_cmp_mc"]
+    assert task["n_items"] == 16 and task["seeds"] == [0] and set(task["minus_tied"]) == {"untied"}
+    text = (tmp_path / "sweep_report.md").read_text()
+    assert "## Benchmark tasks" in text and "### Size 0: (32, 1, 64, 2)" in text and "**tf_cmp_mc**" in text
+    assert json.loads((tmp_path / "sweep.json").read_text())["tasks"]["0"]["tf_cmp_mc"]["n_items"] == 16

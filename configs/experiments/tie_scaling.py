@@ -14,6 +14,7 @@ shape on the pod study's data and mesh (``tie_vs_untie_pod.py``; pass its data p
 
 import os
 
+from tieflax.analysis.study import default_compare_config
 from tieflax.analysis.sweep import default_sweep_config
 from tieflax.config import load_config
 
@@ -34,6 +35,7 @@ def get_config(arg: str = ""):
     t.log_every = 10
     t.analyze_every = 0
     config.sweep = default_sweep_config()
+    config.compare = default_compare_config()   # only its benchmark tasks apply: --config.compare.tasks=...
     if arg == "smoke":
         config.sweep.update(sizes=((16, 1, 32, 2), (32, 1, 64, 2)), variants=("tied", "untied", "untied_matched"),
                             lrs=(3e-3, 1e-2), lr_size=0, bootstrap=200)

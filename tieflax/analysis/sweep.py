@@ -129,8 +129,14 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
         raise WorkdirError(f"{workdir} already holds a sweep; pass --resume to continue it, or use a new "
                            "--workdir")
     runs = plan(config, sc)  # every variant validated at every size before anything is written
+    from tieflax.analysis.tasks import check_settings, task_section
+
+    tc = task_section(config)   # config.compare.tasks: the same benchmark tasks a compare scores
+    if tc.tasks:
+        check_settings(tc, lookup=True)
     with workdir_lock(workdir, "sweep", enabled=jax.process_index() == 0):
-        return _run_sweep(config, workdir, sc, runs, log=log, train=train, retrain_changed=retrain_changed)
+        return _run_sweep(config, workdir, sc, runs, log=log, train=train, retrain_changed=retrain_changed,
+                          tasks=tc if tc.tasks else None)
 
 
 def _run_config(r: dict, lr: float, workdir: str, tokenizer: str) -> ml_collections.ConfigDict:
@@ -147,7 +153,8 @@ def _run_config(r: dict, lr: float, workdir: str, tokenizer: str) -> ml_collecti
     return cfg
 
 
-def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrain_changed: bool) -> dict:
+def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrain_changed: bool,
+               tasks=None) -> dict:
     import jax
 
     from tieflax import distributed
@@ -203,8 +210,19 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
                          run_dir=run_dir, loss=res["final_val_loss"], params=counts, match=r["match"]))
     if not best:
         best = best_learning_rates(done)
+    if tasks is not None and is_main:
+        # Benchmark tasks on the runs the curves use (each variant's best rate); reused when already scored.
+        from tieflax.analysis.tasks import compare_tasks, score_run
+
+        for d in done:
+            if d["lr"] == best.get(d["variant"]):
+                d["tasks"] = score_run(d["run_dir"], tasks, log=log)
     summary = dict(sweep=sc.to_dict(), best_lr=best, runs=done, wall_seconds=time.perf_counter() - t0,
                    config=json.loads(config.to_json_best_effort()))
+    if tasks is not None and is_main:
+        n_boot = sc.get("bootstrap", st.N_BOOT)
+        summary["tasks"] = {i: compare_tasks([d for d in done if d["size"] == i and d.get("tasks")], n_boot)
+                            for i in range(len(sc.sizes))}
     summary = to_jsonable(summary)
     if is_main:
         storage.write_text(storage.join(workdir, "sweep.json"), jsonable.dumps(summary))
@@ -330,6 +348,15 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
                + (f", between 10^{c['lo']:.2f} and 10^{c['hi']:.2f}" if math.isfinite(c["lo"]) else ""))
         lines.append(f"- `{v}` minus `tied` {what}: per size {diffs} (negative favours untied). Crossing: {where}; "
                      f"{unc}.")
+    if summary.get("tasks"):
+        from tieflax.analysis.report import _table
+        from tieflax.analysis.tasks import tasks_section
+
+        lines += ["", "## Benchmark tasks", ""]
+        for size, per_task in summary["tasks"].items():
+            text = tasks_section(per_task, _table)
+            if text:
+                lines += [f"### Size {size}: {tuple(sizes[int(size)])}", "", text, ""]
     lines += ["", "## Plots", "", "![loss vs total](loss_vs_total.png)", "",
               "![loss vs non-embedding](loss_vs_non_embedding.png)", "",
               "## Caveats", "",

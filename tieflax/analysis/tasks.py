@@ -61,6 +61,17 @@ def check_settings(cc, *, lookup: bool = False) -> None:
     task_manager(list(cc.tasks), cc.task_include_path or None)   # unknown task or bad folder: one line
 
 
+def task_section(config):
+    """The task fields of ``config.compare`` (defaults where absent), checked: what ``tieflax sweep`` scores
+    its runs with, so a sweep takes the same tasks as a compare of the same config."""
+    from tieflax.analysis.study import default_compare_config  # noqa: PLC0415
+    from tieflax.config import section_with_defaults  # noqa: PLC0415
+
+    cc = section_with_defaults(config, "compare", default_compare_config())
+    check_settings(cc)
+    return cc
+
+
 def main_metric(samples: list[dict]) -> str:
     """The metric an item is scored by: ``acc`` or ``exact_match`` when present, else the task's first."""
     names = list(samples[0].get("metrics", []))
