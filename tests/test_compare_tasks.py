@@ -12,7 +12,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # before lm-eval imports dat
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
+pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed")
 
 from console_support import capture_console, foreign_problems  # noqa: E402
 from tieflax import cli  # noqa: E402
