@@ -28,7 +28,6 @@ follow its batches (not built yet; ``TieflaxLM`` refuses to start with more than
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional, Sequence
 
 import jax
@@ -41,6 +40,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from tqdm import tqdm
 
 from tieflax import sharding as shd
+from tieflax import storage
 from tieflax.eval.decode import EvalError, Generator
 from tieflax.model.config import ModelConfig
 
@@ -105,8 +105,8 @@ class TieflaxLM(TemplateLM):
 
         config, params, _ = load_latest_params(workdir, step)
         mc = model_config(config)
-        path = os.path.join(workdir, TOKENIZER_FILE)
-        if not os.path.isfile(path):
+        path = storage.join(storage.resolve(workdir), TOKENIZER_FILE)
+        if not storage.is_file(path):
             raise EvalError(f"{workdir!r} has no {TOKENIZER_FILE}: evaluation needs the run's tokenizer "
                             "(runs on pre-tokenised data have none; copy the tokenizer that made them there)")
         tok = load_tokenizer(path)
