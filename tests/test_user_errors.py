@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from test_train_support import REPO
@@ -153,8 +154,13 @@ def test_sigterm_during_a_studys_set_up_is_one_line_and_leaves_no_lock(tmp_path,
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    for i in range(4):
-        (corpus / f"d{i}.txt").write_text(" ".join(["alpha beta gamma delta"] * 200))
+    # Enough distinct text for either study's BPE (vocabulary 8,192) to train for a few seconds: the
+    # command is still setting up when the signal arrives, and a too-small corpus cannot end it first.
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    for i in range(40):
+        words = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(3000)]
+        (corpus / f"d{i}.txt").write_text(" ".join(words))
     workdir = tmp_path / "study"
     cmd = [sys.executable, "-m", "tieflax.cli", command, "--config", config, "--workdir", str(workdir),
            "--config.data.source=files", f"--config.data.files.paths=('{corpus}/*.txt',)"]
