@@ -5,6 +5,13 @@ Published shapes; 70,553,706,496 parameters as published, which `tieflax params`
     tieflax params --config configs/models/llama3_70b.py
 
 Flip the tie switch and nothing else with `--config.model.tie_embeddings=False` (or True).
+
+With the pod defaults below (bf16 compute, fp32 parameters and Adam, FSDP over all chips, scanned
+layers, remat 'full'), one 8,192-token sequence per chip fits
+v5p:8x8x8 with 79% of each chip's HBM left tied and untied (benchmarks/README.md,
+"Fits at pod scale"):
+
+    tieflax plan --config configs/models/llama3_70b.py --topology v5p:8x8x8 --config.train.seq_len=8192 --tie both
 """
 
 from tieflax.config import default_config, default_model_config
