@@ -119,9 +119,9 @@ def test_the_heartbeat_renews_and_a_lost_lease_stops_the_holder(gcs, monkeypatch
     assert json.loads(storage.read_text(lock))["host"] == "elsewhere"  # the new holder's lease is kept
 
 
-def test_bad_remote_paths_are_refused_in_one_line_before_any_work(gcs, tmp_path, capsys):
+def test_bad_remote_paths_are_refused_in_one_line_before_any_work(gcs, tmp_path, capsys, monkeypatch):
     config_file = os.path.join(REPO, "configs", "experiments", "tiny.py")
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     assert main(["train", "--config", config_file, "--workdir", "gs:/bucket/run"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "slash missing" in err, err
