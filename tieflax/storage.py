@@ -16,10 +16,13 @@ The atomicity policy is chosen here, once, per kind of storage:
   precondition on Cloud Storage and S3): the primitive behind ``config.json``'s claim on a prefix and
   the workdir lease (``tieflax.workdir``).
 
-Files go through ``etils.epath`` (gcsfs / s3fs underneath, the layer orbax uses for checkpoints);
-conditional writes and arrays go through tensorstore's key-value stores (``kvstore_spec``), which speak
-the Cloud Storage JSON API and S3 directly. Credentials are the libraries' own: application default
-credentials for Cloud Storage, the AWS credential chain for S3. Test servers are found through the
+Objects go through tensorstore's key-value store of their bucket (``kvstore_spec``; the same library that
+writes orbax's and the token store's arrays), which speaks the Cloud Storage JSON API and S3 directly:
+one request per call, no client-side cache, generations for compare-and-set. Orbax itself takes the same
+URL strings (etils.epath with gcsfs / s3fs underneath, for its metadata files).
+
+Credentials are the libraries' own: application default credentials for Cloud Storage, the AWS
+credential chain for S3. Test servers are found through the
 standard variables (``STORAGE_EMULATOR_HOST`` for gcsfs; ``TENSORSTORE_GCS_HTTP_URL`` for tensorstore;
 ``AWS_ENDPOINT_URL`` for S3).
 """
@@ -106,13 +109,6 @@ def bucket_and_key(path: str) -> tuple[str, str, str]:
     scheme, rest = path.split("://", 1)
     bucket, _, key = rest.partition("/")
     return scheme, bucket, key
-
-
-def epath(path: str):
-    """``etils.epath.Path`` of ``path`` (gcsfs / s3fs for URLs): what orbax takes."""
-    from etils import epath as _epath  # noqa: PLC0415
-
-    return _epath.Path(path)
 
 
 def kvstore_spec(path: str) -> dict:
@@ -431,7 +427,7 @@ def _why(path: str, action: str, detail: str) -> str:
     scheme, bucket, _ = bucket_and_key(path)
     text = " ".join(detail.split())
     low = text.lower()
-    if "credentials" in low or "default credentials" in low or "could not find" in low and "credential" in low:
+    if "credential" in low:
         fix = ("no credentials found: run `gcloud auth application-default login` (or set "
                "GOOGLE_APPLICATION_CREDENTIALS) " if scheme == "gs" else
                "no credentials found: configure the AWS credential chain (aws configure, AWS_PROFILE or "
