@@ -604,7 +604,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -
                 if at_log or preempted:
                     writer.flush()  # one metrics segment per log period
                 if preempted:
-                    log.warning("SIGTERM: saved checkpoint %d and stopping", step)
                     if is_main:
                         print(f"tieflax: SIGTERM received; checkpoint saved at step {step}; exiting.",
                               flush=True)
