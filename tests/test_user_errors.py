@@ -175,3 +175,21 @@ def test_sigterm_during_a_studys_set_up_is_one_line_and_leaves_no_lock(tmp_path,
     assert err.strip().splitlines() == [f"tieflax {command}: stopped by SIGTERM; the workdir's lock is released "
                                         "and finished work is kept: rerun the same command to continue"], err
     assert not [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == "tieflax.lock"]
+
+
+def test_a_hub_dataset_without_a_network_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    """No retries for tens of seconds: the hub's reachability is checked first (here: refused)."""
+    import socket
+    import time
+
+    def unreachable(address, timeout=None):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    started = time.time()
+    err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(tmp_path / "w"),
+                             "--config.data.source=hf", "--config.data.hf.path=wikitext"])
+    assert "huggingface.co cannot be reached (Network is unreachable)" in err and "HF_DATASETS_OFFLINE=1" in err
+    assert time.time() - started < 20

@@ -209,6 +209,30 @@ def _row_documents(path: str, field: str) -> Iterator[Document]:
         log.warning("%s: %d rows with an empty %r field are not documents", path, empty, field)
 
 
+# datasets' own loaders for local files, which need no network.
+_LOCAL_HF_LOADERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder")
+
+
+def _check_hub_reachable(path: str) -> None:
+    """A hub dataset without a network: one line in a few seconds, instead of datasets' retries (tens of
+    seconds of doubled warnings, then an error with no fix). Skipped offline (the cache answers) and for
+    local loaders and folders."""
+    import socket  # noqa: PLC0415
+
+    offline = any(os.environ.get(v, "") not in ("", "0", "false", "False")
+                  for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    if offline or path in _LOCAL_HF_LOADERS or os.path.isdir(os.path.expanduser(path)):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = endpoint.partition(":")
+    try:
+        socket.create_connection((host, int(port or 443)), timeout=5).close()
+    except OSError as e:
+        raise DataError(f"data.hf.path = {path!r} is a Hugging Face hub dataset, but {host} cannot be reached "
+                        f"({e.strerror or e}): connect to the network, or set HF_DATASETS_OFFLINE=1 to use a "
+                        "copy in the local cache, or use data.source = 'files' on local copies") from None
+
+
 def hf_documents(c: ml_collections.ConfigDict) -> list[Document]:
     """The rows of :func:`iter_hf_documents` as a list."""
     return list(iter_hf_documents(c))
@@ -227,8 +251,14 @@ def iter_hf_documents(c: ml_collections.ConfigDict) -> Iterator[Document]:
         raise DataError("data.source = 'hf' needs the optional `datasets` package: "
                         "pip install 'datasets>=3,<5'.") from e
     h = c.hf
-    stream = datasets.load_dataset(h.path, h.name, split=h.split, data_files=h.data_files,
-                                   revision=h.revision, streaming=True)
+    _check_hub_reachable(h.path)
+    try:
+        stream = datasets.load_dataset(h.path, h.name, split=h.split, data_files=h.data_files,
+                                       revision=h.revision, streaming=True)
+    except (ConnectionError, OSError) as e:
+        raise DataError(f"data.hf.path = {h.path!r} could not be loaded ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''}): check the name and the network, "
+                        "or set HF_DATASETS_OFFLINE=1 to use a cached copy") from e
     empty = 0
     for i, row in enumerate(stream):
         if h.max_documents and i >= h.max_documents:
