@@ -2,19 +2,18 @@
 
 Training killed with -9 after a committed checkpoint resumes from the bucket and ends where an
 uninterrupted local run ends; the lease keeps two runs apart; bad paths are refused before any work.
+(Two processes on a gs:// workdir, stopped and resumed: tests/test_multiprocess_train.py.)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from test_train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env
+from test_train_support import REPO, micro_config, prepare_shared_data, start_train
 from tieflax import checkpoint as ckpt
 from tieflax import storage
 from tieflax import workdir as wd
@@ -140,37 +139,3 @@ def test_two_runs_cannot_both_claim_a_prefix(gcs, data_dir):
     storage.write_text(storage.join(run, "config.json"), "{}")
     assert storage.create_new(storage.join(run, "config.json"), b"mine") is False
     assert storage.read_text(storage.join(run, "config.json")) == "{}"
-
-
-def test_two_processes_on_a_bucket_resume_after_kill9(gcs, data_dir, tmp_path):
-    """2 processes x 4 CPU devices over gloo on a gs:// workdir: both killed with -9 after a committed
-    checkpoint; the rerun (the lock decided by process 0 and agreed by both) resumes and finishes."""
-    config = _config(data_dir)
-    config.mesh.data = 8
-    run = gcs.new_bucket() + "/mp"
-    from test_train_support import config_overrides
-
-    def launch():
-        cmd = ["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "4", sys.executable, "-m",
-               "tieflax.cli", "train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),
-               "--workdir", run, *config_overrides(config)]
-        env = subprocess_env(4, WORKDIR_LOGS=str(tmp_path))
-        env.pop("XLA_FLAGS")
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-
-    proc = launch()
-    deadline = time.time() + 400
-    while not _committed_steps(run):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.2)
-    os.killpg(proc.pid, 9)
-    proc.wait(timeout=60)
-    killed_at = max(_committed_steps(run))
-    proc = launch()
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out[-3000:]
-    assert f"resuming from step {killed_at}" in out
-    assert max(_committed_steps(run)) == N
-    assert [r["step"] for r in read_metrics(run, "train")][-1] == N

@@ -1,4 +1,5 @@
-"""Two processes x 4 CPU devices over gloo (launch/local_multiprocess.sh) against one process x 8 devices.
+"""Two processes x 4 CPU devices over gloo (launch/local_multiprocess.sh), on a gs:// workdir, against one
+process x 8 devices on a local one.
 
 Phase 1 trains 4 steps and checkpoints; phase 2 reruns the command with num_steps=8 and resumes. The
 learning rate is constant (no warmup, min_lr_ratio=1) so that extending num_steps does not change the
@@ -43,10 +44,12 @@ def _launch(workdir: str, config, logs: str) -> None:
                     f"{proc.stderr[-4000:]}\n--- process 1 ---\n{other[-4000:]}")
 
 
-def test_two_processes_match_one_and_resume(tmp_path):
+def test_two_processes_match_one_and_resume(tmp_path, gcs):
+    """The two-process run lives in a bucket (a gs:// workdir on the Cloud Storage test server), as on a
+    pod: every process reads and writes it directly, process 0 holds the lease for both."""
     data_dir = str(tmp_path / "data")
     prepare_shared_data(data_dir)
-    multi = str(tmp_path / "multi")
+    multi = gcs.new_bucket() + "/multi"
 
     _launch(multi, _config(data_dir, 4), str(tmp_path))
     assert ckpt.latest_step(multi) == 4

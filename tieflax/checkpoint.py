@@ -129,6 +129,7 @@ def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.Che
     """The run's manager over ``<workdir>/checkpoints`` with items ``state`` and ``data``."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
+    storage.forget_listings(checkpoint_dir(workdir))
     return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
 
 
@@ -139,6 +140,7 @@ def read_manager(workdir: str) -> ocp.CheckpointManager:
     # Not `read_only=True`: orbax warns "directory is read only" for every such manager. A manager that
     # never saves writes nothing either.
     options = ocp.CheckpointManagerOptions(create=False)
+    storage.forget_listings(checkpoint_dir(workdir))
     return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
 
 

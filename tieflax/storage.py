@@ -111,6 +111,19 @@ def bucket_and_key(path: str) -> tuple[str, str, str]:
     return scheme, bucket, key
 
 
+def forget_listings(path: str) -> None:
+    """Drops gcsfs's / s3fs's cached listings before orbax looks at ``path``: those file systems cache
+    a folder's listing for the life of the process, so a long-lived process (a notebook, a test, a
+    study that trains and then reads back) would see the checkpoints that existed when it first looked."""
+    if not is_remote(path):
+        return
+    import fsspec  # noqa: PLC0415
+
+    cls = fsspec.get_filesystem_class(path.split("://", 1)[0])
+    for instance in list(getattr(cls, "_cache", {}).values()):
+        instance.invalidate_cache()
+
+
 def kvstore_spec(path: str) -> dict:
     """A tensorstore key-value store spec rooted at ``path`` (a folder or prefix; keys are relative)."""
     if not is_remote(path):
