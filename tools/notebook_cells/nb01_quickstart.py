@@ -88,7 +88,7 @@ which is why small models usually tie. Run
 
 `train_and_evaluate(config, workdir)` prepares the data (the first run trains the BPE tokenizer and
 caches the token ids), lays parameters and batches out on a `(data, fsdp, tensor)` mesh of all devices,
-trains with the fused cross-entropy, checkpoints with orbax and writes `workdir/metrics.jsonl`. The
+trains with the fused cross-entropy, checkpoints with orbax and logs to `workdir/metrics/`. The
 untied run reuses the tied run's tokenizer and token cache, so both see exactly the same data.
 '''),
     ("code", r'''
@@ -105,8 +105,8 @@ for name, config in configs.items():
     ("md", r'''
 ## 3. Loss curves
 
-Every run logs to `metrics.jsonl` (one JSON object per line: `split`, `step` and the metrics), which
-`tieflax.metrics.read_metrics` reads back.
+Every run logs to `metrics/` (JSON-lines segments, one per log period: `split`, `step` and the
+metrics), which `tieflax.metrics.read_metrics` reads back as one stream.
 '''),
     ("code", r'''
 fig, ax = plt.subplots(figsize=(7, 4))
