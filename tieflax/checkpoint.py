@@ -9,7 +9,7 @@ A workdir holds::
     initial_params/    optional: parameters a fresh run starts from (see ``save_initial_params``)
     checkpoints_unreadable/<step>  checkpoints a resume found damaged, set aside (never deleted)
     tieflax.lock       while a command writes here (see ``tieflax.workdir``)
-    metrics.jsonl, tensorboard/   see ``tieflax.metrics``
+    metrics/, tensorboard/        see ``tieflax.metrics`` (segments, one per log period)
 
 Checkpoints go through ``orbax.checkpoint.CheckpointManager``: asynchronous, atomic (a step directory
 exists only once complete), ``keep`` most recent kept. Arrays restore onto whatever shardings the

@@ -346,7 +346,7 @@ def check_no_partial_import(workdir: str) -> None:
 def holds_a_run(folder: str) -> bool:
     """True when ``folder`` holds anything a run left (config, checkpoints, parameters, metrics)."""
     return any(os.path.exists(os.path.join(folder, n))
-               for n in ("config.json", "checkpoints", "initial_params", "metrics.jsonl"))
+               for n in ("config.json", "checkpoints", "initial_params", "metrics.jsonl", "metrics"))
 
 
 def publish(partial: str, workdir: str, *, overwrite: bool) -> None:
