@@ -238,7 +238,7 @@ def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x
     dW [V, d_local] w.dtype and db [V] acc; ``reduce_blk`` sums a finished ([bv, d], [bv]) block over
     the batch shards (into [bv, d_local] when d is sharded), so the loop-carried dW is already the
     final buffer (no second weight-sized copy). ``row0``, ``v_local``: as in ``_local_stats``;
-    ``put(dw, db, v0, dw_blk, db_blk)`` adds a finished block into dW and db (``_put_block``)."""
+    ``put(dw, db, v0, dw_blk, db_blk, fresh)`` writes a finished block into dW and db (``_put_block``)."""
     acc = _acc_dtype(h.dtype, w.dtype)
     cdt = jnp.result_type(h.dtype, w.dtype)
     n, v = h.shape[0], v_local or w.shape[0]
@@ -273,20 +273,30 @@ def _local_grads(cfg: _Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x
         init = (dh, jnp.zeros((bv, h.shape[1]), acc), jnp.zeros((bv,), acc))
         dh, dw_blk, db_blk = lax.fori_loop(0, nt, token_step, init)
         dw_blk, db_blk = reduce_blk((dw_blk, db_blk))
-        dw, db = put(dw, db, v0, dw_blk, db_blk)
+        dw, db = put(dw, db, v0, dw_blk, db_blk, _fresh(v0, k, bv))
         return dh, dw, db
 
     init = (jnp.zeros(h.shape, acc), jnp.zeros(w.shape, w.dtype), jnp.zeros((w.shape[0],), acc))
     return lax.fori_loop(0, nv, vocab_step, init)
 
 
-def _add_block(dw, db, v0, dw_blk, db_blk):
+def _add_block(dw, db, v0, dw_blk, db_blk, fresh=None):
     """dW[v0 : v0 + rows] += dw_blk (and db). Rows shared with the previous block got zero gradient
-    (masked), so adding is exact."""
+    (masked), so adding is exact.
+
+    With ``fresh`` ([rows] bool: the rows no earlier block wrote) the block is written instead: fresh
+    rows take it, the others keep theirs. Each row is then written once rather than accumulated, so XLA
+    does not move the block's data-parallel reduction out of the loop (as one all-reduce of the whole dW
+    after it; at large V that whole-matrix reduction made the TPU compiler evict the fp32 dH accumulator
+    from on-chip memory, an [N, d] fp32 temporary at 256k but not at 64k)."""
     rows = dw_blk.shape[0]
-    dw = lax.dynamic_update_slice_in_dim(dw, _slice_rows(dw, v0, rows) + dw_blk.astype(dw.dtype), v0, 0)
-    db = lax.dynamic_update_slice_in_dim(db, _slice_rows(db, v0, rows) + db_blk.astype(db.dtype), v0, 0)
-    return dw, db
+    old_w, old_b = _slice_rows(dw, v0, rows), _slice_rows(db, v0, rows)
+    if fresh is None:
+        new_w, new_b = old_w + dw_blk.astype(dw.dtype), old_b + db_blk.astype(db.dtype)
+    else:
+        new_w = jnp.where(fresh[:, None], dw_blk.astype(dw.dtype), old_w)
+        new_b = jnp.where(fresh, db_blk.astype(db.dtype), old_b)
+    return lax.dynamic_update_slice_in_dim(dw, new_w, v0, 0), lax.dynamic_update_slice_in_dim(db, new_b, v0, 0)
 
 
 def _put_block(cfg: _Cfg, v_local: int):
@@ -296,11 +306,11 @@ def _put_block(cfg: _Cfg, v_local: int):
     if not cfg.rows_whole:
         return _add_block
 
-    def put(dw, db, v0, dw_blk, db_blk):
+    def put(dw, db, v0, dw_blk, db_blk, fresh=None):
         gw = lax.all_gather(dw_blk, cfg.vocab_axis)   # [shards, rows, d_local]
         gb = lax.all_gather(db_blk, cfg.vocab_axis)
         for t in range(gw.shape[0]):
-            dw, db = _add_block(dw, db, t * v_local + v0, gw[t], gb[t])
+            dw, db = _add_block(dw, db, t * v_local + v0, gw[t], gb[t], fresh)
         return dw, db
 
     return put
