@@ -39,11 +39,10 @@ done
 
 status=0
 for pid in "${PIDS[@]}"; do
-  if ! wait "$pid"; then
-    rc=$?
-    # `wait` returns 128+n when interrupted by a trapped signal: wait again for the real status.
-    while kill -0 "$pid" 2>/dev/null; do wait "$pid" && rc=0 || rc=$?; done
-    [[ $status -eq 0 ]] && status=$rc
-  fi
+  rc=0
+  wait "$pid" || rc=$?  # (not `if ! wait`: inside it, $? is the negation's status, always 0)
+  # `wait` returns 128+n when interrupted by a trapped signal: wait again for the real status.
+  while kill -0 "$pid" 2>/dev/null; do wait "$pid" && rc=0 || rc=$?; done
+  [[ $status -eq 0 ]] && status=$rc
 done
 exit "$status"

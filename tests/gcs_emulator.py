@@ -8,6 +8,16 @@ whose ``ifGenerationMatch`` differs from the object's generation (0: "must not e
 ``412 Precondition Failed`` and changes nothing; downloads carry the object's generation. Everything else
 is the emulator's own code.
 
+Two access rules, off unless asked for, answer as Cloud Storage answers a caller it refuses, so that the
+tests can see what a user without credentials or without write access sees:
+
+- ``--require-token T``: a request without ``Authorization: Bearer T`` is answered ``401`` ("Anonymous
+  caller does not have storage.objects.get access ...", Cloud Storage's answer to a caller with no
+  credentials);
+- ``--deny-writes REGEX``: a create, upload or delete of an object whose ``bucket/name`` matches REGEX
+  is answered ``403`` ("... does not have storage.objects.create access ...", its answer to a caller
+  whose role only reads: a read-only bucket, or an IAM condition on a prefix).
+
     python tests/gcs_emulator.py --port 9023        # in-memory; buckets are created by the clients
 """
 
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import re
 import threading
 from http import HTTPStatus
 
@@ -78,25 +89,67 @@ def _with_generation(handler):
     return wrapped
 
 
+def _refuse(response, status: HTTPStatus, message: str, reason: str) -> None:
+    response.status = status
+    response.json({"error": {"code": int(status), "message": message,
+                             "errors": [{"message": message, "domain": "global", "reason": reason}]}})
+
+
+def _authorised(token: str | None, permission: str, handler):
+    """Refuses a request that does not carry ``token`` (Cloud Storage's answer to an anonymous caller)."""
+    @functools.wraps(handler)
+    def wrapped(request, response, storage, *args, **kwargs):
+        if token is not None and request.get_header("Authorization") != f"Bearer {token}":
+            _refuse(response, HTTPStatus.UNAUTHORIZED, f"Anonymous caller does not have {permission} access "
+                    f"to the Google Cloud Storage object. Permission '{permission}' denied on resource (or it "
+                    "may not exist).", "required")
+            return None
+        return handler(request, response, storage, *args, **kwargs)
+    return wrapped
+
+
+def _writable(denied: re.Pattern | None, permission: str, handler):
+    """Refuses a write to an object whose ``bucket/name`` matches ``denied`` (a role that only reads)."""
+    @functools.wraps(handler)
+    def wrapped(request, response, storage, *args, **kwargs):
+        object_id = _object_id(request)
+        if denied is not None and object_id is not None and denied.search(
+                f"{request.params['bucket_name']}/{object_id}"):
+            _refuse(response, HTTPStatus.FORBIDDEN, f"test-caller@tieflax.test does not have {permission} "
+                    f"access to the Google Cloud Storage object. Permission '{permission}' denied on resource "
+                    "(or it may not exist).", "forbidden")
+            return None
+        return handler(request, response, storage, *args, **kwargs)
+    return wrapped
+
+
+_WRITES = (objects.insert, objects.delete, objects.xml_upload)
 _WRAP = {objects.insert: _preconditioned, objects.delete: _preconditioned, objects.xml_upload: _preconditioned,
          objects.download: _with_generation, objects.get: _with_generation}
 
 
-def patch_handlers() -> None:
+def patch_handlers(require_token: str | None = None, deny_writes: str | None = None) -> None:
     """Rewrites the emulator's route table in place (it holds the handler functions themselves)."""
+    denied = re.compile(deny_writes) if deny_writes else None
     for _, methods in emulator_server.HANDLERS:
         for method, handler in list(methods.items()):
-            if handler in _WRAP:
-                methods[method] = _WRAP[handler](handler)
+            wrapped = _WRAP[handler](handler) if handler in _WRAP else handler
+            permission = "storage.objects.get"
+            if handler in _WRITES:
+                permission = "storage.objects.delete" if handler is objects.delete else "storage.objects.create"
+                wrapped = _writable(denied, permission, wrapped)
+            methods[method] = _authorised(require_token, permission, wrapped)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--require-token", help="answer 401 to a request without this bearer token")
+    parser.add_argument("--deny-writes", help="answer 403 to writes of objects whose bucket/name matches")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    patch_handlers()
+    patch_handlers(args.require_token, args.deny_writes)
     emulator_server.create_server(args.host, args.port, in_memory=True).run()
 
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 
@@ -33,6 +34,8 @@ def wait_for(url: str, timeout: float = 30.0) -> None:
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
+        except urllib.error.HTTPError:  # it answered (a server that wants credentials answers 401)
+            return
         except OSError:
             if time.time() > deadline:
                 raise TimeoutError(f"no server answered at {url} within {timeout:.0f} s")
@@ -42,11 +45,12 @@ def wait_for(url: str, timeout: float = 30.0) -> None:
 class GcsServer:
     """The emulator in a subprocess; ``env`` holds the variables that point clients at it."""
 
-    def __init__(self):
+    def __init__(self, *args: str):
+        """``args``: the emulator's access rules (``--require-token T``, ``--deny-writes REGEX``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_emulator.py"),
-                                         "--port", str(self.port)],
+                                         "--port", str(self.port), *args],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for(self.url + "/")
@@ -55,13 +59,14 @@ class GcsServer:
             raise
         self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
                     "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "GOOGLE_CLOUD_PROJECT": "test"}
+        self._auth = {"Authorization": "Bearer test-token"}
 
     def new_bucket(self, prefix: str = "tieflax") -> str:
         """Creates a fresh bucket; returns ``gs://<name>``."""
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
         request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", method="POST",
                                          data=json.dumps({"name": name}).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **self._auth})
         with urllib.request.urlopen(request, timeout=10):
             pass
         return f"gs://{name}"
@@ -72,7 +77,8 @@ class GcsServer:
         names, token = [], None
         while True:
             query = f"prefix={urllib.parse.quote(prefix)}" + (f"&pageToken={token}" if token else "")
-            with urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=10) as r:
+            listing = urllib.request.Request(f"{self.url}/storage/v1/b/{bucket}/o?{query}", headers=self._auth)
+            with urllib.request.urlopen(listing, timeout=10) as r:
                 page = json.load(r)
             names += [item["name"] for item in page.get("items", [])]
             token = page.get("nextPageToken")

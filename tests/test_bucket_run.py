@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -139,3 +141,40 @@ def test_two_runs_cannot_both_claim_a_prefix(gcs, data_dir):
     storage.write_text(storage.join(run, "config.json"), "{}")
     assert storage.create_new(storage.join(run, "config.json"), b"mine") is False
     assert storage.read_text(storage.join(run, "config.json")) == "{}"
+
+
+def test_missing_credentials_and_a_read_only_bucket_are_refused_before_any_work(tmp_path):
+    """A server that wants a token and refuses writes to buckets named ro-*: Cloud Storage's own answers
+    (401 to an anonymous caller, 403 to a role that only reads). Each command says so in one line, with
+    the fix, and writes nothing (in the bucket, or a local folder). Subprocesses: tensorstore takes its
+    credentials once per process."""
+    from object_store import GcsServer  # noqa: PLC0415
+
+    server = GcsServer("--require-token", "test-token", "--deny-writes", r"^ro-")
+    try:
+        writable, read_only = server.new_bucket("rw"), server.new_bucket("ro")
+        config_file = os.path.join(REPO, "configs", "experiments", "tiny.py")
+        cwd, home = tmp_path / "cwd", tmp_path / "home"
+        cwd.mkdir(), home.mkdir()
+
+        def train(workdir: str, **env_changes) -> str:
+            env = {**os.environ, **server.env, **env_changes}
+            env = {k: v for k, v in env.items() if v is not None}
+            proc = subprocess.run([sys.executable, "-m", "tieflax.cli", "train", "--config", config_file,
+                                   "--workdir", workdir], cwd=cwd, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert proc.returncode != 0, proc.stdout
+            lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tieflax")]
+            assert len(lines) == 1, proc.stderr
+            return lines[0]
+
+        # no credentials: no token, no ADC file, no metadata server (tensorstore then goes out anonymous)
+        err = train(writable + "/run", GOOGLE_AUTH_TOKEN_FOR_TESTING=None, GOOGLE_APPLICATION_CREDENTIALS=None,
+                    HOME=str(home))
+        assert "no credentials found" in err and "gcloud auth application-default login" in err, err
+        err = train(read_only + "/run")
+        assert f"permission denied on {read_only}" in err and "roles/storage.objectAdmin" in err, err
+        assert server.objects(writable) == [] and server.objects(read_only) == []
+        assert os.listdir(cwd) == []
+    finally:
+        server.stop()

@@ -10,6 +10,7 @@ mesh (data=8) and the program are the same; only the cross-process reduction ord
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import numpy as np
@@ -30,18 +31,29 @@ def _config(data_dir: str, num_steps: int):
     return c
 
 
-def _launch(workdir: str, config, logs: str) -> None:
+def _launch(workdir: str, config, logs: str, expect_failure: bool = False,
+            **env_changes: str) -> subprocess.CompletedProcess:
     cmd = ["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "4", "python", "-m",
            "tieflax.cli", "train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),
            "--workdir", workdir, *config_overrides(config)]
-    env = subprocess_env(4, WORKDIR_LOGS=logs)
+    env = subprocess_env(4, WORKDIR_LOGS=logs, **env_changes)
     env.pop("XLA_FLAGS")  # the launcher sets the per-process device count
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    if proc.returncode != 0:
+    # Its own session, so that a timeout kills the launcher's processes too, not only the launcher.
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as launched:
+        try:
+            stdout, stderr = launched.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            os.killpg(launched.pid, signal.SIGKILL)
+            stdout, stderr = launched.communicate()
+            pytest.fail(f"the 2-process run did not end within 420 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    proc = subprocess.CompletedProcess(cmd, launched.returncode, stdout, stderr)
+    if proc.returncode != 0 and not expect_failure:
         other = open(os.path.join(logs, "process_1.log")).read() if os.path.exists(
             os.path.join(logs, "process_1.log")) else ""
         pytest.fail(f"multi-process run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-4000:]}\n--- process 1 ---\n{other[-4000:]}")
+    return proc
 
 
 def test_two_processes_match_one_and_resume(tmp_path, gcs):
@@ -67,3 +79,31 @@ def test_two_processes_match_one_and_resume(tmp_path, gcs):
     assert want[8] < want[1]  # it trained
     val = {r["step"]: r["loss"] for r in read_metrics(multi, "val")}
     np.testing.assert_allclose(val[8], result["final_val_loss"], rtol=LOSS_RTOL)
+
+
+def test_a_save_failing_on_process_1_stops_both_within_one_log_interval(tmp_path, monkeypatch):
+    """Process 1 may not write its share of the step-4 checkpoint (a storage server that answers 403 to
+    its objects, as Cloud Storage answers a role that cannot create them); process 0's share succeeds.
+    Both processes must stop with the same one line, naming process 1 and the refused write, by the next
+    log step, instead of process 0 waiting at orbax's commit barrier for a save that will never end."""
+    from object_store import GcsServer  # noqa: PLC0415
+
+    data_dir = str(tmp_path / "data")
+    prepare_shared_data(data_dir)
+    server = GcsServer("--deny-writes", r"/checkpoints/4/.*process_1")
+    for name, value in server.env.items():  # this process reads the bucket afterwards
+        monkeypatch.setenv(name, value)
+    try:
+        run = server.new_bucket() + "/run"
+        config = _config(data_dir, 8)
+        proc = _launch(run, config, str(tmp_path), expect_failure=True)
+        process_1 = open(os.path.join(tmp_path, "process_1.log")).read()
+        assert proc.returncode != 0, proc.stdout
+        stopped = [ln for ln in proc.stderr.splitlines() if ln.startswith("tieflax train:")]
+        assert len(stopped) == 1 and "process 1" in stopped[0] and "checkpoint 4" in stopped[0], proc.stderr
+        assert [ln for ln in process_1.splitlines() if ln.startswith("tieflax train:")] == stopped, process_1
+        logged = [r["step"] for r in read_metrics(run, "train")]
+        assert max(logged) <= 4 + config.train.log_every, logged  # stopped within one log interval
+        assert ckpt.latest_step(run) == 2  # the failed step is not taken for a checkpoint
+    finally:
+        server.stop()

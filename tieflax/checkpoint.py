@@ -29,6 +29,7 @@ Contract for converters and notebooks:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -117,18 +118,78 @@ def checkpoint_dir(workdir: str) -> str:
     return storage.join(storage.resolve(workdir), CHECKPOINT_DIR)
 
 
+_DATA_HANDLER_CLASS = None
+
+
+def _data_iterator_handler():
+    """grain's checkpoint handler (same files, same restore), with the file written in the background
+    commit, as the arrays are, instead of in the blocking part of the save.
+
+    Why: a blocking write that fails on one process makes that process leave ``manager.save`` early
+    while the others go on to orbax's next barrier inside it, so one save failing on one host would
+    stop every host at a barrier. Failing in the commit, it is seen by every process at the same step
+    (``SaveWatch.failure``, agreed through ``distributed.first_failure``)."""
+    global _DATA_HANDLER_CLASS
+    if _DATA_HANDLER_CLASS is None:
+        _DATA_HANDLER_CLASS = _define_data_iterator_handler()
+    return _DATA_HANDLER_CLASS()
+
+
+def _define_data_iterator_handler() -> type:
+    import grain  # noqa: PLC0415
+    from grain.python import DatasetIterator  # noqa: PLC0415
+    from orbax.checkpoint import future  # noqa: PLC0415
+
+    class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
+        async def async_save(self, directory, item=None, args=None):
+            item = item or args.item
+            # The state is taken now: the iterator moves on as soon as the blocking part returns.
+            state = (json.dumps(item.get_state(), indent=4) if isinstance(item, DatasetIterator)
+                     else item.get_state().decode())
+            path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+            async def write() -> None:
+                path.write_text(state)
+
+            return [future.CommitFutureAwaitingContractedSignals(write(), name="data_iterator_save")]
+
+        def save(self, directory, item=None, args=None):
+            for f in asyncio.run(self.async_save(directory, item=item, args=args)):
+                f.result()
+
+    # grain's save/restore arguments now name this handler (a subclass of grain's: the same files)
+    ocp.args.register_with_handler(DataIteratorHandler, for_save=True)(grain.checkpoint.CheckpointSave)
+    ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)(grain.checkpoint.CheckpointRestore)
+    return DataIteratorHandler
+
+
 def _item_handlers() -> dict:
     """The handlers of the two items, so that a manager can read a checkpoint's metadata and restore
     from it without being told the items' types (and without orbax warning that it cannot)."""
-    import grain  # noqa: PLC0415
+    return {"state": ocp.PyTreeCheckpointHandler(), "data": _data_iterator_handler()}
 
-    return {"state": ocp.PyTreeCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()}
+
+def _barriers_through_the_coordinator() -> None:
+    """Multi-process: orbax's barriers through the JAX coordinator's key-value store (with timeouts)
+    instead of device collectives. A collective barrier is a collective like any other: if one process
+    left a save early, the others' barrier would be matched with that process's next collective (our
+    agreement on the failure) and both would go on with the wrong data. Keyed barriers cannot be
+    mistaken for anything else. (orbax reads this absl flag at each barrier; tieflax parses no absl
+    flags, so the flag values are marked parsed to be readable.)"""
+    if jax.process_count() == 1:
+        return
+    from absl import flags  # noqa: PLC0415
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
 def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
     """The run's manager over ``<workdir>/checkpoints`` with items ``state`` and ``data``."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
+    _barriers_through_the_coordinator()
     storage.forget_listings(checkpoint_dir(workdir))
     return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
 
@@ -389,7 +450,20 @@ class SaveWatch:
         """The pending save's failure, or None (still running when ``wait`` is False, or it succeeded).
         Multi-process training calls this on every process, then agrees (``distributed.first_failure``),
         so that a save failing on one process stops all of them at the same step."""
-        if self.pending is None or (not wait and self.manager.is_saving_in_progress()):
+        if self.pending is None:
+            return None
+        # This process's own share failed? (`is_saving_in_progress` cannot say: with several processes it
+        # stays True until every process has finished, a failed one included.)
+        failed, self._quiet.commit_error = self._quiet.commit_error, None
+        if failed is None:
+            try:
+                self.manager.check_for_errors()
+            except Exception as e:  # noqa: BLE001
+                failed = e
+        if failed is not None:
+            step, self.pending = self.pending, None
+            return self._error(step, failed)
+        if not wait and self.manager.is_saving_in_progress():
             return None
         try:
             self._raise_if_failed(wait=True)
@@ -439,8 +513,13 @@ class SaveWatch:
         if os_error is not None:
             fix = "free space on that disk (or fix the mount), then rerun to resume from the last checkpoint"
             return CheckpointError(f"{where} failed, training stopped ({fix}): {os_error}")
+        why = _why(e)
+        if re.search(r"\b403\b|forbidden|permission_denied|access denied", why, re.IGNORECASE):
+            return CheckpointError(f"{where} failed, training stopped (this account may not write there: grant "
+                                   f"it write access, e.g. roles/storage.objectAdmin on the bucket, then rerun "
+                                   f"to resume from the last checkpoint): {why}")
         return CheckpointError(f"{where} failed, training stopped (rerun to resume from the last checkpoint): "
-                               f"{_why(e)}")
+                               f"{why}")
 
 
 # tensorstore reports an OS failure inside a ValueError: '... "<file>": Failed writing: ... <strerror>
@@ -472,10 +551,21 @@ def _os_error_of(e: BaseException) -> str | None:
 
 class _QuietOrbaxSaveErrors(logging.Filter):
     """Drops orbax's own ERROR logs (tracebacks) of a failed background save: ``SaveWatch`` reports the
-    failure itself, in one line that ends with the OS error."""
+    failure itself, in one line that ends with the OS error.
+
+    It also keeps the first failure orbax's save thread reports (``commit_error``). With several
+    processes that report is how a process learns, at once, that its own share of a save failed: orbax
+    hands the exception to its finalize thread, which then waits at a barrier for the other processes
+    before anything public (``is_saving_in_progress``, ``check_for_errors``) says so."""
+
+    commit_error: BaseException | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        if record.exc_info and record.exc_info[1] is not None and self.commit_error is None:
+            self.commit_error = record.exc_info[1]
+        return False
 
 
 def _quiet_abandoned_reads() -> None:

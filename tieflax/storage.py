@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import re
 import tempfile
 from typing import Iterator
 
@@ -440,14 +441,15 @@ def _why(path: str, action: str, detail: str) -> str:
     scheme, bucket, _ = bucket_and_key(path)
     text = " ".join(detail.split())
     low = text.lower()
-    if "credential" in low:
-        fix = ("no credentials found: run `gcloud auth application-default login` (or set "
-               "GOOGLE_APPLICATION_CREDENTIALS) " if scheme == "gs" else
+    code = {c for c in ("401", "403", "404") if re.search(rf"\b{c}\b", low)}  # HTTP status in the text
+    if "credential" in low or "anonymous caller" in low or "401" in code or "unauthenticated" in low:
+        fix = ("no credentials found (the request went out anonymous): run `gcloud auth application-default "
+               "login` or set GOOGLE_APPLICATION_CREDENTIALS" if scheme == "gs" else
                "no credentials found: configure the AWS credential chain (aws configure, AWS_PROFILE or "
-               "AWS_ACCESS_KEY_ID) ")
-    elif "nosuchbucket" in low or ("not found" in low and "bucket" in low) or "404" in low:
+               "AWS_ACCESS_KEY_ID)")
+    elif "nosuchbucket" in low or ("not found" in low and "bucket" in low) or "404" in code:
         fix = f"the bucket {scheme}://{bucket} does not exist: create it (or fix the name)"
-    elif "403" in low or "forbidden" in low or "access denied" in low or "permission" in low or "401" in low:
+    elif "403" in code or "forbidden" in low or "access denied" in low or "permission" in low:
         fix = (f"permission denied on {scheme}://{bucket}: grant this account write access to the bucket "
                "(roles/storage.objectAdmin) or choose another" if action == "write" else
                f"permission denied on {scheme}://{bucket}: grant this account read access")
