@@ -98,11 +98,14 @@ def _timed(cmd: list[str], env: dict, log_path: str | None = None) -> tuple[subp
     return proc, wall, cpu
 
 
-def run_tieflax(case: Case, seq_len: int, tied: bool, extra: list[str], variant: str = "config") -> Figures:
+def run_tieflax(case: Case, seq_len: int, tied: bool, extra: list[str], variant: str = "config",
+                libtpu: str | None = None) -> Figures:
     cmd = [sys.executable, "-m", "tieflax.cli", "plan", "--config", case.config, "--topology", case.topology,
            "--tie", "tied" if tied else "untied", "--no-eval", "--json",
            f"--config.train.seq_len={seq_len}", *MESH, *TIEFLAX_OVERRIDES, *TIEFLAX_VARIANTS[variant], *extra]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if libtpu:   # JAX loads the TPU compiler from this file instead of the installed libtpu package
+        env.update(TPU_LIBRARY_PATH=libtpu, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     proc, wall, cpu = _timed(cmd, env)
     try:
         d = json.loads(proc.stdout)   # exit 1 with JSON: it does not fit; without: an error
@@ -222,6 +225,9 @@ def main() -> None:
     parser.add_argument("--flops", action="store_true", help="only the FLOPs table, term by term (no compile)")
     parser.add_argument("--tieflax-override", action="append", default=[],
                         help="extra --config.a.b=v for tieflax plan (repeatable)")
+    parser.add_argument("--libtpu", default=None,
+                        help="compile tieflax with this libtpu.so (TPU_LIBRARY_PATH), e.g. the one MaxText's venv "
+                             "holds, so that both tools' figures come from the same TPU compiler")
     args = parser.parse_args()
 
     if args.flops:
@@ -245,7 +251,8 @@ def main() -> None:
                 if variant not in TIEFLAX_VARIANTS:
                     parser.error(f"--variants: unknown {variant!r}; choose from {sorted(TIEFLAX_VARIANTS)}")
                 for tied in (True, False):
-                    figures.append(run_tieflax(case, args.seq_len, tied, args.tieflax_override, variant))
+                    figures.append(run_tieflax(case, args.seq_len, tied, args.tieflax_override, variant,
+                                               args.libtpu))
                     print(f"[{model}] {figures[-1]}", file=sys.stderr, flush=True)
         maxtext_variants = (args.maxtext_variants.split(";") if args.maxtext and args.maxtext_variants
                             else list(MAXTEXT_VARIANTS))
