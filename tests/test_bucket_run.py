@@ -178,3 +178,17 @@ def test_missing_credentials_and_a_read_only_bucket_are_refused_before_any_work(
         assert os.listdir(cwd) == []
     finally:
         server.stop()
+
+
+def test_an_s3_workdir_is_refused_before_any_work(s3, tmp_path, capsys, monkeypatch):
+    """orbax-checkpoint writes checkpoint arrays to local paths and gs:// only (it turns s3://b/run into
+    the relative path s3:/b/run): a run on s3:// is refused in one line, with the way out, writing
+    nothing. (The storage layer itself works on S3: tests/test_storage.py::test_s3_roundtrip.)"""
+    monkeypatch.chdir(tmp_path)
+    bucket = s3.new_bucket()
+    config_file = os.path.join(REPO, "configs", "experiments", "tiny.py")
+    assert main(["train", "--config", config_file, "--workdir", bucket + "/run"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "orbax-checkpoint writes checkpoint arrays" in err, err
+    assert "gs://" in err and not storage.listdir(bucket)
+    assert os.listdir(tmp_path) == []

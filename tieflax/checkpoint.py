@@ -114,7 +114,23 @@ def _merge(node: ml_collections.ConfigDict, values: dict, where: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ manager
 
+def check_checkpoint_location(workdir: str) -> None:
+    """Refuses a workdir whose checkpoints orbax cannot write, before any work.
+
+    orbax-checkpoint (0.12.8, the newest release) sends checkpoint arrays to TensorStore's gcs driver for
+    ``gs://`` and its file driver for everything else: ``s3://b/run`` becomes the relative path
+    ``s3:/b/run`` ("Checkpoint path should be absolute"). Token stores and data files on s3:// are
+    read and written by tieflax itself and work there."""
+    path = storage.resolve(workdir)
+    if storage.is_remote(path) and storage.bucket_and_key(path)[0] == "s3":
+        raise CheckpointError(
+            f"{workdir} cannot hold checkpoints: orbax-checkpoint writes checkpoint arrays to local paths and "
+            "gs:// only, not s3://. Put the run on gs:// or a local disk (a token store or data files may "
+            "stay on s3://)")
+
+
 def checkpoint_dir(workdir: str) -> str:
+    check_checkpoint_location(workdir)
     return storage.join(storage.resolve(workdir), CHECKPOINT_DIR)
 
 

@@ -99,7 +99,10 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
     """
     import jax  # noqa: PLC0415
 
+    from tieflax.checkpoint import check_checkpoint_location  # noqa: PLC0415
+
     workdir = storage.resolve(workdir)
+    check_checkpoint_location(workdir)  # before any work: a workdir holds checkpoints
     if jax.process_count() > 1:
         with _agreed_lock(workdir, command, enabled) as held:
             yield held
