@@ -396,3 +396,24 @@ def test_xla_path_compiled_for_a_tpu_makes_no_bf16_copy_of_an_fp32_head():
                            argnums=(0, 1))
     temp = jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
     assert temp < 16, temp  # measured 0.0
+
+
+def test_xla_path_reduces_dw_block_by_block_on_a_tpu():
+    """impl='xla', a tensor-only head (Megatron's P('tensor', None)) on v5e fsdp 2 x tensor 4: each
+    finished dW block is written, not added, so its psum over fsdp stays in the vocab loop. Added, XLA
+    moved it out as one all-reduce of the whole local dW, and at the Gemma-2-2B head with V = 256,000 the
+    TPU compiler then evicted the fp32 dH accumulator to HBM: 36.4 MiB of temporaries against 0.0 at
+    V = 64,000 (benchmarks/README.md, --layouts)."""
+    devices = _tpu_devices("v5e:2x4")
+    n, d, v = 1024, 256, 8192
+    mesh = make_mesh(1, 2, 4, devices=devices)
+    sh = [NamedSharding(mesh, s) for s in (P(("data", "fsdp"), None), P("tensor", None), P(("data", "fsdp")))]
+    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh[0]),
+            jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh[1]),
+            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh[2])]
+    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v - 5, mesh=mesh, impl="xla",
+                                                         weight_embed_axis=None)[0].sum(), argnums=(0, 1))
+    hlo = jax.jit(f, out_shardings=(None, (sh[0], sh[1]))).lower(*args).compile().as_text()
+    reduced = re.findall(r"= (f32\[[\d,]+\])\S* all-reduce\(", hlo)
+    assert f"f32[{v // 4},{d}]" not in reduced, reduced   # the whole local dW, after the loop
+    assert "f32[256,256]" in reduced, reduced              # one [vocab_block, d] block, in the loop
