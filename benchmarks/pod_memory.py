@@ -4,6 +4,7 @@
     python benchmarks/pod_memory.py --maxtext /path/to/venv/bin/python  # MaxText: recompiled now
     python benchmarks/pod_memory.py --models gemma_2b --seq-len 2048
     python benchmarks/pod_memory.py --flops                           # FLOPs term by term, no compile
+    python benchmarks/pod_memory.py --libtpu /path/to/libtpu.so       # tieflax compiled by that TPU compiler
 
 Cases: Gemma-2B on v5e:4x4 (16 chips) and Llama-3-8B on v5p:4x4x4 (64 chips), one sequence of
 ``--seq-len`` (8192) tokens per chip, bf16 compute, fp32 parameters, all chips on one FSDP axis (the
@@ -18,6 +19,10 @@ mesh MaxText picks: ``ici_fsdp_parallelism=-1``, every other axis 1).
   attention chosen by MaxText) and with ``num_vocab_tiling=16``; its log's ``Memory analysis`` line gives
   the compiler's figures. Without ``--maxtext`` the figures recorded between the ``maxtext:begin`` /
   ``maxtext:end`` markers of ``benchmarks/README.md`` are used (they state the command and versions).
+- The TPU compiler: MaxText's venv brings libtpu 0.0.52, tieflax's jax (< 0.11) libtpu 0.0.42.1, which
+  reports more temporaries for a scanned step than its own buffer assignment holds (about the saved
+  layer-input stack; ``benchmarks/scan_temp_accounting.py``). ``--libtpu`` compiles tieflax with a given
+  ``libtpu.so`` (``TPU_LIBRARY_PATH``), e.g. MaxText's, so both columns come from one compiler.
 
 Per chip: arguments (parameters + optimizer state + batch), temporaries (``temp_size_in_bytes``), and
 compile time of the whole process (wall; CPU time of the process and its threads, which a loaded
