@@ -11,6 +11,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
+# The longest files first: with two workers taking a file at a time (setup.cfg), a long file started last
+# would leave one worker running alone at the end.
+_LONGEST_FILES_FIRST = ("test_memory_options.py", "test_compare.py", "test_multiprocess_train.py",
+                        "test_notebooks.py", "test_train.py", "test_bucket_run.py", "test_compare_tasks.py",
+                        "test_eval_harness.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
 
 @pytest.fixture(scope="session")
 def gcs():
