@@ -89,7 +89,10 @@ def _with_generation(handler):
     return wrapped
 
 
-def _refuse(response, status: HTTPStatus, message: str, reason: str) -> None:
+def _refuse(response, status: HTTPStatus, caller: str, permission: str, reason: str) -> None:
+    """Cloud Storage's answer to a caller who lacks ``permission``."""
+    message = (f"{caller} does not have {permission} access to the Google Cloud Storage object. Permission "
+               f"'{permission}' denied on resource (or it may not exist).")
     response.status = status
     response.json({"error": {"code": int(status), "message": message,
                              "errors": [{"message": message, "domain": "global", "reason": reason}]}})
@@ -100,9 +103,7 @@ def _authorised(token: str | None, permission: str, handler):
     @functools.wraps(handler)
     def wrapped(request, response, storage, *args, **kwargs):
         if token is not None and request.get_header("Authorization") != f"Bearer {token}":
-            _refuse(response, HTTPStatus.UNAUTHORIZED, f"Anonymous caller does not have {permission} access "
-                    f"to the Google Cloud Storage object. Permission '{permission}' denied on resource (or it "
-                    "may not exist).", "required")
+            _refuse(response, HTTPStatus.UNAUTHORIZED, "Anonymous caller", permission, "required")
             return None
         return handler(request, response, storage, *args, **kwargs)
     return wrapped
@@ -115,9 +116,7 @@ def _writable(denied: re.Pattern | None, permission: str, handler):
         object_id = _object_id(request)
         if denied is not None and object_id is not None and denied.search(
                 f"{request.params['bucket_name']}/{object_id}"):
-            _refuse(response, HTTPStatus.FORBIDDEN, f"test-caller@tieflax.test does not have {permission} "
-                    f"access to the Google Cloud Storage object. Permission '{permission}' denied on resource "
-                    "(or it may not exist).", "forbidden")
+            _refuse(response, HTTPStatus.FORBIDDEN, "test-caller@tieflax.test", permission, "forbidden")
             return None
         return handler(request, response, storage, *args, **kwargs)
     return wrapped
