@@ -19,7 +19,8 @@ Algorithm (``mode='recompute'``, the default)
     the whole local vocabulary and the forward keeps ``dH`` ([N, d]) and ``dW`` ([V, d]) as residuals.
     The stored ``dW`` assumes the cotangent of ``loss_per_token`` is the same for every contributing
     token (``loss.sum()``, ``loss.mean()`` or ``loss.sum() / n``: put per-token weights in ``weights``);
-    any other cotangent is detected at run time and handled exactly by the recompute backward.
+    any other cotangent is detected at run time and handled exactly by the recompute mode's two passes
+    (statistics, then gradients) in the backward.
     Pick ``'fused'`` when ``bt * V_local * 4`` bytes plus a second weight-sized buffer fit, i.e. small
     vocabularies or many vocab shards; pick ``'recompute'`` for 128k-256k vocabularies per device.
 
@@ -644,6 +645,16 @@ def _finish(cfg: _Cfg, stats, y, weights):
     return aw * loss_unweighted, aux, aw, loss_unweighted
 
 
+def _recomputed_lse(cfg: _Cfg, h, w, b, y):
+    """[N] log-sum-exp from the blockwise statistics pass, for the fused mode's exact fallback. The
+    recompute gradient forms p = exp(z - lse) from its own blockwise logits; the fused forward's lse
+    (one [bt, V] tile, compiled into another program) can differ from theirs by an ulp, and at
+    |z| ~ 1e4 (ulp 2^-9) a dominant label's p - 1 then loses its digits: dW and db were off by 0.2% of
+    their scale on XLA:CPU with jax 0.12 (tests/test_cross_entropy.py, the 1e4-logit case)."""
+    m, s = _stats(cfg, h, w, b, y)[:2]
+    return m + jnp.log(s)
+
+
 @functools.lru_cache(maxsize=None)
 def _build(cfg: _Cfg):
     @jax.custom_vjp
@@ -674,10 +685,8 @@ def _build(cfg: _Cfg):
             scale = jnp.max(jnp.where(active, g, -jnp.inf))
             uniform = jnp.all(jnp.where(active, g == scale, True)) | ~jnp.any(active)
             scale = jnp.where(jnp.any(active), scale, 0.0)
-            dw, db = lax.cond(
-                uniform,
-                lambda: ((scale * dw_u).astype(w.dtype), scale * db_u),
-                lambda: _grads(cfg, h, w, b, y, lse, g * aw)[1:])
+            dw, db = lax.cond(uniform, lambda: ((scale * dw_u).astype(w.dtype), scale * db_u),
+                              lambda: _grads(cfg, h, w, b, y, _recomputed_lse(cfg, h, w, b, y), g * aw)[1:])
         db = None if b is None else db.astype(b.dtype)
         return dh.astype(h.dtype), dw.astype(w.dtype), db, None, d_weights
 
