@@ -1,6 +1,7 @@
 """tieflax plan: the real train and eval steps compiled for abstract TPU chips from this CPU machine."""
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 
@@ -55,6 +56,11 @@ def test_tiny_config_fits_on_four_v5e_chips():
     assert d["recompute_factor"] is None and "Pallas" in p.train.compiled_flops_note   # splash, the loss
     assert "model TFLOPs per step (all devices)" in text and "compiled FLOPs not shown" in text
     assert "197 TFLOP/s and 819 GB/s per device" in text
+    # The compiler's version travels with the figures; one that over-counts scanned steps says so.
+    installed = importlib.metadata.version("libtpu")
+    assert d["target"]["libtpu"] == installed
+    assert ("counts more temporaries for scanned layers" in text) == (installed.startswith("0.0.4")
+                                                                       or installed.startswith("0.0.50"))
 
     # The host's CPU devices are untouched: the rest of the suite still runs on them.
     assert jax.devices()[0].platform == "cpu" and len(jax.devices()) == 8
@@ -84,6 +90,22 @@ def test_topology_errors_say_what_to_type_or_install():
             targets.resolve("h100:8")
     cpu = targets.resolve("cpu")
     assert cpu.num_devices == 8 and cpu.usable_bytes > 0
+
+
+@pytest.mark.parametrize("version, env, noted", [("0.0.42.1", {}, True), ("0.0.50.1", {}, True),
+                                                 ("0.0.52", {}, False), ("0.0.60", {}, False),
+                                                 ("0.0.42.1", {"TPU_LIBRARY_PATH": "/x/libtpu.so"}, False)])
+def test_plans_compiled_by_a_libtpu_that_over_counts_say_so(monkeypatch, version, env, noted):
+    monkeypatch.setattr(targets.importlib.metadata, "version", lambda name: version)
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    tpu = targets.Target("v5p:4x4x4", "tpu", "v5p", "TPU v5", (), 95 * 2**30, 95 * 2**30)
+    note = targets.compiler_note(tpu)
+    assert bool(note) == noted
+    if noted:
+        assert f"libtpu {version} counts more temporaries" in note and "pip install 'tieflax[tpu]'" in note
+    assert targets.compiler_note(dataclasses.replace(tpu, platform="cpu")) == ""
 
 
 @needs_libtpu

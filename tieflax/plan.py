@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import ml_collections
 
-from tieflax.targets import GIB, Target
+from tieflax.targets import GIB, Target, compiler_note
 from tieflax.errors import UserError
 
 MIN_HEADROOM = 0.2    # the fraction of memory a pod run should keep free (fragmentation, runtime, eval)
@@ -359,6 +359,8 @@ def format_report(plans: list[Plan]) -> str:
              p.train.compiled_flops_note}
     if notes:
         lines.append("  compiled FLOPs not shown: " + "; ".join(sorted(notes)))
+    if compiler := compiler_note(p0.target):
+        lines.append("  compiler: " + compiler)
     for p in plans:
         label = "tied" if p.tied else "untied"
         verdict = _verdict(p)

@@ -22,6 +22,7 @@ GPUs both are the target config's ``device_memory_size``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -119,7 +120,8 @@ class Target:
     def as_dict(self) -> dict[str, Any]:
         return dict(name=self.name, platform=self.platform, chip=self.chip, device_kind=self.device_kind,
                     num_devices=self.num_devices, nominal_bytes=self.nominal_bytes,
-                    usable_bytes=self.usable_bytes)
+                    usable_bytes=self.usable_bytes,
+                    libtpu=libtpu_version() if self.platform == "tpu" else None)
 
 
 def resolve(topology: str) -> Target:
@@ -135,6 +137,34 @@ def resolve(topology: str) -> Target:
     raise TargetError(
         f"--topology {topology!r}: expected a TPU slice (v4:2x2x1, v5e:2x2, v5p:2x2x1, v6e:2x2, ..., "
         f"e.g. v5p:4x4x4), a GPU count ({', '.join(f'{k}:8' for k in GPU_TARGETS)}) or 'cpu'.")
+
+
+# libtpu releases before this one report a scanned step's temporaries (memory_analysis) above what their
+# own buffer assignment holds, by about the stack of saved layer inputs (0.0.42.1 and 0.0.50.1 seen;
+# benchmarks/README.md, "The gap to MaxText"). 0.0.52 reports what it assigns.
+LIBTPU_EXACT_TEMPORARIES = (0, 0, 52)
+
+
+def libtpu_version() -> str | None:
+    """The installed libtpu's version; None when absent or replaced through ``TPU_LIBRARY_PATH``."""
+    if os.environ.get("TPU_LIBRARY_PATH"):
+        return None
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def compiler_note(target: Target) -> str:
+    """A line for plans compiled by a libtpu that over-counts scanned steps' temporaries; else ''."""
+    version = libtpu_version() if target.platform == "tpu" else None
+    release = tuple(int(x) for x in re.findall(r"\d+", version or "")[:3])
+    if version is None or release >= LIBTPU_EXACT_TEMPORARIES:
+        return ""
+    exact = ".".join(map(str, LIBTPU_EXACT_TEMPORARIES))
+    return (f"libtpu {version} counts more temporaries for scanned layers than it assigns (about one saved "
+            f"input per layer), so these fits are conservative; libtpu {exact} counts what it assigns "
+            f"(Python 3.12+: {TPU_EXTRA})")
 
 
 def _cpu_target() -> Target:
