@@ -19,9 +19,10 @@ mesh MaxText picks: ``ici_fsdp_parallelism=-1``, every other axis 1).
   attention chosen by MaxText) and with ``num_vocab_tiling=16``; its log's ``Memory analysis`` line gives
   the compiler's figures. Without ``--maxtext`` the figures recorded between the ``maxtext:begin`` /
   ``maxtext:end`` markers of ``benchmarks/README.md`` are used (they state the command and versions).
-- The TPU compiler: MaxText's venv brings libtpu 0.0.52, tieflax's jax (< 0.11) libtpu 0.0.42.1, which
-  reports more temporaries for a scanned step than its own buffer assignment holds (about the saved
-  layer-input stack; ``benchmarks/scan_temp_accounting.py``). ``--libtpu`` compiles tieflax with a given
+- The TPU compiler: MaxText's venv brings libtpu 0.0.52, and so does tieflax's ``tpu`` / ``test`` extra on
+  Python 3.12+ (jax 0.12). On Python 3.11 jax 0.10 pins libtpu 0.0.42.1, which reports more
+  temporaries for a scanned step than its own buffer assignment holds (about the saved layer-input
+  stack; ``benchmarks/scan_temp_accounting.py``). ``--libtpu`` compiles tieflax with a given
   ``libtpu.so`` (``TPU_LIBRARY_PATH``), e.g. MaxText's, so both columns come from one compiler.
 
 Per chip: arguments (parameters + optimizer state + batch), temporaries (``temp_size_in_bytes``), and

@@ -139,7 +139,8 @@ def test_auto_picks_splash_when_compiled_for_a_tpu():
         compiled = _layer_lowered(c, chip, m).compile()
         assert "tpu_custom_call" in compiled.as_text()  # the Pallas (Mosaic) kernel
         assert "256,256]" not in compiled.as_text()  # no [.., T, T] buffer anywhere
-        assert 0 < compiled.memory_analysis().temp_size_in_bytes < 2 * 2**20
+        # 748,032 B with libtpu 0.0.42.1; 0 with 0.0.52, which keeps this layer's temporaries on chip.
+        assert 0 <= compiled.memory_analysis().temp_size_in_bytes < 2 * 2**20
 
 
 def _h100():

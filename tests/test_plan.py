@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import os
 
@@ -92,14 +93,17 @@ def test_topology_errors_say_what_to_type_or_install():
     assert cpu.num_devices == 8 and cpu.usable_bytes > 0
 
 
-@pytest.mark.parametrize("version, env, noted", [("0.0.42.1", {}, True), ("0.0.50.1", {}, True),
-                                                 ("0.0.52", {}, False), ("0.0.60", {}, False),
-                                                 ("0.0.42.1", {"TPU_LIBRARY_PATH": "/x/libtpu.so"}, False)])
-def test_plans_compiled_by_a_libtpu_that_over_counts_say_so(monkeypatch, version, env, noted):
+@needs_libtpu
+@pytest.mark.parametrize("version, library, noted", [("0.0.42.1", None, True), ("0.0.50.1", None, True),
+                                                     ("0.0.52", None, False), ("0.0.60", None, False),
+                                                     ("0.0.42.1", "own", True),   # set by libtpu on import
+                                                     ("0.0.42.1", "/x/libtpu.so", False)])  # another one
+def test_plans_compiled_by_a_libtpu_that_over_counts_say_so(monkeypatch, version, library, noted):
     monkeypatch.setattr(targets.importlib.metadata, "version", lambda name: version)
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    if library:
+        own = os.path.join(importlib.util.find_spec("libtpu").submodule_search_locations[0], "libtpu.so")
+        monkeypatch.setenv("TPU_LIBRARY_PATH", own if library == "own" else library)
     tpu = targets.Target("v5p:4x4x4", "tpu", "v5p", "TPU v5", (), 95 * 2**30, 95 * 2**30)
     note = targets.compiler_note(tpu)
     assert bool(note) == noted

@@ -146,13 +146,16 @@ LIBTPU_EXACT_TEMPORARIES = (0, 0, 52)
 
 
 def libtpu_version() -> str | None:
-    """The installed libtpu's version; None when absent or replaced through ``TPU_LIBRARY_PATH``."""
-    if os.environ.get("TPU_LIBRARY_PATH"):
+    """The installed libtpu's version; None when absent or replaced through ``TPU_LIBRARY_PATH`` by
+    another ``libtpu.so`` (the package itself sets that variable to its own library on import)."""
+    spec = importlib.util.find_spec("libtpu")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    try:
-        return importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
+    own = os.path.join(spec.submodule_search_locations[0], "libtpu.so")
+    chosen = os.environ.get("TPU_LIBRARY_PATH")
+    if chosen and os.path.realpath(chosen) != os.path.realpath(own):
         return None
+    return importlib.metadata.version("libtpu")
 
 
 def compiler_note(target: Target) -> str:
