@@ -9,7 +9,19 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
+
+# One persistent compilation cache for the run, shared by both workers and the subprocesses they start:
+# many tests compile the same small programs (the same model in another test, a resumed run). Made fresh
+# by the process that loads this first (xdist's controller: its workers inherit the variable) and removed
+# by it at the end; a cache the caller set is used and kept.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tieflax-test-jax-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # The longest files first: with two workers taking a file at a time (setup.cfg), a long file started last
 # would leave one worker running alone at the end.
@@ -54,3 +66,8 @@ def _serve(server):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:   # set only in the process that made it: the controller, after its workers ended
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
