@@ -398,12 +398,14 @@ def test_xla_path_compiled_for_a_tpu_makes_no_bf16_copy_of_an_fp32_head():
     assert temp < 16, temp  # measured 0.0
 
 
-def test_xla_path_reduces_dw_block_by_block_on_a_tpu():
-    """impl='xla', a tensor-only head (Megatron's P('tensor', None)) on v5e fsdp 2 x tensor 4: each
-    finished dW block is written, not added, so its psum over fsdp stays in the vocab loop. Added, XLA
-    moved it out as one all-reduce of the whole local dW, and at the Gemma-2-2B head with V = 256,000 the
-    TPU compiler then evicted the fp32 dH accumulator to HBM: 36.4 MiB of temporaries against 0.0 at
-    V = 64,000 (benchmarks/README.md, --layouts)."""
+@pytest.mark.parametrize("impl, block", [("xla", {}), ("pallas", dict(vocab_chunk=512))])
+def test_dw_is_reduced_block_by_block_on_a_tpu(impl, block):
+    """A tensor-only head (Megatron's P('tensor', None)) on v5e fsdp 2 x tensor 4: each finished dW block
+    (XLA path) or chunk (Pallas) is written, not added, so its psum over fsdp stays in the vocab loop.
+    Added, XLA moved it out as one all-reduce of the whole local dW: on the XLA path (libtpu 0.0.42.1) the
+    TPU compiler then evicted the fp32 dH accumulator at the Gemma-2-2B head with V = 256,000 (36.4 MiB of
+    temporaries against 0.0 at 64,000); on the Pallas path (libtpu 0.0.52) the whole fp32 local dW became
+    a temporary (565.0 MiB at 256,000; benchmarks/README.md, --layouts)."""
     devices = _tpu_devices("v5e:2x4")
     n, d, v = 1024, 256, 8192
     mesh = make_mesh(1, 2, 4, devices=devices)
@@ -411,9 +413,11 @@ def test_xla_path_reduces_dw_block_by_block_on_a_tpu():
     args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh[0]),
             jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh[1]),
             jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh[2])]
-    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v - 5, mesh=mesh, impl="xla",
-                                                         weight_embed_axis=None)[0].sum(), argnums=(0, 1))
+    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v - 5, mesh=mesh, impl=impl,
+                                                         weight_embed_axis=None, **block)[0].sum(),
+                           argnums=(0, 1))
     hlo = jax.jit(f, out_shardings=(None, (sh[0], sh[1]))).lower(*args).compile().as_text()
     reduced = re.findall(r"= (f32\[[\d,]+\])\S* all-reduce\(", hlo)
+    rows = block.get("vocab_chunk", 256)
     assert f"f32[{v // 4},{d}]" not in reduced, reduced   # the whole local dW, after the loop
-    assert "f32[256,256]" in reduced, reduced              # one [vocab_block, d] block, in the loop
+    assert f"f32[{rows},{d}]" in reduced, reduced         # one block or chunk, in the loop

@@ -598,7 +598,9 @@ def _pallas_local_grads(cfg: _Cfg, plan, h, w, b, y, lse, coef, v_base, dh_dtype
         dwc, dbc = pallas_ce.local_dw(plan, h, wc, bc, y, lse, coef, v_base + v0, jnp.float32, lo)
         if reduce is not None:
             dwc, dbc = reduce((dwc, dbc))
-        dw, db = put(dw, db, v0, dwc, dbc)
+        # Written, not added (see _add_block): added, XLA:TPU (libtpu 0.0.52) moves the chunks' reduction
+        # out of the loop as one all-reduce of the whole local dW, a weight-sized fp32 temporary.
+        dw, db = put(dw, db, v0, dwc, dbc, jnp.arange(dwc.shape[0]) >= lo)
         return dh, dw, db
 
     init = (dh0 if chunked_dh else dh, jnp.zeros(w.shape, w.dtype), jnp.zeros((w.shape[0],), jnp.float32))
