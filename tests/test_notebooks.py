@@ -73,13 +73,6 @@ def test_notebooks_match_their_sources():
 
 
 @pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """One JAX persistent compilation cache for the notebooks of this session: 01 and 03 train the same
-    tiny models, so 03 reuses 01's compiled programs (it starts cold in every test session)."""
-    return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-@pytest.fixture(scope="module")
 def kernel_dirs(tmp_path_factory):
     """A kernelspec that starts this very interpreter (a plain 'python3' spec may resolve another one)."""
     root = tmp_path_factory.mktemp("kernels")
@@ -91,7 +84,7 @@ def kernel_dirs(tmp_path_factory):
     return [str(root)]
 
 
-def _execute(nb, cwd, kernel_dirs, compilation_cache):
+def _execute(nb, cwd, kernel_dirs):
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
@@ -99,15 +92,15 @@ def _execute(nb, cwd, kernel_dirs, compilation_cache):
     km = KernelManager(kernel_name="tieflax-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"    # CI has no accelerator; never probe for one
-    env.update(JAX_COMPILATION_CACHE_DIR=compilation_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    # JAX_COMPILATION_CACHE_DIR comes from tests/conftest.py: 01 and 03 train the same tiny models, so 03
+    # reuses 01's compiled programs.
     client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False,
                             resources={"metadata": {"path": str(cwd)}})
     client.execute(env=env)
     return nb
 
 
-def test_a_cell_error_fails_the_run(tmp_path, kernel_dirs, compilation_cache):
+def test_a_cell_error_fails_the_run(tmp_path, kernel_dirs):
     """The harness itself: an exception in any cell must surface as a failure, not as an output."""
     from nbclient.exceptions import CellExecutionError
 
@@ -115,12 +108,12 @@ def test_a_cell_error_fails_the_run(tmp_path, kernel_dirs, compilation_cache):
                                          nbformat.v4.new_code_cell("raise ValueError('broken cell')"),
                                          nbformat.v4.new_code_cell("y = 2")])
     with pytest.raises(CellExecutionError, match="broken cell"):
-        _execute(nb, tmp_path, kernel_dirs, compilation_cache)
+        _execute(nb, tmp_path, kernel_dirs)
     assert nb.cells[2].outputs == [] and nb.cells[2].execution_count is None  # execution stopped there
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name, tmp_path, kernel_dirs, compilation_cache):
+def test_notebook_runs(name, tmp_path, kernel_dirs):
     nb = _read(name)
     # A last cell reports what the kernel saw, so the test can check the interpreter and the devices.
     nb.cells.append(nbformat.v4.new_code_cell(
@@ -128,7 +121,7 @@ def test_notebook_runs(name, tmp_path, kernel_dirs, compilation_cache):
         "cpu = resource.getrusage(resource.RUSAGE_SELF)\n"
         "print('PROBE', sys.executable, jax.device_count(), jax.default_backend(), cpu.ru_utime + cpu.ru_stime)"))
     t0 = time.perf_counter()
-    _execute(nb, tmp_path, kernel_dirs, compilation_cache)
+    _execute(nb, tmp_path, kernel_dirs)
     probe = "".join(o.get("text", "") for o in nb.cells[-1].outputs).split()
     # Wall time depends on what else the machine runs; the kernel's CPU seconds do much less.
     print(f"{name}: {time.perf_counter() - t0:.1f} s wall, {float(probe[-1]):.1f} s kernel CPU")

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 
 from tieflax.config import default_config, default_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPILE_CACHE = tempfile.mkdtemp(prefix="tieflax_test_jax_cache_")
-atexit.register(shutil.rmtree, COMPILE_CACHE, True)
 
 
 def micro_config(data_dir: str, *, tied: bool = True, num_steps: int = 20):
@@ -73,11 +68,8 @@ def subprocess_env(devices: int, **extra: str) -> dict:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    # Subprocess runs of one config compile the same programs: share them through JAX's persistent
-    # cache (a folder per test session), which roughly halves the time of the second and later runs.
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # JAX_COMPILATION_CACHE_DIR comes from tests/conftest.py: runs of one config share their compiled
+    # programs, which roughly halves the time of the second and later runs.
     env.update(extra)
     return env
 
