@@ -25,9 +25,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # The longest files first: with two workers taking a file at a time (setup.cfg), a long file started last
 # would leave one worker running alone at the end.
-_LONGEST_FILES_FIRST = ("test_memory_options.py", "test_compare.py", "test_multiprocess_train.py",
-                        "test_notebooks.py", "test_train.py", "test_bucket_run.py", "test_compare_tasks.py",
-                        "test_eval_harness.py")
+_LONGEST_FILES_FIRST = ("test_train.py", "test_notebooks.py", "test_eval_harness.py", "test_memory_options.py",
+                        "test_multiprocess_train.py", "test_compare_tasks.py", "test_decode.py",
+                        "test_compare.py", "test_model.py", "test_bucket_run.py", "test_scan.py")
 
 
 def pytest_collection_modifyitems(items):
