@@ -107,6 +107,7 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         import signal  # noqa: PLC0415
 
+        self.signum = signum
         self.code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
         what = signal.Signals(signum).name
         super().__init__(f"stopped by {what}; the workdir's lock is released and finished work is kept: "
@@ -117,7 +118,13 @@ class Interrupted(BaseException):
 def _signals_as_exceptions():
     """SIGTERM and SIGINT raise :class:`Interrupted` for the block (in the main thread only). The trainer
     installs its own SIGTERM handler while it trains (finish the step, checkpoint, return 'preempted')
-    and restores this one afterwards."""
+    and restores this one afterwards.
+
+    A signal handler's exception is raised in whatever Python code runs at that moment; where that is a
+    garbage-collector callback (JAX registers one), a weakref callback or a ``__del__``, Python prints
+    it as "Exception ignored" and goes on. Such a swallowed :class:`Interrupted` reaches
+    ``sys.unraisablehook`` instead, which re-arms the handler and sends the signal again from a helper
+    thread, so that it lands in the command's own code a moment later."""
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
@@ -132,12 +139,30 @@ def _signals_as_exceptions():
             signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
+    def deliver_again(signum):
+        if active.is_set():  # the block may have ended meanwhile: then the signal has nothing to stop
+            os.kill(os.getpid(), signum)
+
+    def redeliver_swallowed(unraisable):
+        if not isinstance(unraisable.exc_value, Interrupted):
+            previous_hook(unraisable)
+            return
+        for s in previous:
+            signal.signal(s, raise_interrupted)
+        threading.Timer(0.05, deliver_again, (unraisable.exc_value.signum,)).start()
+
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous_hook = sys.unraisablehook
+    active = threading.Event()
+    active.set()
     for s in previous:
         signal.signal(s, raise_interrupted)
+    sys.unraisablehook = redeliver_swallowed
     try:
         yield
     finally:
+        active.clear()
+        sys.unraisablehook = previous_hook
         for s, handler in previous.items():
             signal.signal(s, handler)
 
