@@ -147,9 +147,12 @@ def _signals_as_exceptions():
         if not isinstance(unraisable.exc_value, Interrupted):
             previous_hook(unraisable)
             return
-        for s in previous:
-            signal.signal(s, raise_interrupted)
-        threading.Timer(0.05, deliver_again, (unraisable.exc_value.signum,)).start()
+        for s in previous:  # undo raise_interrupted's "once" (a trainer's own SIGTERM handler stays)
+            if signal.getsignal(s) == signal.SIG_IGN:
+                signal.signal(s, raise_interrupted)
+        timer = threading.Timer(0.05, deliver_again, (unraisable.exc_value.signum,))
+        timer.daemon = True
+        timer.start()
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     previous_hook = sys.unraisablehook
