@@ -16,11 +16,12 @@ import time
 import pytest
 
 from test_train_support import REPO, micro_config, prepare_shared_data, start_train
-from tieflax import checkpoint as ckpt
+from tieflax.run import checkpoints as ckpt
 from tieflax import storage
-from tieflax import workdir as wd
+from tieflax import lease
+from tieflax.run import lock as wd
 from tieflax.cli import main
-from tieflax.metrics import read_metrics
+from tieflax.run.metrics import read_metrics
 from tieflax.train import train_and_evaluate
 
 N = 15
@@ -91,7 +92,7 @@ def test_a_live_lease_refuses_and_a_stale_one_is_taken_over(gcs, capsys):
             pass
     assert json.loads(storage.read_text(lock))["host"] == "pod-worker-7"  # untouched
 
-    storage.write_text(lock, json.dumps({**other_host, "heartbeat": time.time() - wd.LEASE_SECONDS - 1}))
+    storage.write_text(lock, json.dumps({**other_host, "heartbeat": time.time() - lease.LEASE_SECONDS - 1}))
     with wd.workdir_lock(run, "train") as held:
         assert json.loads(storage.read_text(lock))["pid"] == os.getpid()
         held.check()
@@ -103,7 +104,7 @@ def test_a_live_lease_refuses_and_a_stale_one_is_taken_over(gcs, capsys):
 
 
 def test_the_heartbeat_renews_and_a_lost_lease_stops_the_holder(gcs, monkeypatch):
-    monkeypatch.setattr(wd, "HEARTBEAT_SECONDS", 0.2)
+    monkeypatch.setattr(lease, "HEARTBEAT_SECONDS", 0.2)
     run = gcs.new_bucket() + "/run"
     lock = storage.join(run, wd.LOCK_FILE)
     with wd.workdir_lock(run, "train") as held:

@@ -9,13 +9,13 @@ import pytest
 
 from console_support import capture_console, foreign_problems
 from tieflax import cli
-from tieflax.analysis import study
-from tieflax.analysis.resume import StudyMismatch
+from tieflax.study import compare
+from tieflax.study.resume import StudyMismatch
 from tieflax.model.params import param_report
-from tieflax.analysis.report import REPORT, claims, load_summary
+from tieflax.study.report import REPORT, claims, load_summary
 from tieflax.config import load_config
 from tieflax.model import ModelConfig
-from tieflax.workdir import WorkdirError
+from tieflax.run.layout import WorkdirError
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
 WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou thy "
@@ -152,7 +152,7 @@ def test_compare_prints_no_foreign_warning(compare_run):
 def test_report_only_rewrites_from_the_summary_and_verdicts_follow_the_interval(compare_run, capsys):
     import copy
 
-    from tieflax.analysis.report import render
+    from tieflax.study.report import render
 
     workdir = compare_run
     os.remove(workdir / REPORT)
@@ -231,7 +231,7 @@ def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):
     """The sweep's orchestration on a planted loss surface (no training: ``train`` is injected)."""
     import math
 
-    from tieflax.analysis import sweep
+    from tieflax.study import sweep
 
     best = {"tied": 3e-3, "untied": 1e-2, "untied_matched": 1e-2}
     calls = []

@@ -17,8 +17,8 @@ pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed
 from console_support import capture_console, foreign_problems  # noqa: E402
 from tieflax import cli  # noqa: E402
 from tieflax.analysis import stats as st  # noqa: E402
-from tieflax.analysis import study  # noqa: E402
-from tieflax.analysis.tasks import compare_tasks, tasks_section  # noqa: E402
+from tieflax.study import compare  # noqa: E402
+from tieflax.study.tasks import compare_tasks, tasks_section  # noqa: E402
 from tieflax.config import load_config  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
@@ -164,7 +164,7 @@ def test_tasks_are_off_by_default_and_checked():
 def test_sweep_takes_the_same_tasks(corpus, tmp_path):
     """``tieflax sweep`` with ``config.compare.tasks``: the runs at each variant's best rate are scored and
     the sweep report gains the per-size task table (one size, one seed: intervals over items)."""
-    from tieflax.analysis import sweep
+    from tieflax.study import sweep
 
     root, tasks = corpus
     scaling = os.path.join(os.path.dirname(CONFIG), "tie_scaling.py")

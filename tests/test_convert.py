@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 import jax.numpy as jnp  # noqa: E402
 
 from tieflax.cli import main  # noqa: E402
-from tieflax.checkpoint import load_latest_params  # noqa: E402
+from tieflax.run.checkpoints import load_latest_params  # noqa: E402
 from tieflax.config import model_config  # noqa: E402
-from tieflax.metrics import read_metrics  # noqa: E402
+from tieflax.run.metrics import read_metrics  # noqa: E402
 from tieflax.model import TransformerLM  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -268,7 +268,7 @@ def test_layout_conversion_says_what_it_resets_and_train_says_so(chain, tmp_path
 
 
 def test_an_interrupted_surgery_leaves_no_partial_folder_and_no_lock(chain, tmp_path, capsys, monkeypatch):
-    from tieflax import checkpoint as ckpt
+    from tieflax.run import checkpoints as ckpt
     from tieflax.cli import Interrupted
 
     def interrupted(*args, **kwargs):
@@ -284,7 +284,8 @@ def test_convert_to_and_from_a_bucket(chain, gcs, capsys):
     """Surgery, export and import with gs:// paths: written in place behind an incomplete marker (there is
     no rename on an object store), which is gone once the command finishes; the same parameters come back."""
     from tieflax import storage
-    from tieflax.workdir import INCOMPLETE_MARKER, check_no_partial_import
+    from tieflax.run.layout import INCOMPLETE_MARKER
+    from tieflax.run.destinations import check_no_partial_import
 
     bucket = gcs.new_bucket()
     untied, hf, back = f"{bucket}/untied", f"{bucket}/hf", f"{bucket}/back"

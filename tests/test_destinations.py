@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from tieflax.destinations import check_destination
-from tieflax.workdir import LOCK_FILE, WorkdirError
+from tieflax.run.destinations import check_destination
+from tieflax.run.layout import LOCK_FILE, WorkdirError
 
 
 def _run(folder, lock=False):

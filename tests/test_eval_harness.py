@@ -27,7 +27,8 @@ pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate 
 
 import flax.linen as nn  # noqa: E402
 
-from tieflax.checkpoint import load_workdir_config, save_initial_params  # noqa: E402
+from tieflax.run.identity import load_workdir_config  # noqa: E402
+from tieflax.run.checkpoints import save_initial_params  # noqa: E402
 from tieflax.cli import main  # noqa: E402
 from tieflax.config import default_model_config, model_config  # noqa: E402
 from tieflax.eval.tasks import run_tasks, task_manager  # noqa: E402

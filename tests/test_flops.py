@@ -118,7 +118,7 @@ def test_a_training_log_carries_tflops_per_device(tmp_path):
     peak on a CPU: no mfu)."""
     from test_train_support import micro_config, prepare_shared_data  # noqa: PLC0415
 
-    from tieflax.metrics import read_metrics  # noqa: PLC0415
+    from tieflax.run.metrics import read_metrics  # noqa: PLC0415
     from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
     data = str(tmp_path / "data")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from test_train_support import REPO, config_overrides, micro_config, prepare_shared_data, subprocess_env
-from tieflax import checkpoint as ckpt
-from tieflax.metrics import read_metrics
+from tieflax.run import checkpoints as ckpt
+from tieflax.run.metrics import read_metrics
 from tieflax.train import train_and_evaluate
 
 LOSS_RTOL = 1e-5  # fp32 all-reduce order across processes vs within one

@@ -12,13 +12,14 @@ import socket
 import pytest
 
 from test_train_support import REPO, micro_config
-from tieflax import checkpoint as ckpt
+from tieflax.run import checkpoints as ckpt
 from tieflax.cli import main
 from tieflax.config import load_config
-from tieflax.metrics import MetricWriter, MetricsFileError, read_metrics
+from tieflax.run.metrics import MetricWriter, MetricsFileError, read_metrics
 from tieflax.model import ConfigError
 from tieflax.train import final_interval_loss
-from tieflax.workdir import LOCK_FILE, workdir_lock
+from tieflax.run.layout import LOCK_FILE
+from tieflax.run.lock import workdir_lock
 
 TINY = os.path.join(REPO, "configs", "experiments", "tiny.py")
 

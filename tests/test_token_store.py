@@ -242,7 +242,7 @@ def test_tiny_trained_from_a_gs_store_and_from_token_files_has_identical_losses(
     # the local store gives these batches too (test_store_batches_equal_the_same_tokens_as_a_token_file)
     from test_train_support import micro_config
     from tieflax.data.token_files import write_token_file
-    from tieflax.metrics import read_metrics
+    from tieflax.run.metrics import read_metrics
     from tieflax.train import train_and_evaluate
     out, manifest = local_store
     remote = gcs.new_bucket() + "/corpus"

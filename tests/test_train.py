@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from test_train_support import micro_config, prepare_shared_data, start_train
-from tieflax import checkpoint as ckpt
+from tieflax.run import checkpoints as ckpt
+from tieflax.run.identity import load_workdir_config
 from tieflax.config import model_config
-from tieflax.metrics import read_metrics
+from tieflax.run.metrics import read_metrics
 from tieflax.model import ConfigError, TransformerLM
 from tieflax.train import TrainingError, _untied_view, dense_loss, evaluate, train_and_evaluate
 
@@ -161,7 +162,7 @@ def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
     from tieflax.cli import main
 
     workdir, result = tied_run
-    same = evaluate(ckpt.load_workdir_config(workdir), workdir)
+    same = evaluate(load_workdir_config(workdir), workdir)
     assert same["step"] == N
     assert same["loss"] == pytest.approx(result["final_val_loss"], rel=1e-6)
     assert main(["eval", "--workdir", workdir, "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
@@ -388,7 +389,7 @@ def test_scanned_run_converts_to_per_layer_with_the_same_loss(data_dir, tmp_path
     assert step == 3 and params["layers"]["block_0"]["attn"]["query"]["kernel"].shape[0] == 2
     flat = str(tmp_path / "per_layer")
     assert main(["convert", "--unscan-layers", "--workdir", workdir, "--out", flat]) == 0
-    flat_config = ckpt.load_workdir_config(flat)
+    flat_config = load_workdir_config(flat)
     assert not flat_config.model.scan_layers
     assert evaluate(flat_config, flat)["loss"] == pytest.approx(result["final_val_loss"], rel=1e-5)
     assert main(["convert", "--scan-layers", "--workdir", flat, "--out", str(tmp_path / "again")]) == 0

@@ -30,18 +30,18 @@ def _one_line(capsys, argv, code=1) -> str:
 
 
 def test_every_error_type_of_the_package_is_a_user_error():
-    from tieflax.checkpoint import CheckpointError, CheckpointMismatchError
+    from tieflax.run.checkpoints import CheckpointError, CheckpointMismatchError
     from tieflax.data.config import DataError
     from tieflax.interop.hf import DamagedCheckpoint, UnsafeCheckpoint
     from tieflax.interop.hf_config import UnsupportedHFConfig
     from tieflax.interop.hf_weights import CheckpointMismatch
-    from tieflax.metrics import MetricsFileError
+    from tieflax.run.metrics import MetricsFileError
     from tieflax.model.config import ConfigError
     from tieflax.plan import PlanError
     from tieflax.storage import StorageError
     from tieflax.targets import TargetError
     from tieflax.train import TrainingError
-    from tieflax.workdir import WorkdirError
+    from tieflax.run.layout import WorkdirError
 
     for cls in (CheckpointError, CheckpointMismatchError, DataError, DamagedCheckpoint, UnsafeCheckpoint,
                 UnsupportedHFConfig, CheckpointMismatch, MetricsFileError, ConfigError, PlanError, StorageError,
@@ -113,7 +113,7 @@ def add_arguments(parser):
     parser.add_argument("--in-gc-callback", action="store_true")
 
 def run(args):
-    from tieflax.workdir import workdir_lock
+    from tieflax.run.lock import workdir_lock
     signum = getattr(signal, args.signal)
 
     def signal_during_collection(phase, info):

@@ -39,12 +39,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tieflax import checkpoint as ckpt
+from tieflax.run import checkpoints as ckpt
+from tieflax.run.identity import load_workdir_config, save_config
+from tieflax.run.layout import CONFIG_FILE, INITIAL_PARAMS_DIR, CHECKPOINT_DIR, TOKENIZER_FILE
 from tieflax import flops
 from tieflax import sharding as shd
 from tieflax.config import model_config, validate_config
 from tieflax import storage
-from tieflax.metrics import MetricWriter, metric_files, progress_bar, read_metrics
+from tieflax.run.metrics import MetricWriter, metric_files, progress_bar, read_metrics
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
 from tieflax.model.params import param_report
@@ -419,9 +421,9 @@ def _diagnostics_fn():
 
 def _check_resume_matches(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Resuming with a different model would fail deep inside orbax; say so plainly instead."""
-    if not storage.is_file(storage.join(workdir, ckpt.CONFIG_FILE)):
+    if not storage.is_file(storage.join(workdir, CONFIG_FILE)):
         return
-    saved = model_config(ckpt.load_workdir_config(workdir))
+    saved = model_config(load_workdir_config(workdir))
     mine = model_config(config)
     # Memory switches change what is recomputed, kept or chunked, not the parameters or the function:
     # free to change on resume.
@@ -452,7 +454,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     'preempted'}``. Raises ``ConfigError`` before compiling when the config does not fit the mesh, and
     ``TrainingError`` on a non-finite loss or invalid labels (the last good checkpoint is kept).
     """
-    from tieflax.workdir import check_no_partial_import, workdir_lock  # noqa: PLC0415
+    from tieflax.run.destinations import check_no_partial_import  # noqa: PLC0415
+    from tieflax.run.lock import workdir_lock  # noqa: PLC0415
 
     workdir = storage.resolve(workdir)  # a malformed URL is refused here, before any work
     validate_config(config)

@@ -14,8 +14,8 @@ shape on the pod study's data and mesh (``tie_vs_untie_pod.py``; pass its data p
 
 import os
 
-from tieflax.analysis.study import default_compare_config
-from tieflax.analysis.sweep import default_sweep_config
+from tieflax.study.compare import default_compare_config
+from tieflax.study.sweep import default_sweep_config
 from tieflax.config import load_config
 
 

@@ -14,7 +14,7 @@ bootstrap intervals. See README.md ("The study") for the measured time. Rerunnin
 The model is tiny.py's narrowed to d_model 64 and 2 layers so that 3 seeds x 3 variants fit the time of
 one variant at d_model 128. Knobs: ``--config.compare.seeds='(0, 1, 2, 3, 4)'``,
 ``--config.compare.variants='("tied", "untied", "untied_matched", "untied_width", "tied_embed_decay")'``
-(every name: ``tieflax.analysis.study.VARIANTS``), ``--config.train.num_steps=N``; benchmark tasks per
+(every name: ``tieflax.study.compare.VARIANTS``), ``--config.train.num_steps=N``; benchmark tasks per
 run, off here: ``--config.compare.tasks="('arc_easy',)"`` (lm-eval names; ``compare.task_include_path``,
 ``task_limit``, ``task_num_fewshot``: see README "The study"). ``untied_depth``
 needs a deeper body (2 layers cannot absorb a 0.5M-parameter head).
@@ -22,7 +22,7 @@ needs a deeper body (2 layers cannot absorb a 0.5M-parameter head).
 
 import os
 
-from tieflax.analysis.study import default_compare_config
+from tieflax.study.compare import default_compare_config
 from tieflax.config import load_config
 
 

@@ -32,7 +32,7 @@ logits. Diagnostics sample 4,096 rows for pairwise and spectral statistics, and 
 1,000 steps. ``:runlocal`` shrinks everything to a CPU smoke test of the same code path.
 """
 
-from tieflax.analysis.study import default_compare_config
+from tieflax.study.compare import default_compare_config
 from tieflax.config import default_config, default_model_config
 
 

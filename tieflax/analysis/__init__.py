@@ -1,4 +1,4 @@
-"""Analysis: parameter accounting, embedding diagnostics, the compare study and its report.
+"""Analysis: the pure measures of embeddings and gradients (the study that applies them is tieflax.study).
 
     from tieflax.analysis import training_diagnostics
     scalars = training_diagnostics(params, token_counts, lookup_grad=g_in, head_grad=g_out)

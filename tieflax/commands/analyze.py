@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax.analysis import jsonable
-    from tieflax.analysis.workdir import analyze_workdir, without_arrays
+    from tieflax import strict_json as jsonable
+    from tieflax.study.analyze import analyze_workdir, without_arrays
 
     if args.overrides:
         raise SystemExit("tieflax analyze reads the run's own config.json; --config.* overrides do not apply")

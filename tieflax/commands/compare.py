@@ -46,12 +46,12 @@ def compilation_cache(workdir: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tieflax import storage
-    from tieflax.analysis.report import load_summary, write_report
+    from tieflax.study.report import load_summary, write_report
 
     if args.report_only:
         path = write_report(load_summary(args.workdir), args.workdir)
     else:
-        from tieflax.analysis.study import run_compare
+        from tieflax.study.compare import run_compare
         from tieflax.config import load_config
 
         config = load_config(args.config, args.overrides)

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax  # noqa: PLC0415
 
-    from tieflax.checkpoint import load_workdir_config  # noqa: PLC0415
+    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
     from tieflax.config import apply_override, model_config  # noqa: PLC0415
     from tieflax.train import evaluate  # noqa: PLC0415
 

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax.analysis.sweep import run_sweep
+    from tieflax.study.sweep import run_sweep
     from tieflax.commands.compare import compilation_cache
     from tieflax.config import load_config
 

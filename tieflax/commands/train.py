@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_run_config(config_path, workdir: str, overrides):
     """The config file with overrides, or the workdir's saved config (overrides applied) when none."""
-    from tieflax.checkpoint import CONFIG_FILE, load_workdir_config  # noqa: PLC0415
+    from tieflax.run.layout import CONFIG_FILE  # noqa: PLC0415
+    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
     from tieflax.config import apply_override, load_config, validate_config  # noqa: PLC0415
 
     if config_path:
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax  # noqa: PLC0415
 
-    from tieflax.analysis.jsonable import dumps as strict_json  # noqa: PLC0415
+    from tieflax.strict_json import dumps as strict_json  # noqa: PLC0415
     from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
     from tieflax.train import ProcessesStopped  # noqa: PLC0415

@@ -99,7 +99,7 @@ class TieflaxLM(TemplateLM):
     @classmethod
     def from_workdir(cls, workdir: str, *, step: Optional[int] = None, **kwargs) -> "TieflaxLM":
         """The run's checkpoint (latest, or ``step``), tokenizer and mesh."""
-        from tieflax.checkpoint import load_latest_params  # noqa: PLC0415
+        from tieflax.run.checkpoints import load_latest_params  # noqa: PLC0415
         from tieflax.config import model_config  # noqa: PLC0415
         from tieflax.data.tokenizer import TOKENIZER_FILE, bos_id_of, eos_id_of, load_tokenizer  # noqa: PLC0415
 

@@ -34,7 +34,7 @@ from IPython.display import Markdown, display
 
 from tieflax.model.params import abstract_params, format_table, param_report
 from tieflax.config import default_config, default_model_config, model_config
-from tieflax.metrics import read_metrics
+from tieflax.run.metrics import read_metrics
 from tieflax.train import train_and_evaluate
 '''),
     ("md", r'''
@@ -106,7 +106,7 @@ for name, config in configs.items():
 ## 3. Loss curves
 
 Every run logs to `metrics/` (JSON-lines segments, one per log period: `split`, `step` and the
-metrics), which `tieflax.metrics.read_metrics` reads back as one stream.
+metrics), which `tieflax.run.metrics.read_metrics` reads back as one stream.
 '''),
     ("code", r'''
 fig, ax = plt.subplots(figsize=(7, 4))

@@ -36,8 +36,8 @@ import os
 
 from IPython.display import Image, Markdown, display
 
-from tieflax.analysis.report import claims, diagnostics_table, results_table
-from tieflax.analysis.study import default_compare_config, run_compare
+from tieflax.study.report import claims, diagnostics_table, results_table
+from tieflax.study.compare import default_compare_config, run_compare
 from tieflax.config import default_config, default_model_config
 '''),
     ("md", r'''

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from tieflax import storage
-from tieflax.analysis import jsonable
+from tieflax import strict_json as jsonable
 from tieflax.analysis import stats as st
 from tieflax.errors import ConfigValueError, UserError
 
@@ -59,17 +59,6 @@ def check_settings(cc, *, lookup: bool = False) -> None:
     except ImportError:
         raise ConfigValueError("config.compare.tasks needs lm-evaluation-harness: pip install -e '.[eval]'") from None
     task_manager(list(cc.tasks), cc.task_include_path or None)   # unknown task or bad folder: one line
-
-
-def task_section(config):
-    """The task fields of ``config.compare`` (defaults where absent), checked: what ``tieflax sweep`` scores
-    its runs with, so a sweep takes the same tasks as a compare of the same config."""
-    from tieflax.analysis.study import default_compare_config  # noqa: PLC0415
-    from tieflax.config import section_with_defaults  # noqa: PLC0415
-
-    cc = section_with_defaults(config, "compare", default_compare_config())
-    check_settings(cc)
-    return cc
 
 
 def main_metric(samples: list[dict]) -> str:
@@ -113,7 +102,7 @@ def items_of(results: dict, name: str) -> dict:
 def score_run(run_dir: str, cc, *, log: Callable[[str], None] = print) -> dict:
     """Scores ``run_dir``'s latest checkpoint on ``cc.tasks`` (or reuses ``analysis/tasks.json`` when it
     holds the same step and settings); -> ``{'step', 'settings', 'tasks': {name: items_of(...)}}``."""
-    from tieflax.analysis.workdir import checkpoint_steps  # noqa: PLC0415
+    from tieflax.study.analyze import checkpoint_steps  # noqa: PLC0415
 
     path = storage.join(run_dir, "analysis", TASKS_FILE)
     step, want = int(checkpoint_steps(run_dir)[-1]), settings(cc)

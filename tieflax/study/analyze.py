@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from tieflax import storage
-from tieflax.analysis import jsonable
+from tieflax import strict_json as jsonable
 from tieflax.analysis.diagnostics import embedding_diagnostics
 from tieflax.analysis.frequency import as_matrix
 from tieflax.analysis.geometry import pairwise_cosines, row_cosines
@@ -27,7 +27,7 @@ from tieflax.analysis.softmax import softmax_diagnostics
 # ------------------------------------------------------------------------------------------ checkpoints
 def checkpoint_steps(workdir: str) -> list[int]:
     """Steps with a complete checkpoint in ``workdir`` (ascending; empty when none)."""
-    from tieflax import checkpoint as ckpt
+    from tieflax.run import checkpoints as ckpt
 
     if not storage.is_dir(ckpt.checkpoint_dir(workdir)):
         return []
@@ -42,7 +42,7 @@ def load_params_at(workdir: str, step: int | None = None) -> tuple[Any, dict, in
 
     Only the parameters are read (a partial restore of the ``state`` item), never the optimizer state.
     """
-    from tieflax import checkpoint as ckpt
+    from tieflax.run import checkpoints as ckpt
 
     steps = checkpoint_steps(workdir)
     if not steps:

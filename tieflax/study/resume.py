@@ -60,7 +60,8 @@ def check_run_matches(run_dir: str, config, *, retrain: bool, saved_fields: dict
     with ``retrain`` removes it instead and returns True (the caller trains it afresh). False when there
     is nothing to check (no run yet) or it matches. ``saved_fields``: the run's own record of its
     :func:`result_fields` (the sweep keeps it in its result file); else ``run_dir/config.json``."""
-    from tieflax.checkpoint import CONFIG_FILE, load_workdir_config  # noqa: PLC0415
+    from tieflax.run.layout import CONFIG_FILE  # noqa: PLC0415
+    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
 
     if saved_fields is not None:
         now = result_fields(config)

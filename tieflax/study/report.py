@@ -15,9 +15,10 @@ from collections import defaultdict
 import numpy as np
 
 from tieflax import storage
-from tieflax.analysis import jsonable, plots
+from tieflax import strict_json as jsonable
+from tieflax.analysis import plots
 from tieflax.analysis import stats as st
-from tieflax.analysis.jsonable import to_jsonable
+from tieflax.strict_json import to_jsonable
 
 REPORT = "report.md"
 SUMMARY = "summary.json"
@@ -449,7 +450,7 @@ CAPTIONS = {
 
 def _tasks_part(summary: dict) -> list[str]:
     """The benchmark-task section (``config.compare.tasks``), or nothing when no task was scored."""
-    from tieflax.analysis.tasks import tasks_section  # noqa: PLC0415
+    from tieflax.study.tasks import tasks_section  # noqa: PLC0415
 
     text = tasks_section(summary.get("tasks") or {}, _table)
     return ["## Benchmark tasks", "", text, ""] if text else []
@@ -498,7 +499,7 @@ def write_report(summary: dict, out_dir: str) -> str:
     if any(r.get("tasks") for r in summary["runs"]):
         # Recomputed from the per-item scores each time (``--report-only`` included): a prompt-hash
         # mismatch is refused here, before anything is written.
-        from tieflax.analysis.tasks import compare_tasks  # noqa: PLC0415
+        from tieflax.study.tasks import compare_tasks  # noqa: PLC0415
 
         summary["tasks"] = to_jsonable(compare_tasks(summary["runs"],
                                                      summary.get("compare", {}).get("bootstrap", st.N_BOOT)))
@@ -529,7 +530,7 @@ def write_html(markdown_text: str, path: str) -> str | None:
 def load_summary(out_dir: str) -> dict:
     """``summary.json`` of a finished study in ``out_dir``; a study still in progress (runs but no summary
     yet) or a folder that holds none is a one-line error saying which and what to do."""
-    from tieflax.workdir import WorkdirError  # noqa: PLC0415
+    from tieflax.run.layout import WorkdirError  # noqa: PLC0415
 
     out_dir = storage.resolve(out_dir)
     path = storage.join(out_dir, SUMMARY)

@@ -1,15 +1,8 @@
-"""Checkpoints and the workdir layout.
+"""A run's checkpoints: ``checkpoints/<step>/{state,data}`` and ``initial_params/`` (see
+``tieflax.run.layout`` for the whole run directory).
 
-A workdir holds::
-
-    config.json        the full experiment config (``tieflax eval`` and resumes read it back)
-    tokenizer.json     written by the data pipeline
     checkpoints/<step>/state   {'step', 'params', 'opt_state'}: orbax (tensorstore / OCDBT), per-array sharded
     checkpoints/<step>/data    the grain iterator state, one JSON per process
-    initial_params/    optional: parameters a fresh run starts from (see ``save_initial_params``)
-    checkpoints_unreadable/<step>  checkpoints a resume found damaged, set aside (never deleted)
-    tieflax.lock       while a command writes here (see ``tieflax.workdir``)
-    metrics/, tensorboard/        see ``tieflax.metrics`` (segments, one per log period)
 
 Checkpoints go through ``orbax.checkpoint.CheckpointManager``: asynchronous, atomic (a step directory
 exists only once complete), ``keep`` most recent kept. Arrays restore onto whatever shardings the
@@ -43,12 +36,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from tieflax import storage
-
 from tieflax.errors import UserError
+from tieflax.run import layout
+from tieflax.run.identity import save_config
+from tieflax.run.layout import CHECKPOINT_DIR, INITIAL_PARAMS_DIR, UNREADABLE_DIR, check_location
 
-CONFIG_FILE = "config.json"
-CHECKPOINT_DIR = "checkpoints"
-INITIAL_PARAMS_DIR = "initial_params"
 ITEMS = ("state", "data")
 
 
@@ -56,82 +48,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the step or folder and what to do."""
 
 
-# ------------------------------------------------------------------------------------------------ config
-
-def save_config(workdir: str, config: ml_collections.ConfigDict, *, claim: bool = False) -> str:
-    """Writes ``<workdir>/config.json`` whole (process 0 only) and returns its path.
-
-    ``claim=True`` (a run starting in a fresh workdir): written only if no config.json exists yet (a
-    create-only precondition), so two runs cannot both claim one prefix; the loser gets WorkdirError.
-    An existing config.json (a resume, checked against this config before) is replaced whole.
-    """
-    from tieflax.workdir import WorkdirError  # noqa: PLC0415
-
-    path = storage.join(storage.resolve(workdir), CONFIG_FILE)
-    if jax.process_index() == 0:
-        text = config.to_json_best_effort(indent=2, sort_keys=True).encode("utf-8")
-        if not claim or storage.is_file(path):
-            storage.write_bytes(path, text)
-        elif not storage.create_new(path, text):
-            raise WorkdirError(f"{path} was created by another run while this one started: each run needs "
-                               "its own --workdir")
-    return path
-
-
-def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config saved in ``workdir``, completed with today's defaults for fields added since."""
-    from tieflax.config import default_config  # noqa: PLC0415
-
-    path = storage.join(storage.resolve(workdir), CONFIG_FILE)
-    try:
-        text = storage.read_text(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a tieflax workdir (train into it "
-                                "first, or save_initial_params there).") from None
-    try:
-        saved = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): restore "
-                              "it from a backup or rewrite it with `tieflax train --config ... --workdir` "
-                              "using the run's original config") from None
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{path} holds no config object: restore it from a backup")
-    config = default_config()
-    _merge(config, saved, "config")
-    return config
-
-
-def _merge(node: ml_collections.ConfigDict, values: dict, where: str) -> None:
-    for key, value in values.items():
-        if key in node and isinstance(node[key], ml_collections.ConfigDict) and isinstance(value, dict):
-            _merge(node[key], value, f"{where}.{key}")
-        else:
-            if isinstance(value, list):
-                value = tuple(value) if isinstance(node.get(key), tuple) else value
-            with node.ignore_type():
-                node[key] = value
-
-
 # ------------------------------------------------------------------------------------------------ manager
 
-def check_checkpoint_location(workdir: str) -> None:
-    """Refuses a workdir whose checkpoints orbax cannot write, before any work.
-
-    orbax-checkpoint (0.12.8, the newest release) sends checkpoint arrays to TensorStore's gcs driver for
-    ``gs://`` and its file driver for everything else: ``s3://b/run`` becomes the relative path
-    ``s3:/b/run`` ("Checkpoint path should be absolute"). Token stores and data files on s3:// are
-    read and written by tieflax itself and work there."""
-    path = storage.resolve(workdir)
-    if storage.is_remote(path) and storage.bucket_and_key(path)[0] == "s3":
-        raise CheckpointError(
-            f"{workdir} cannot hold checkpoints: orbax-checkpoint writes checkpoint arrays to local paths and "
-            "gs:// only, not s3://. Put the run on gs:// or a local disk (a token store or data files may "
-            "stay on s3://)")
-
-
 def checkpoint_dir(workdir: str) -> str:
-    check_checkpoint_location(workdir)
-    return storage.join(storage.resolve(workdir), CHECKPOINT_DIR)
+    check_location(workdir)
+    return layout.path(workdir, CHECKPOINT_DIR)
 
 
 _DATA_HANDLER_CLASS = None
@@ -257,7 +178,7 @@ def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params:
     import flax.linen as nn  # noqa: PLC0415
 
     save_config(workdir, config)
-    path = storage.join(storage.resolve(workdir), INITIAL_PARAMS_DIR)
+    path = layout.path(workdir, INITIAL_PARAMS_DIR)
     params = jax.tree.map(np.asarray, nn.unbox(params))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, params, force=True)
@@ -266,12 +187,12 @@ def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params:
 
 
 def has_initial_params(workdir: str) -> bool:
-    return storage.is_dir(storage.join(storage.resolve(workdir), INITIAL_PARAMS_DIR))
+    return storage.is_dir(layout.path(workdir, INITIAL_PARAMS_DIR))
 
 
 def load_initial_params(workdir: str, abstract_params: Any | None = None) -> Any:
     """``initial_params/`` onto ``abstract_params``' shardings, or as host NumPy when it is None."""
-    path = storage.join(storage.resolve(workdir), INITIAL_PARAMS_DIR)
+    path = layout.path(workdir, INITIAL_PARAMS_DIR)
     with ocp.StandardCheckpointer() as ckptr:
         if abstract_params is not None:
             return ckptr.restore(path, abstract_params)
@@ -328,6 +249,8 @@ def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collec
     With no checkpoint yet, returns the ``initial_params/`` at step 0. Raises FileNotFoundError when the
     workdir has neither, or has no checkpoint at the ``step`` asked for.
     """
+    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415 (same floor)
+
     config = load_workdir_config(workdir)
     latest = latest_step(workdir)
     if latest is None and step in (None, 0):
@@ -355,9 +278,6 @@ def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]
 
 
 # ------------------------------------------------------------------------------------------ resilience
-UNREADABLE_DIR = "checkpoints_unreadable"
-
-
 def _why(e: BaseException) -> str:
     """One short line for an orbax/tensorstore failure: the innermost cause's first line (the outer ones
     say "error while reading array index ..."; the inner one says what is wrong with which file)."""
@@ -397,7 +317,7 @@ class CheckpointMismatchError(CheckpointError):
 
 def move_aside(workdir: str, step: int) -> str:
     """Moves ``checkpoints/<step>`` to ``checkpoints_unreadable/<step>[-n]`` (kept, never deleted)."""
-    target_dir = storage.join(storage.resolve(workdir), UNREADABLE_DIR)
+    target_dir = layout.path(workdir, UNREADABLE_DIR)
     target, n = storage.join(target_dir, str(step)), 1
     while storage.exists(target):
         target, n = storage.join(target_dir, f"{step}-{n}"), n + 1

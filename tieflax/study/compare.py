@@ -27,7 +27,7 @@ import time
 import ml_collections
 
 from tieflax import storage
-from tieflax.analysis import jsonable
+from tieflax import strict_json as jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigValueError
 from tieflax.model.params import param_report
@@ -61,7 +61,7 @@ def default_compare_config() -> ml_collections.ConfigDict:
     c.n_bins = 8                 # equal-token-mass frequency bins (rarest first)
     c.max_rows = 1024            # row sample for the spectral anisotropy measures (0 = every row)
     c.bootstrap = 2000           # bootstrap replicates per interval
-    # Benchmark tasks (tieflax.analysis.tasks): lm-eval task names scored on each run's final checkpoint.
+    # Benchmark tasks (tieflax.study.tasks): lm-eval task names scored on each run's final checkpoint.
     c.tasks = ()                 # () = off; e.g. ('arc_easy', 'hellaswag') (the `eval` extra)
     c.task_include_path = ""     # a folder of extra task YAMLs ("" = lm-eval's registry only)
     c.task_num_fewshot = -1      # -1 = each task's own setting
@@ -88,8 +88,18 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         raise ConfigValueError(f"config.compare.analysis_points = {cc.analysis_points}: must be >= 1")
     if cc.grad_batches < 1:
         raise ConfigValueError(f"config.compare.grad_batches = {cc.grad_batches}: must be >= 1")
-    from tieflax.analysis.tasks import check_settings
+    from tieflax.study.tasks import check_settings
 
+    check_settings(cc)
+    return cc
+
+
+def task_section(config) -> ml_collections.ConfigDict:
+    """The task fields of ``config.compare`` (defaults where absent), checked: what ``tieflax sweep`` scores
+    its runs with, so a sweep takes the same tasks as a compare of the same config."""
+    from tieflax.study.tasks import check_settings  # noqa: PLC0415 (lm-eval is imported only when asked)
+
+    cc = section_with_defaults(config, "compare", default_compare_config())
     check_settings(cc)
     return cc
 
@@ -236,7 +246,7 @@ def study_data(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collectio
     """
     import numpy as np
 
-    from tieflax.analysis.evidence import document_ids
+    from tieflax.study.evidence import document_ids
     from tieflax.data import make_loader, prepare_dataset
 
     t = config.train
@@ -267,8 +277,8 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     """Measures a finished run's last checkpoint against its initial parameters (recomputed from the seed
     exactly as the trainer draws them). Writes ``run_dir/analysis/compare.json``; a rerun reuses it when
     it describes the same step."""
-    from tieflax.analysis.evidence import measure_run
-    from tieflax.analysis.workdir import analysis_loss_options, checkpoint_steps, load_params_at
+    from tieflax.study.evidence import measure_run
+    from tieflax.study.analyze import analysis_loss_options, checkpoint_steps, load_params_at
     from tieflax.config import model_config
 
     path = storage.join(run_dir, "analysis", "compare.json")
@@ -309,17 +319,17 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
     ``workdir/data/`` (the shared tokenizer and token cache), ``workdir/summary.json``, ``report.md``,
     ``report.html`` (when markdown-it-py is installed) and the PNGs. ``log`` receives progress lines.
     ``workdir`` may be a ``gs://`` / ``s3://`` prefix. A rerun reuses a run only if it was trained with
-    the config it would be trained with now (``tieflax.analysis.resume``); ``retrain_changed`` trains
+    the config it would be trained with now (``tieflax.study.resume``); ``retrain_changed`` trains
     the ones that differ again instead of refusing.
     """
     import jax
 
-    from tieflax.workdir import workdir_lock
+    from tieflax.run.lock import workdir_lock
 
     workdir = storage.resolve(workdir)
     cc = compare_config(config)  # every config error before anything is written
     if cc.tasks:
-        from tieflax.analysis.tasks import check_settings
+        from tieflax.study.tasks import check_settings
 
         check_settings(cc, lookup=True)  # an unknown task fails now, not after hours of training
     variants, match = variant_configs(config)
@@ -329,10 +339,10 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
 
 
 def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
-    from tieflax.analysis.report import write_report
-    from tieflax.analysis.resume import StudyMismatch, check_run_matches
+    from tieflax.study.report import write_report
+    from tieflax.study.resume import StudyMismatch, check_run_matches
     from tieflax.config import model_config
-    from tieflax.metrics import read_metrics
+    from tieflax.run.metrics import read_metrics
     from tieflax.train import train_and_evaluate
 
     import jax
@@ -388,7 +398,7 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
             analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0])
         scores = None
         if is_main and cc.tasks:
-            from tieflax.analysis.tasks import score_run
+            from tieflax.study.tasks import score_run
 
             scores = score_run(run_dir, cc, log=log)
         full = f", full split {analysis['val']['loss']:.4f}" if analysis else ""

@@ -27,10 +27,8 @@ from typing import Mapping
 
 from tieflax import storage
 from tieflax.errors import UserError
-
-METRICS_DIR = "metrics"
-LEGACY_METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+from tieflax.run import layout
+from tieflax.run.layout import LEGACY_METRICS_FILE, METRICS_DIR, TENSORBOARD_DIR
 
 
 class MetricsFileError(UserError, ValueError):
@@ -46,7 +44,7 @@ class MetricWriter:
     def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
         self.enabled = enabled
         self.workdir = storage.resolve(workdir)
-        self.path = storage.join(self.workdir, METRICS_DIR)
+        self.path = layout.path(self.workdir, METRICS_DIR)
         self._session = f"{time.time_ns():020d}"
         self._seq = 0
         self._rows: list[str] = []

@@ -5,20 +5,25 @@
 run (a training run beside the source) or lies inside one, or that a running command holds. Each is
 refused before anything is read or written, after resolving symbolic links (a link to the source is the
 source). Paths may be local or ``gs://`` / ``s3://`` URLs (``tieflax.storage``).
+
+A new workdir (an import or a surgery) appears complete or not at all: locally it is written into
+``<parent>/.<name>.partial-<pid>`` and renamed when complete (``writing_new_workdir``); a leftover partial
+folder means an interrupted import, and ``check_no_partial_import`` makes training refuse, naming it. On
+gs:// / s3:// (no rename) it is written in place behind the ``tieflax.incomplete`` marker object.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 from typing import Iterator, Sequence
 
 from tieflax import storage
-from tieflax.workdir import LOCK_FILE, WorkdirError
-
-# A tieflax run: its config.json beside what training or an import leaves; or a folder a command holds.
-RUN_CONTENT = ("checkpoints", "initial_params", "metrics.jsonl", "metrics")
+from tieflax.run.layout import (CONFIG_FILE, INCOMPLETE_MARKER, INITIAL_PARAMS_DIR, LOCK_FILE, PARTIAL_TAG,
+                                RUN_CONTENT, WorkdirError, check_location, holds_a_run, is_run)
+from tieflax.run.lock import workdir_lock
 
 
 def real(path: str) -> str:
@@ -31,13 +36,6 @@ def _inside(path: str, folder: str) -> bool:
     """True when ``path`` lies strictly inside ``folder`` (both canonical)."""
     sep = "/" if storage.is_remote(folder) else os.sep
     return path != folder and path.startswith(folder.rstrip(sep) + sep)
-
-
-def is_run(folder: str) -> bool:
-    """True when ``folder`` holds a tieflax run (``config.json`` with checkpoints, initial parameters or
-    metrics) or is held by a command (its lock). A lone config.json (a Hugging Face folder) is not one."""
-    there = lambda n: storage.exists(storage.join(folder, n))  # noqa: E731
-    return there(LOCK_FILE) or (there("config.json") and any(there(n) for n in RUN_CONTENT))
 
 
 def check_destination(out: str, *, sources: Sequence[tuple[str, str]] = (), overwrite: bool,
@@ -88,7 +86,7 @@ def _first_run_inside(folder: str) -> str | None:
         for path in keys:
             if storage.name(path) == LOCK_FILE:
                 return storage.parent(path)
-            if storage.name(path) == "config.json":
+            if storage.name(path) == CONFIG_FILE:
                 run = storage.parent(path)
                 if any(k.startswith(storage.join(run, n)) for k in keys for n in RUN_CONTENT):
                     return run
@@ -110,11 +108,9 @@ def check_empty_or_replaceable(dest: str, *, overwrite: bool, flag: str = "--out
     """Before any work: a local destination may hold something only with ``overwrite`` (it is replaced
     whole by a rename); a gs:// / s3:// prefix must be empty, since there is no rename to replace it
     whole, except for what an interrupted convert left behind its incomplete marker."""
-    from tieflax.workdir import INCOMPLETE_MARKER, check_destination as check_local  # noqa: PLC0415
-
     dest = storage.resolve(dest)
     if not storage.is_remote(dest):
-        check_local(dest, overwrite=overwrite)
+        _check_local_destination(dest, overwrite=overwrite)
         return
     names = set(storage.listdir(dest)) - {LOCK_FILE}
     if names and INCOMPLETE_MARKER not in names:
@@ -134,9 +130,6 @@ def writing_new_workdir(dest: str, *, overwrite: bool, command: str = "convert")
     interrupted (SIGTERM/SIGINT arrive as exceptions, see tieflax.cli) removes what it wrote; only a
     kill -9 leaves a partial folder or a marked prefix behind, and rerunning the command clears it.
     """
-    from tieflax.workdir import (INCOMPLETE_MARKER, fresh_partial_folder, publish,  # noqa: PLC0415
-                                 workdir_lock)
-
     dest = storage.resolve(dest)
     with workdir_lock(dest, command):
         if not storage.is_remote(dest):
@@ -180,3 +173,70 @@ def copy_tree(src: str, dst: str) -> list[str]:
         copy_file(path, storage.join(dst, *rel.split("/" if storage.is_remote(src) else os.sep)))
         names.append(rel)
     return names
+
+
+# ---------------------------------------------------------------- local: a partial folder, then a rename
+def partial_folder(workdir: str) -> str:
+    """Where an import or surgery into ``workdir`` is written before the rename that completes it."""
+    workdir = os.path.abspath(workdir)
+    return os.path.join(os.path.dirname(workdir), f".{os.path.basename(workdir)}{PARTIAL_TAG}{os.getpid()}")
+
+
+def fresh_partial_folder(workdir: str) -> str:
+    """An empty ``partial_folder``, after removing what interrupted imports into ``workdir`` left (call it
+    holding the workdir's lock, so no other import is writing one)."""
+    for leftover in partial_imports(workdir):
+        if PARTIAL_TAG in os.path.basename(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+    path = partial_folder(workdir)
+    os.makedirs(path)
+    return path
+
+
+def partial_imports(workdir: str) -> list[str]:
+    workdir = storage.resolve(workdir)
+    if storage.is_remote(workdir):  # no rename there: convert writes in place behind a marker object
+        marker = storage.join(workdir, INCOMPLETE_MARKER)
+        return [marker] if storage.is_file(marker) else []
+    pattern = os.path.join(os.path.dirname(workdir), f".{glob.escape(os.path.basename(workdir))}{PARTIAL_TAG}*")
+    found = glob.glob(pattern)
+    # orbax writes initial_params/ under a temporary name first: a kill during that write leaves it
+    found += [p for p in glob.glob(os.path.join(glob.escape(workdir), INITIAL_PARAMS_DIR + "*"))
+              if os.path.basename(p) != INITIAL_PARAMS_DIR]
+    return sorted(found)
+
+
+def check_no_partial_import(workdir: str) -> None:
+    """Refuses a workdir whose import or surgery was interrupted (it would train from random weights)."""
+    found = partial_imports(workdir)
+    if found:
+        raise WorkdirError(f"an import into {storage.resolve(workdir)} did not finish ({found[0]} is "
+                           "incomplete): rerun the `tieflax convert` command that writes it, or delete "
+                           f"{found[0]} to train without it")
+
+
+def publish(partial: str, workdir: str, *, overwrite: bool) -> None:
+    """Renames a complete ``partial`` folder to ``workdir``. An existing ``workdir`` must be empty (this
+    process's lock aside), or be replaced because ``overwrite`` was given."""
+    workdir = os.path.abspath(workdir)
+    if os.path.isdir(workdir) and set(os.listdir(workdir)) - {LOCK_FILE}:
+        if not overwrite:
+            raise WorkdirError(f"{workdir} is not empty{' and holds a run' if holds_a_run(workdir) else ''}: "
+                               "pass --overwrite to replace it, or write to a new folder")
+        old = partial.replace(PARTIAL_TAG, ".replaced-")
+        os.replace(workdir, old)
+        os.replace(partial, workdir)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    if os.path.isdir(workdir):
+        shutil.rmtree(workdir)  # empty but for our own lock, released with it
+    os.replace(partial, workdir)
+
+
+def _check_local_destination(workdir: str, *, overwrite: bool) -> None:
+    """Before any work: refuse a destination that is a file, or holds something, unless ``overwrite``."""
+    check_location(workdir)
+    if not overwrite and os.path.isdir(workdir) and set(os.listdir(workdir)) - {LOCK_FILE}:
+        what = "holds a run" if holds_a_run(workdir) else "is not empty"
+        raise WorkdirError(f"{os.path.abspath(workdir)} {what}: pass --overwrite to replace it, or write to a "
+                           "new folder")

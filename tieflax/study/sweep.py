@@ -31,12 +31,12 @@ import ml_collections
 import numpy as np
 
 from tieflax import storage
-from tieflax.analysis import jsonable
+from tieflax import strict_json as jsonable
 from tieflax.analysis import stats as st
-from tieflax.analysis.jsonable import to_jsonable
+from tieflax.strict_json import to_jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigValueError
-from tieflax.workdir import WorkdirError
+from tieflax.run.layout import WorkdirError
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
 RESULT = "sweep_result.json"
@@ -82,7 +82,7 @@ def size_config(config, size) -> ml_collections.ConfigDict:
 def plan(config, sc) -> list[dict]:
     """Every run of the sweep, in order: the learning-rate runs first, then sizes x variants x seeds
     (``lr=None``: filled with the variant's best rate once the first phase is done)."""
-    from tieflax.analysis.study import variant_configs
+    from tieflax.study.compare import variant_configs
 
     runs = []
     for phase in ("lr", "main"):
@@ -117,11 +117,11 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
     must return a dict with ``final_val_loss`` (the trainer's, on the whole split: ``eval_batches=0``).
 
     On ``resume``, a run found in the workdir is reused only if it was trained with the config it would
-    get now (``tieflax.analysis.resume``); otherwise the sweep refuses naming the fields, or with
+    get now (``tieflax.study.resume``); otherwise the sweep refuses naming the fields, or with
     ``retrain_changed`` trains it again. ``workdir`` may be a ``gs://`` / ``s3://`` prefix."""
     import jax
 
-    from tieflax.workdir import workdir_lock
+    from tieflax.run.lock import workdir_lock
 
     sc = sweep_config(config)
     workdir = storage.resolve(workdir)
@@ -129,7 +129,8 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
         raise WorkdirError(f"{workdir} already holds a sweep; pass --resume to continue it, or use a new "
                            "--workdir")
     runs = plan(config, sc)  # every variant validated at every size before anything is written
-    from tieflax.analysis.tasks import check_settings, task_section
+    from tieflax.study.compare import task_section
+    from tieflax.study.tasks import check_settings
 
     tc = task_section(config)   # config.compare.tasks: the same benchmark tasks a compare scores
     if tc.tasks:
@@ -158,8 +159,8 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
     import jax
 
     from tieflax import distributed
-    from tieflax.analysis.resume import StudyMismatch, check_run_matches, result_fields
-    from tieflax.analysis.study import param_counts, shared_tokenizer
+    from tieflax.study.resume import StudyMismatch, check_run_matches, result_fields
+    from tieflax.study.compare import param_counts, shared_tokenizer
     from tieflax.config import model_config
 
     is_main = jax.process_index() == 0
@@ -212,7 +213,7 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
         best = best_learning_rates(done)
     if tasks is not None and is_main:
         # Benchmark tasks on the runs the curves use (each variant's best rate); reused when already scored.
-        from tieflax.analysis.tasks import compare_tasks, score_run
+        from tieflax.study.tasks import compare_tasks, score_run
 
         for d in done:
             if d["lr"] == best.get(d["variant"]):
@@ -349,8 +350,8 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
         lines.append(f"- `{v}` minus `tied` {what}: per size {diffs} (negative favours untied). Crossing: {where}; "
                      f"{unc}.")
     if summary.get("tasks"):
-        from tieflax.analysis.report import _table
-        from tieflax.analysis.tasks import tasks_section
+        from tieflax.study.report import _table
+        from tieflax.study.tasks import tasks_section
 
         lines += ["", "## Benchmark tasks", ""]
         for size, per_task in summary["tasks"].items():

@@ -1,0 +1,86 @@
+"""Every name in a run directory, once, and what counts as a run.
+
+A run directory (``--workdir``, local or ``gs://bucket/runs/NAME``) holds::
+
+    config.json              the config the run trains with (created once; never rewritten by a resume)
+    config_history/<n>.json  each deliberate change of a result field (``--allow-change``), numbered,
+                             create-only: ``0.json`` is the config the run started with
+    tokenizer.json           the tokenizer its ids come from (trained, imported, or a copy)
+    data_cache/              the content-hashed token cache of ``data.source`` corpora and files
+    checkpoints/<step>/      orbax: ``state`` {'step', 'params', 'opt_state'} and ``data`` (the iterator)
+    checkpoints_unreadable/<step>   checkpoints a resume found damaged, set aside (never deleted)
+    initial_params/          parameters a fresh run starts from (imports and surgery write them)
+    surgery.json             what a surgery kept, discarded and reset
+    hf_files/                tokenizer and generation files carried from an imported Hugging Face folder
+    metrics/<session>-<seq>.jsonl   metric rows, one immutable segment per log period
+    metrics.jsonl            the metrics of runs written before segments (still read)
+    tensorboard/             TensorBoard event files
+    tieflax.lock             while a command writes here (a lease object on gs:// and s3://)
+    tieflax.incomplete       on gs:// / s3://: an import or surgery is writing this prefix
+
+Nothing here imports JAX or orbax: every module may ask this one for a name, and only ``tieflax.run``
+decides what a run folder holds.
+"""
+
+from __future__ import annotations
+
+from tieflax import storage
+from tieflax.errors import UserError
+
+CONFIG_FILE = "config.json"
+CONFIG_HISTORY_DIR = "config_history"
+TOKENIZER_FILE = "tokenizer.json"
+DATA_CACHE_DIR = "data_cache"
+CHECKPOINT_DIR = "checkpoints"
+UNREADABLE_DIR = "checkpoints_unreadable"
+INITIAL_PARAMS_DIR = "initial_params"
+SURGERY_FILE = "surgery.json"
+HF_FILES_DIR = "hf_files"
+METRICS_DIR = "metrics"
+LEGACY_METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+LOCK_FILE = "tieflax.lock"
+INCOMPLETE_MARKER = "tieflax.incomplete"
+PARTIAL_TAG = ".partial-"  # local imports are written into <parent>/.<name>.partial-<pid>, then renamed
+
+# What training or an import leaves beside config.json: with one of these the folder is a run.
+RUN_CONTENT = (CHECKPOINT_DIR, INITIAL_PARAMS_DIR, LEGACY_METRICS_FILE, METRICS_DIR)
+
+
+class WorkdirError(UserError, RuntimeError):
+    """The workdir cannot be used as asked; the message names it and what to do."""
+
+
+def check_location(workdir: str) -> None:
+    """Refuses, before any work, a workdir that is a file or that cannot hold checkpoints.
+
+    orbax-checkpoint (0.12.8, the newest release) sends checkpoint arrays to TensorStore's gcs driver for
+    ``gs://`` and its file driver for everything else: ``s3://b/run`` becomes the relative path
+    ``s3:/b/run`` ("Checkpoint path should be absolute"). Token stores and data files on s3:// are
+    read and written by tieflax itself and work there."""
+    workdir = storage.resolve(workdir)
+    if storage.is_remote(workdir):
+        if storage.bucket_and_key(workdir)[0] == "s3":
+            raise WorkdirError(
+                f"{workdir} cannot hold checkpoints: orbax-checkpoint writes checkpoint arrays to local paths "
+                "and gs:// only, not s3://. Put the run on gs:// or a local disk (a token store or data files "
+                "may stay on s3://)")
+    elif storage.exists(workdir) and not storage.is_dir(workdir):
+        raise WorkdirError(f"--workdir {workdir} is a file, not a folder: choose another path")
+
+
+def path(workdir: str, *names: str) -> str:
+    """``<workdir>/<names...>`` for a local path or a URL (the workdir resolved once here)."""
+    return storage.join(storage.resolve(workdir), *names)
+
+
+def is_run(folder: str) -> bool:
+    """True when ``folder`` holds a tieflax run (``config.json`` with checkpoints, initial parameters or
+    metrics) or is held by a command (its lock). A lone config.json (a Hugging Face folder) is not one."""
+    there = lambda n: storage.exists(storage.join(folder, n))  # noqa: E731
+    return there(LOCK_FILE) or (there(CONFIG_FILE) and any(there(n) for n in RUN_CONTENT))
+
+
+def holds_a_run(folder: str) -> bool:
+    """True when ``folder`` holds anything a run left (its config, checkpoints, parameters or metrics)."""
+    return any(storage.exists(storage.join(folder, n)) for n in (CONFIG_FILE, *RUN_CONTENT))
