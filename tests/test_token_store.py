@@ -156,6 +156,19 @@ def test_a_gs_store_equals_the_local_one(local_store, gcs):
     for _ in range(3):
         x, y = next(a), next(b)
         np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    assert got["arrays"] == manifest["arrays"]  # the same bytes, the same object sizes
+    # damage on a bucket: a short object is refused at open (the size check's range read runs past its
+    # end), a deleted one while reading, each in one line naming the object
+    key = storage.join(remote, "val", "tokens", "c", "0")
+    sound = storage.read_bytes(key)
+    storage.write_bytes(key, sound[:-100])
+    with pytest.raises(DataError, match=f"^token store {remote}: array val/tokens: object c/0 is truncated "):
+        st.open_store(remote).tokens("val")
+    storage.write_bytes(key, sound)
+    tokens = prepare_dataset(store_config(remote), remote + "_w", vocab_size=V).val_tokens  # opened before
+    storage.delete(key)
+    with pytest.raises(DataError, match=f"^token store {remote}: array val/tokens: object c/0 is missing: "):
+        tokens[:8]
 
 
 def test_jsonl_and_parquet_text_columns(tmp_path):
@@ -297,3 +310,133 @@ def test_an_hf_dataset_streams_into_a_store(tmp_path, monkeypatch):
     other_tokenizer(c.tokenizer.path)
     m = build_store(c, str(tmp_path / "s"))  # max_documents = 0: every row, streamed
     assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == len(docs)
+
+
+# ------------------------------------------------------------------------------------- damaged bytes
+
+def damaged_copy(out: str, tmp_path, array: str = "train/tokens", how: str = "flip") -> tuple[str, str]:
+    """A copy of the store ``out`` whose array object ``<array>/c/0`` is deleted, truncated, or has one
+    bit flipped in each of its inner chunks; returns ``(copy, the object's path)``."""
+    import shutil
+    copy = str(tmp_path / "damaged")
+    shutil.copytree(out, copy)
+    obj = os.path.join(copy, *array.split("/"), "c", "0")
+    damage(obj, how)
+    return copy, obj
+
+
+def damage(obj: str, how: str) -> None:
+    if how == "delete":
+        os.remove(obj)
+    elif how == "truncate":
+        os.truncate(obj, os.path.getsize(obj) - 100)
+    else:  # a bit in the middle of every inner chunk, found through the shard's start index
+        data = bytearray(open(obj, "rb").read())
+        meta = json.load(open(os.path.join(os.path.dirname(os.path.dirname(obj)), "zarr.json")))
+        sharding = meta["codecs"][0]["configuration"]
+        n = meta["chunk_grid"]["configuration"]["chunk_shape"][0] // sharding["chunk_shape"][0]
+        index = np.frombuffer(bytes(data[:16 * n]), "<u8").reshape(n, 2)
+        for offset, nbytes in index:
+            if offset != 2**64 - 1:
+                data[int(offset + nbytes // 2)] ^= 0x10
+        open(obj, "wb").write(bytes(data))
+
+
+REASONS = {"delete": "object c/0 is missing", "truncate": "object c/0 is truncated",
+           "flip": "object c/0 fails its crc32c checksum"}
+
+
+@pytest.mark.parametrize("array, how", [("train/tokens", "delete"), ("train/tokens", "truncate"),
+                                        ("train/tokens", "flip"), ("val/doc_offsets", "delete"),
+                                        ("train/token_counts", "flip")])
+def test_a_damaged_chunk_is_one_line_naming_the_store_the_array_and_the_fix(local_store, tmp_path, array, how):
+    """Before checksums a deleted chunk read as zeros, altered bytes trained silently (or failed far off
+    as "labels >= vocab_size") and a truncated one was a grain traceback."""
+    out, manifest = local_store
+    assert manifest["checksums"] == "crc32c" and set(manifest["arrays"]) == set(st.ARRAYS)
+    copy, _ = damaged_copy(out, tmp_path, array, how)
+    with pytest.raises(DataError) as e:  # missing or short: at open (sizes); altered: at the read
+        store = st.open_store(copy)
+        prepare_dataset(store_config(copy), tmp_path / "w", vocab_size=V)
+        store.read(array)
+    assert one_line(e) == (
+        f"token store {copy}: array {array}: {REASONS[how]}"
+        + (f" (shorter than the {manifest['arrays'][array]['objects'][0]} bytes manifest.json records)"
+           if how == "truncate" else " (its bytes changed after they were written)" if how == "flip" else "")
+        + f": rebuild its arrays from the parts it kept: delete {copy}/manifest.json and rerun tieflax prepare "
+          f"with the same config and --out {copy}; or delete the store and prepare it again")
+    # the fix works: the prepare resumes, every part is done, finalize rewrites the arrays
+    os.remove(st.manifest_path(copy))
+    again = build_store(corpus_config(), copy, workers=1, shard_bytes=64 << 10)
+    assert again["digest"] == manifest["digest"] and again["arrays"] == manifest["arrays"]
+    st.open_store(copy).verify()
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
+def test_damage_met_while_grain_reads_is_the_same_one_line(local_store, tmp_path, how):
+    """The object goes bad after the store was opened (mid-training): grain's reader threads meet it
+    and re-raise the DataError as it is, never zeros or a traceback of grain's."""
+    out, _ = local_store
+    copy, obj = damaged_copy(out, tmp_path, "val/doc_offsets", "delete")  # a copy; val/tokens still sound
+    p = prepare_dataset(store_config(copy), tmp_path / "w", vocab_size=V)
+    p = dataclasses.replace(p, read_threads=2)
+    damage(os.path.join(copy, "val", "tokens", "c", "0"), how)
+    it = make_loader(p, "val", seq_len=32, global_batch_size=8, seed=0)
+    with pytest.raises(DataError) as e:
+        next(it)
+    assert one_line(e).startswith(f"token store {copy}: array val/tokens: {REASONS[how]}")
+    assert "delete the store and prepare it again" in str(e.value)
+
+
+def test_a_store_written_before_checksums_still_reads(local_store, tmp_path, monkeypatch):
+    out, manifest = local_store
+    old = str(tmp_path / "old")
+    with monkeypatch.context() as m:
+        m.setattr(st, "CHECKSUMS", None)  # the codec chain and manifest of stores written before checksums
+        built = build_store(corpus_config(), old, workers=1, shard_bytes=64 << 10)
+    assert "checksums" not in built and "arrays" not in built
+    meta = json.load(open(os.path.join(old, "train", "tokens", "zarr.json")))
+    assert [c["name"] for c in meta["codecs"][0]["configuration"]["codecs"]] == ["bytes"]
+    s = st.open_store(old)
+    assert not s.checksums
+    s.verify()  # reads every array
+    a = make_loader(prepare_dataset(store_config(old), tmp_path / "w", vocab_size=V), "train", seq_len=32,
+                    global_batch_size=8, seed=2)
+    b = make_loader(prepare_dataset(store_config(out), tmp_path / "w2", vocab_size=V), "train", seq_len=32,
+                    global_batch_size=8, seed=2)
+    for _ in range(3):
+        np.testing.assert_array_equal(next(a)["inputs"], next(b)["inputs"])
+    # a deleted token shard of an old store is refused at open too, rather than read as zeros
+    os.remove(os.path.join(old, "train", "tokens", "c", "0"))
+    with pytest.raises(DataError) as e:
+        prepare_dataset(store_config(old), tmp_path / "w3", vocab_size=V)
+    assert one_line(e) == (f"token store {old}: array train/tokens: object c/0 is missing: delete the store "
+                           "and prepare it again")
+    # a finalize of today's tieflax over arrays of the old layout (an old prepare killed before its
+    # manifest) names the folder to delete; without them it writes the store anew, with checksums
+    os.remove(st.manifest_path(old))
+    with pytest.raises(DataError) as e:
+        build_store(corpus_config(), old, workers=1, shard_bytes=64 << 10)
+    assert one_line(e).startswith(f"{old}/train/tokens holds an array with another layout than tieflax prepare "
+                                  "writes now (an older tieflax's, or other settings): delete that folder")
+    for split in st.SPLITS:
+        storage.rmtree(os.path.join(old, split))
+    assert build_store(corpus_config(), old, workers=1, shard_bytes=64 << 10)["arrays"] == manifest["arrays"]
+
+
+def test_tieflax_train_on_a_damaged_store_stops_in_one_line(local_store, tmp_path, capsys):
+    from tieflax.cli import main
+    out, _ = local_store
+    copy, _ = damaged_copy(out, tmp_path, "train/tokens", "flip")  # passes the open's size check
+    argv = ["train", "--config", "configs/experiments/tiny.py", "--workdir", str(tmp_path / "w"),
+            "--config.data.source=tokens", f"--config.data.tokens.path={copy}", "--config.model.vocab_size=512",
+            "--config.model.d_model=32", "--config.model.n_layers=1", "--config.model.n_heads=2",
+            "--config.model.d_ff=64", "--config.model.max_seq_len=32", "--config.train.seq_len=32",
+            "--config.train.global_batch_size=8", "--config.train.num_steps=2"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not [line for line in err if "Traceback" in line or "grain" in line], err
+    assert err[-1] == (f"tieflax train: token store {copy}: array train/tokens: object c/0 fails its crc32c "
+                       "checksum (its bytes changed after they were written): rebuild its arrays from the parts it "
+                       f"kept: delete {copy}/manifest.json and rerun tieflax prepare with the same config and --out "
+                       f"{copy}; or delete the store and prepare it again"), err  # after the progress bar's lines

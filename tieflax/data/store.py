@@ -18,6 +18,15 @@ The arrays use zarr3's sharded codec: shards of ``SHARD_TOKENS`` ids, each writt
 writer (no read-modify-write of a shared object), holding raw inner chunks of ``CHUNK_TOKENS`` ids that a
 reader fetches by byte range. A store without ``manifest.json`` is not a store: a reader refuses it, so
 nothing half-written is ever read.
+
+The store proves its bytes (``manifest["checksums"] == "crc32c"``): every inner chunk and every shard
+index carries a crc32c that tensorstore checks on each read, every inner chunk is stored (none left out
+for equalling the fill value), and the manifest records per array the sha256 of its contents and the
+size of each shard object. Opening an array checks that its objects exist with those sizes (one tiny
+read each); reading checks the crc32c of what it reads. A missing, truncated or altered object is a
+:class:`DataError` naming the store, the array, the object and the fix: never zeros, never a traceback.
+Stores written before checksums (no ``checksums`` in the manifest) still read, with the existence of
+their token and offset shards checked at open.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -42,25 +52,35 @@ CHUNK_TOKENS = 1 << 16   # 128 KiB read unit: a window costs at most two byte-ra
 READ_CACHE_BYTES = 256 << 20
 LEASE_SECONDS = 120       # a lock whose heartbeat is older than this is a dead prepare's
 SPLITS = ("train", "val")
+CHECKSUMS = "crc32c"      # what new stores carry (manifest["checksums"]); tests set None to write an old store
+ARRAYS = ("train/tokens", "train/doc_offsets", "val/tokens", "val/doc_offsets", "train/token_counts")
 
 
 # ---------------------------------------------------------------------------------------------- arrays
 
 def array_spec(path: str, *, shape: int | None = None, dtype: str | None = None,
                shard: int = SHARD_TOKENS, chunk: int = CHUNK_TOKENS) -> dict:
-    """A tensorstore zarr3 spec at ``path``; with ``shape`` and ``dtype``, the metadata to create it."""
+    """A tensorstore zarr3 spec at ``path``; with ``shape`` and ``dtype``, the metadata to create it
+    (with :data:`CHECKSUMS`: a crc32c after each inner chunk, every inner chunk stored)."""
     spec = {"driver": "zarr3", "kvstore": storage.kvstore_spec(path)}
     if shape is not None:
         shard = max(1, min(shard, shape))
         chunk = max(1, min(chunk, shard))
         while shard % chunk:  # the inner chunk must tile the shard
             chunk -= 1
+        inner = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if CHECKSUMS:
+            # The crc32c of an inner chunk travels with it: the byte-range read of one chunk checks it.
+            inner.append({"name": "crc32c"})
+            # A chunk equal to the fill value is stored too, so that a chunk absent from a shard is
+            # damage (read with fill_missing_data_reads=False), not a chunk of zeros.
+            spec["store_data_equal_to_fill_value"] = True
         spec["metadata"] = {
             "shape": [shape], "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
             "codecs": [{"name": "sharding_indexed", "configuration": {
                 "chunk_shape": [chunk], "index_location": "start",  # a prefix range read, not a suffix one
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                "codecs": inner,
                 "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                                  {"name": "crc32c"}]}}]}
     return spec
@@ -71,19 +91,123 @@ def create_array(path: str, shape: int, dtype: str, **kw):
 
     # create or open, never delete_existing: a finalize killed midway left the same array (its shape
     # comes from the ledger), and a range delete on some object stores reaches past the prefix.
-    return ts.open(array_spec(path, shape=shape, dtype=dtype, **kw), create=True, open=True).result()
+    try:
+        return ts.open(array_spec(path, shape=shape, dtype=dtype, **kw), create=True, open=True).result()
+    except ValueError as e:
+        if not (str(e).startswith("FAILED_PRECONDITION") and "Mismatch" in str(e)):
+            raise
+        # e.g. a finalize of a tieflax before chunk checksums was killed, and a newer one resumes it
+        raise DataError(f"{path} holds an array with another layout than tieflax prepare writes now (an "
+                        "older tieflax's, or other settings): delete that folder and rerun tieflax prepare; it "
+                        "writes the array again from the store's parts") from None
 
 
-def open_array(path: str, *, cache_bytes: int = READ_CACHE_BYTES):
+def open_array(path: str, *, cache_bytes: int = READ_CACHE_BYTES, checksums: bool = False):
     """A read-only tensorstore array; shard indexes and chunks are cached and never revalidated (a
-    committed store never changes)."""
+    committed store never changes). With ``checksums`` (a store whose every chunk is stored), a missing
+    shard or chunk raises instead of reading as the fill value."""
     import tensorstore as ts  # noqa: PLC0415
 
     spec = array_spec(path)
     spec["context"] = {"cache_pool": {"total_bytes_limit": cache_bytes}}
     spec["recheck_cached_data"] = "open"
     spec["recheck_cached_metadata"] = "open"
+    if checksums:
+        spec["fill_missing_data_reads"] = False
     return ts.open(spec, read=True).result()
+
+
+def object_bytes(arr) -> list[int]:
+    """The size of each shard object ``c/<i>`` of an array written with checksums, from its layout:
+    a start index of 16 bytes per inner chunk plus a crc32c, then each inner chunk inside the array's
+    bounds, whole (the last one padded) and followed by its crc32c. The builder checks these against
+    the written objects (:func:`check_objects`) before it records them."""
+    n, shard = arr.shape[0], arr.chunk_layout.write_chunk.shape[0]
+    chunk, item = arr.chunk_layout.read_chunk.shape[0], arr.dtype.numpy_dtype.itemsize
+    index = 16 * (shard // chunk) + 4
+    return [index + -(-min(shard, n - a) // chunk) * (chunk * item + 4) for a in range(0, n, shard)]
+
+
+def check_objects(store: str, name: str, sizes: list[int | None]) -> None:
+    """Every shard object ``c/<i>`` of array ``name`` exists, of exactly ``sizes[i]`` bytes (None: any
+    size); else the DataError of :func:`damaged`. One read of the last byte or so per object, all at
+    once: cheap at every open, where reading the arrays whole would not be."""
+    import tensorstore as ts  # noqa: PLC0415
+
+    kv = ts.KvStore.open(storage.kvstore_spec(storage.join(store, *name.split("/")))).result()
+    futures = [kv.read(f"c/{i}", byte_range=slice(0, 1) if size is None else slice(size - 1, None))
+               for i, size in enumerate(sizes)]
+    bad = []
+    for i, (size, f) in enumerate(zip(sizes, futures)):
+        try:
+            r = f.result()
+            problem = "is missing" if r.state == "missing" else None
+            if problem is None and size is not None and len(r.value) != 1:
+                problem = f"holds more than the {size} bytes manifest.json records"
+        except ValueError as e:
+            # The range starts past the object's end: OUT_OF_RANGE from a file; over HTTP the answer
+            # to a range past the end is FAILED_PRECONDITION (a 416, or a Content-Range other than
+            # asked). Any other failure (UNAVAILABLE, PERMISSION_DENIED) is not the store's damage.
+            if not str(e).startswith(("OUT_OF_RANGE", "FAILED_PRECONDITION")):
+                raise
+            problem = "is truncated" + (f" (shorter than the {size} bytes manifest.json records)" if size else "")
+        if problem:
+            bad.append(f"object c/{i} {problem}")
+    if bad:
+        more = f" (and {len(bad) - 1} more of its {len(sizes)} objects)" if len(bad) > 1 else ""
+        raise damaged(store, name, bad[0] + more, repairable=None not in sizes)
+
+
+# tensorstore's status codes that mean "the bytes are not what was written" (others, e.g. UNAVAILABLE
+# or PERMISSION_DENIED, are not the store's fault and propagate as they are).
+_DAMAGE_CODES = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE")
+
+
+def damaged(store: str, name: str, what: str, *, repairable: bool = True) -> DataError:
+    """The one-line error for damaged array ``name`` of ``store``, with the fix. A store with checksums
+    is rebuilt in place from the parts its build kept: without a manifest a prepare resumes, finds
+    every part done, and finalize rewrites every array shard whole."""
+    fix = (f"rebuild its arrays from the parts it kept: delete {manifest_path(store)} and rerun tieflax "
+           f"prepare with the same config and --out {store}; or delete the store and prepare it again"
+           if repairable else "delete the store and prepare it again")
+    return DataError(f"token store {store}: array {name}: {what}: {fix}")
+
+
+def damage_error(store: str, name: str, e: ValueError, *, repairable: bool = True) -> DataError | None:
+    """``e`` (tensorstore's error reading array ``name``) as :func:`damaged`, or None if it is not
+    damage. tensorstore names the object (``file ".../c/3"``, ``gs://.../c/3:``) and the reason."""
+    text = str(e)
+    if not text.startswith(_DAMAGE_CODES):
+        return None
+    where = re.findall(r'/(c/\d+)\b', text)  # the last: the store's own path may hold a "/c/1"
+    where = f"object {where[-1]}" if where else "a chunk"
+    if "igest mismatch" in text:
+        what = f"{where} fails its crc32c checksum (its bytes changed after they were written)"
+    elif text.startswith("NOT_FOUND") and "zarr.json" in text:
+        what = "its metadata zarr.json is missing"
+    elif text.startswith("NOT_FOUND"):
+        what = f"{where} is missing"
+    elif "size" in text:
+        what = f"{where} is truncated"
+    else:
+        what = f"{where} cannot be decoded ({_first_line(text)})"
+    return damaged(store, name, what, repairable=repairable)
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    text = text.splitlines()[0] if text else text
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def read_result(future, store: str, name: str, *, repairable: bool = True):
+    """``future.result()``, with tensorstore's damage errors as :func:`damaged`'s one line."""
+    try:
+        return future.result()
+    except ValueError as e:
+        err = damage_error(store, name, e, repairable=repairable)
+        if err is None:
+            raise
+        raise err from None
 
 
 class StoreTokens:
@@ -91,11 +215,13 @@ class StoreTokens:
 
     ``x[a:b]``, ``x[int_array]`` and ``len(x)`` behave as on a NumPy array; ``read_windows`` reads a
     batch of windows in one tensorstore batch (what :class:`tieflax.data.packing.PackedRows` uses), so
-    a host fetches only the chunks its rows touch.
+    a host fetches only the chunks its rows touch. A damaged chunk is a one-line DataError (see
+    :func:`damaged`); grain's reader threads re-raise it as it is.
     """
 
-    def __init__(self, array, path: str):
-        self._arr, self.path = array, path
+    def __init__(self, array, store: str, name: str, *, repairable: bool = True):
+        self._arr, self._store, self._name, self._repairable = array, store, name, repairable
+        self.path = storage.join(store, *name.split("/"))
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype.numpy_dtype)
         self.ndim = 1
@@ -104,7 +230,7 @@ class StoreTokens:
         return self.shape[0]
 
     def __getitem__(self, key) -> np.ndarray:
-        return np.asarray(self._arr[key].read().result())
+        return np.asarray(read_result(self._arr[key].read(), self._store, self._name, repairable=self._repairable))
 
     def __array__(self, dtype=None, copy=None):  # noqa: ARG002
         out = self[:]
@@ -121,7 +247,7 @@ class StoreTokens:
         with ts.Batch() as batch:
             futures = [self._arr[int(s):min(int(s) + length, n)].read(batch=batch) for s in starts]
         for r, (s, f) in enumerate(zip(starts, futures)):
-            got = f.result()
+            got = read_result(f, self._store, self._name, repairable=self._repairable)
             out[r, :len(got)] = got
             out[r, len(got):] = got[-1] if len(got) else 0
         return out
@@ -160,6 +286,12 @@ def read_manifest(store: str) -> dict:
             int(manifest["splits"][split]["tokens"])
         for key in ("dtype", "vocab_size", "eos_id", "tokenizer_digest", "digest"):
             manifest[key]  # noqa: B018 (presence check)
+        if manifest.get("checksums") is not None:  # absent: a store written before checksums
+            if manifest["checksums"] != CHECKSUMS:
+                raise ValueError(f"checksums {manifest['checksums']!r}, expected {CHECKSUMS!r}")
+            for name in ARRAYS:
+                [int(n) for n in manifest["arrays"][name]["objects"]]
+                str(manifest["arrays"][name]["sha256"])
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"token store {store} has a damaged manifest.json ({e}): delete the store and "
                         "prepare it again") from None
@@ -172,23 +304,70 @@ class TokenStore:
     path: str
     manifest: dict
 
+    @property
+    def checksums(self) -> bool:
+        """Whether the store's chunks carry crc32c checksums (stores written before them do not)."""
+        return self.manifest.get("checksums") == CHECKSUMS
+
+    def array(self, name: str):
+        """Array ``name`` (e.g. ``'train/tokens'``) opened for reading, after checking that its shard
+        objects exist with the sizes the manifest records. In a store without checksums only the token
+        and offset shards are checked, for existence: its writer left out all-zero shards, which token
+        counts may hold (a vocabulary's unused tail) but a token stream or offsets never do."""
+        try:
+            arr = open_array(storage.join(self.path, *name.split("/")), checksums=self.checksums)
+        except ValueError as e:  # zarr.json missing or unreadable
+            err = damage_error(self.path, name, e, repairable=self.checksums)
+            if err is None:
+                raise
+            raise err from None
+        if self.checksums:
+            check_objects(self.path, name, self.manifest["arrays"][name]["objects"])
+        elif not name.endswith("token_counts"):
+            check_objects(self.path, name, [None] * -(-arr.shape[0] // arr.chunk_layout.write_chunk.shape[0]))
+        return arr
+
     def tokens(self, split: str) -> StoreTokens:
-        arr = open_array(storage.join(self.path, split, "tokens"))
+        name = f"{split}/tokens"
+        arr = self.array(name)
         want = self.manifest["splits"][split]["tokens"]
         if arr.shape[0] != want or np.dtype(arr.dtype.numpy_dtype).name != self.manifest["dtype"]:
             raise DataError(f"token store {self.path}: {split}/tokens holds {arr.shape[0]} "
                             f"{arr.dtype.numpy_dtype} ids but manifest.json says {want} "
                             f"{self.manifest['dtype']}: the store is damaged; delete it and prepare again")
-        return StoreTokens(arr, storage.join(self.path, split, "tokens"))
+        return StoreTokens(arr, self.path, name, repairable=self.checksums)
+
+    def read(self, name: str) -> np.ndarray:
+        """Array ``name`` whole."""
+        return np.asarray(read_result(self.array(name)[:].read(), self.path, name, repairable=self.checksums))
 
     def doc_offsets(self, split: str) -> np.ndarray:
-        return np.asarray(open_array(storage.join(self.path, split, "doc_offsets"))[:].read().result())
+        return self.read(f"{split}/doc_offsets")
 
     def token_counts(self) -> np.ndarray:
-        return np.asarray(open_array(storage.join(self.path, "train", "token_counts"))[:].read().result())
+        return self.read("train/token_counts")
+
+    def verify(self) -> None:
+        """Reads every array whole, shard by shard, and compares its sha256 with the manifest's: the
+        full proof (every byte read), too slow to run at each open of a large store. A store without
+        checksums has no digests to compare: only that it reads."""
+        for name in ARRAYS:
+            arr = self.array(name)
+            digest = hashlib.sha256()
+            step = arr.chunk_layout.write_chunk.shape[0]
+            for a in range(0, arr.shape[0], step):
+                chunk = read_result(arr[a:a + step].read(), self.path, name, repairable=self.checksums)
+                digest.update(le_bytes(np.asarray(chunk)))
+            if self.checksums and digest.hexdigest() != self.manifest["arrays"][name]["sha256"]:
+                raise damaged(self.path, name, "its contents differ from the sha256 manifest.json records")
 
     def tokenizer_json(self) -> str:
         return storage.read_text(storage.join(self.path, "tokenizer.json"))
+
+
+def le_bytes(x: np.ndarray) -> bytes:
+    """The little-endian bytes of ``x``: what an array's recorded sha256 covers, on any host."""
+    return np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes()
 
 
 def open_store(path: str) -> TokenStore:

@@ -330,10 +330,14 @@ def finalize(out: str, settings: dict, *, say=lambda text: None) -> dict:
         tokens = sum(p[split]["tokens"] for p in parts) + (2 * docs if bos is not None else docs + 1)
         splits[split] = {"tokens": tokens, "documents": docs}
     counts = np.zeros(vocab, np.int64)
+    arrays = {}  # name -> (the opened array, sha256 of its contents)
     for split in st.SPLITS:
-        _write_split(out, split, splits[split], parts, eos, bos, dtype, counts if split == "train" else None)
+        arrays.update(_write_split(out, split, splits[split], parts, eos, bos, dtype,
+                                   counts if split == "train" else None))
         say(f"wrote {split}: {splits[split]['tokens']:,} tokens, {splits[split]['documents']:,} documents")
-    st.create_array(storage.join(out, "train", "token_counts"), vocab, "int64")[:].write(counts).result()
+    arr = st.create_array(storage.join(out, "train", "token_counts"), vocab, "int64")
+    arr[:].write(counts).result()
+    arrays["train/token_counts"] = arr, hashlib.sha256(st.le_bytes(counts)).hexdigest()
     digest = hashlib.sha256(json.dumps({k: settings[k] for k in ("tokenizer_digest", "eos_id", "bos_id",
                                                                   "dtype", "split")}, sort_keys=True).encode())
     for p in parts:
@@ -342,6 +346,16 @@ def finalize(out: str, settings: dict, *, say=lambda text: None) -> dict:
                                             "tokenizer_digest", "split", "data")},
                 "splits": splits, "input_shards": inputs["input_shards"], "digest": digest.hexdigest(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if st.CHECKSUMS:
+        manifest["checksums"] = st.CHECKSUMS
+        manifest["arrays"] = {}
+        for name in st.ARRAYS:
+            arr, sha = arrays[name]
+            sizes = st.object_bytes(arr)
+            # The sizes come from the layout; the objects just written must match them before they are
+            # recorded, or every later open would refuse a sound store.
+            st.check_objects(out, name, sizes)
+            manifest["arrays"][name] = {"sha256": sha, "objects": sizes}
     if not storage.create_new(st.manifest_path(out), json.dumps(manifest, indent=1).encode()):
         return st.read_manifest(out)  # another finalize committed first; same parts, same content
     say(f"committed {out} (digest {manifest['digest'][:16]})")
@@ -349,14 +363,16 @@ def finalize(out: str, settings: dict, *, say=lambda text: None) -> dict:
 
 
 def _write_split(out: str, split: str, info: dict, parts: list[dict], eos: int, bos: int | None,
-                 dtype: np.dtype, counts: np.ndarray | None) -> None:
-    """One split's packed stream and offsets, buffered to whole array shards: each shard one write."""
+                 dtype: np.dtype, counts: np.ndarray | None) -> dict:
+    """One split's packed stream and offsets, buffered to whole array shards: each shard one write.
+    Returns ``{name: (array, sha256 of what was written)}`` for ``<split>/tokens`` and ``<split>/doc_offsets``."""
     tokens = st.create_array(storage.join(out, split, "tokens"), info["tokens"], dtype.name)
     offsets = st.create_array(storage.join(out, split, "doc_offsets"), info["documents"] + 1, "int64")
     shard = tokens.chunk_layout.write_chunk.shape[0]
     buf: list[np.ndarray] = []
     buffered = written = 0
     doc_offsets = []
+    sha = hashlib.sha256()
 
     def flush(final: bool):
         nonlocal buf, buffered, written
@@ -366,6 +382,7 @@ def _write_split(out: str, split: str, info: dict, parts: list[dict], eos: int, 
         cut = len(data) if final else (len(data) // shard) * shard
         if cut:
             tokens[written:written + cut].write(data[:cut]).result()
+            sha.update(st.le_bytes(data[:cut]))
             if counts is not None:
                 counts[:] += np.bincount(data[:cut], minlength=len(counts))[:len(counts)]
             written += cut
@@ -402,7 +419,10 @@ def _write_split(out: str, split: str, info: dict, parts: list[dict], eos: int, 
     if written != info["tokens"]:
         raise DataError(f"token store {out}: wrote {written} {split} tokens but the ledger counts "
                         f"{info['tokens']}: the parts are damaged; delete the store and prepare again")
-    offsets[:].write(np.concatenate(doc_offsets)).result()
+    doc_offsets = np.concatenate(doc_offsets)
+    offsets[:].write(doc_offsets).result()
+    return {f"{split}/tokens": (tokens, sha.hexdigest()),
+            f"{split}/doc_offsets": (offsets, hashlib.sha256(st.le_bytes(doc_offsets)).hexdigest())}
 
 
 def parse_shard(text: str) -> tuple[int, int]:
