@@ -11,10 +11,10 @@ The atomicity policy is chosen here, once, per kind of storage:
   renames it (a reader never sees half a file); on an object store one PUT is atomic already, and there
   is no rename to use.
 * No appends: object stores have none (gcsfs silently ignores append mode), so logs are written as
-  immutable segments (see ``tieflax.metrics``).
+  immutable segments (see ``tieflax.run.metrics``).
 * ``create_new`` writes an object only if it does not exist yet (``O_EXCL`` locally, a generation
   precondition on Cloud Storage and S3): the primitive behind ``config.json``'s claim on a prefix and
-  the workdir lease (``tieflax.workdir``).
+  the lease (``tieflax.lease``).
 
 Objects go through tensorstore's key-value store of their bucket (``kvstore_spec``; the same library that
 writes orbax's and the token store's arrays), which speaks the Cloud Storage JSON API and S3 directly:
@@ -267,6 +267,8 @@ def write_bytes(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            # mkstemp creates 0600 whatever the umask: give the file the mode open() would (0644 under 022).
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -276,6 +278,25 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def write_text(path: str, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
+
+
+_FALLBACK_UMASK: list[int] = []
+
+
+def _umask() -> int:
+    """The process umask, read without changing it: Linux reports it in /proc/self/status (read each
+    time, so a later ``os.umask`` is seen). Elsewhere ``os.umask`` must set a value to return the old one,
+    which for an instant applies to every thread's new files: done once, at the first write, and kept."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    if not _FALLBACK_UMASK:
+        mask = os.umask(0o077)  # the most private value for that instant, not 0
+        os.umask(mask)
+        _FALLBACK_UMASK.append(mask)
+    return _FALLBACK_UMASK[0]
 
 
 class ObjectStamp:
@@ -307,7 +328,7 @@ def create_new(path: str, data: bytes) -> bool:
     if not is_remote(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies, as open()
         except FileExistsError:
             return False
         with os.fdopen(fd, "wb") as f:

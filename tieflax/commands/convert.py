@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax.analysis import jsonable
+    from tieflax import strict_json as jsonable
 
     overrides = list(getattr(args, "overrides", []) or [])
     overwrite = getattr(args, "overwrite", False)
@@ -80,7 +80,7 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
 
     The workdir appears complete or not at all (written beside it, then renamed); one that holds
     anything is refused unless ``overwrite``."""
-    from tieflax import checkpoint as ckpt
+    from tieflax.run import checkpoints as ckpt
     from tieflax.model.params import count_params, abstract_params
     from tieflax.config import default_config, default_model_config, model_config
     from tieflax.interop.hf import SIDE_FILES, read_hf_config, read_safetensors
@@ -88,8 +88,8 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     from tieflax.interop.hf_weights import params_from_state
 
     from tieflax.config import validate_config
-    from tieflax.destinations import check_destination as check_safe_destination
-    from tieflax.destinations import check_empty_or_replaceable, copy_file, writing_new_workdir
+    from tieflax.run.destinations import check_destination as check_safe_destination
+    from tieflax.run.destinations import check_empty_or_replaceable, copy_file, writing_new_workdir
 
     workdir, hf_dir = storage.resolve(workdir), storage.resolve(hf_dir)
     check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
@@ -115,29 +115,37 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
 
 def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
               overwrite: bool = False) -> dict:
-    """The workdir's latest parameters -> an HF folder; returns a report. ``out`` may hold an earlier
-    export; a tieflax run there is refused unless ``overwrite``."""
-    from tieflax import checkpoint as ckpt
+    """The workdir's latest parameters -> an HF folder; returns a report. ``out`` (local, gs:// or s3://)
+    may hold an earlier or interrupted export, which is replaced whole; anything else there (a tieflax
+    run, other files) is refused unless ``overwrite`` (locally; a prefix cannot be replaced whole).
+    Every file goes through ``tieflax.storage``, inside ``writing_hf_folder``."""
+    from tieflax.run import checkpoints as ckpt
     from tieflax.config import model_config
-    from tieflax.interop.hf import SIDE_FILES, save_hf_checkpoint
+    from tieflax.interop.hf import SIDE_FILES, not_written_by_export, save_hf_checkpoint, writing_hf_folder
     from tieflax.interop.hf_tokenizer import export_tokenizer_side
-    from tieflax.destinations import check_destination as check_safe_destination
-    from tieflax.workdir import WorkdirError
+    from tieflax.run.destinations import check_destination as check_safe_destination
+    from tieflax.run.layout import WorkdirError
 
     workdir, out = storage.resolve(workdir), storage.resolve(out)
     check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     if not overwrite and any(storage.exists(storage.join(out, n))
                              for n in ("checkpoints", "initial_params", "metrics.jsonl", "metrics")):
         raise WorkdirError(f"--out {out} holds a tieflax run: export to a new folder (or pass --overwrite to "
-                           "write into it anyway)")
+                           "replace it whole, on a local disk)")
+    other = not_written_by_export(out)
+    if other and (storage.is_remote(out) or not overwrite):
+        raise WorkdirError(f"--out {out} holds {other[0]!r}, which an export does not write: export to a new "
+                           "folder" + (" or prefix (a prefix cannot be replaced whole: there is no rename)"
+                                       if storage.is_remote(out) else ", or pass --overwrite to replace it whole"))
 
     config, params, step = ckpt.load_latest_params(workdir)
     mc = model_config(config)
-    written = save_hf_checkpoint(out, mc, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    carried = _copy_files(storage.join(workdir, HF_FILES_DIR), out, SIDE_FILES)
-    if not carried and storage.is_file(storage.join(workdir, "tokenizer.json")):
-        carried = _copy_files(workdir, out, ("tokenizer.json",))
-        carried += export_tokenizer_side(out, config)   # special tokens and ids: lm-eval and generate need them
+    with writing_hf_folder(out) as target:
+        written = save_hf_checkpoint(target, mc, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        carried = _copy_files(storage.join(workdir, HF_FILES_DIR), target, SIDE_FILES)
+        if not carried and storage.is_file(storage.join(workdir, "tokenizer.json")):
+            carried = _copy_files(workdir, target, ("tokenizer.json",))
+            carried += export_tokenizer_side(target, config)   # special tokens and ids: lm-eval, generate need them
     return dict(action="to-hf", workdir=workdir, step=step, out=out,
                 family=mc.family, tied=mc.tie_embeddings, files=[storage.name(p) for p in written] + carried)
 
@@ -184,11 +192,11 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
 
 
 def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool) -> dict:
-    from tieflax import checkpoint as ckpt
+    from tieflax.run import checkpoints as ckpt
     from tieflax.config import model_config, validate_config
-    from tieflax.destinations import check_destination as check_safe_destination
-    from tieflax.analysis import jsonable
-    from tieflax.destinations import check_empty_or_replaceable, copy_tree, writing_new_workdir
+    from tieflax.run.destinations import check_destination as check_safe_destination
+    from tieflax import strict_json as jsonable
+    from tieflax.run.destinations import check_empty_or_replaceable, copy_tree, writing_new_workdir
 
     workdir, out = storage.resolve(workdir), storage.resolve(out)
     # Before anything is read: --out must not be, contain or lie inside the source or another run.

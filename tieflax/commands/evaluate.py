@@ -3,7 +3,8 @@
 The run's latest checkpoint (or ``--step N``) is scored on its mesh through ``tieflax.eval.harness``
 (loglikelihood, rolling loglikelihood and generation with a KV cache). Prints lm-eval's results table;
 ``--output DIR`` writes lm-eval's own results file (and with ``--log-samples`` its per-task samples
-files), exactly as ``lm_eval --output_path DIR --log_samples`` would. Tasks come from lm-eval's registry
+files), exactly as ``lm_eval --output_path DIR --log_samples`` would; DIR may be local, gs:// or s3://
+(written through ``tieflax.storage``). Tasks come from lm-eval's registry
 or from YAML files under ``--include-path DIR`` (offline: set HF_DATASETS_OFFLINE=1 and use local data).
 """
 
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-budget", type=int, default=4096,
                         help="tokens per loglikelihood batch (rows = budget / padded length)")
     parser.add_argument("--log-samples", action="store_true", help="keep per-sample records (with --output)")
-    parser.add_argument("--output", default=None, help="folder for lm-eval's results (and samples) files")
+    parser.add_argument("--output", default=None,
+                        help="folder (local, gs:// or s3://) for lm-eval's results (and samples) files")
     parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")
     parser.add_argument("--seed", type=int, default=0, help="seed of sampled generations")
 

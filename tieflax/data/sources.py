@@ -9,7 +9,6 @@ Pre-tokenised files are not text and are handled by :mod:`tieflax.data.token_fil
 
 from __future__ import annotations
 
-import glob
 import importlib.metadata
 import json
 import logging
@@ -123,10 +122,8 @@ def expand_paths(patterns: list[str]) -> list[str]:
             if not matches and not any(ch in str(pattern) for ch in "*?["):
                 matches = [storage.resolve(str(pattern))] if storage.is_file(str(pattern)) else []
         else:
-            expanded = os.path.expanduser(str(pattern))
-            matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
-                [expanded] if os.path.exists(expanded) else [])
-            matches = [str(Path(m)) for m in matches if os.path.isfile(m)]
+            # storage.glob: files only, ``**`` recursive; a literal path matches itself when it is a file.
+            matches = [str(Path(m)) for m in storage.glob(os.path.expanduser(str(pattern)))]
         if not matches and storage.is_dir(os.path.expanduser(str(pattern))):
             raise DataError(f"data.files.paths entry {pattern!r} is a folder, not a file: give a glob of its "
                             f"files, e.g. {storage.join(str(pattern), '*.txt')!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from pathlib import Path
 from typing import Iterable
 
 import ml_collections
@@ -47,33 +46,20 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, eos_token: str,
 
 
 def save_tokenizer(tok: Tokenizer, path) -> None:
-    """Writes ``tok`` to ``path`` atomically, so concurrent processes never read half a file."""
-    if storage.is_remote(str(path)):
-        storage.write_text(str(path), tok.to_str())  # one object: whole or absent
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
+    """Writes ``tok`` to ``path`` whole (through ``tieflax.storage``: a temporary file renamed locally, one
+    object on a bucket), so concurrent processes never read half a file. The bytes ``tok.save`` writes."""
+    storage.write_text(str(path), tok.to_str(pretty=True))
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a ``tokenizer.json`` (ours, or a published one such as Llama-3's; local or on a
-    bucket)."""
-    if storage.is_remote(str(path)):
-        if not storage.is_file(str(path)):
-            raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer.path, or leave it "
-                            "empty to train a BPE on the corpus.")
-        try:
-            return Tokenizer.from_str(storage.read_text(str(path)))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise DataError(f"tokenizer file {path} is not a valid tokenizer.json ({e}); replace it.") from e
-    path = Path(path).expanduser()
-    if not path.is_file():
+    bucket), read through ``tieflax.storage``."""
+    path = storage.resolve(path)
+    if not storage.is_file(path):
         raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer.path, or leave it "
                         "empty to train a BPE on the corpus.")
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(storage.read_text(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise DataError(f"tokenizer file {path} is not a valid tokenizer.json ({e}); replace it or "
                         "delete it to retrain.") from e
@@ -134,8 +120,7 @@ def resolve_tokenizer(c: ml_collections.ConfigDict, workdir,
     A given tokenizer (``data.tokenizer.path``) is copied into the workdir; a workdir copy that differs
     from it is an error, since the workdir's checkpoints were trained on the copy's ids.
     """
-    saved = storage.join(str(workdir), TOKENIZER_FILE) if storage.is_remote(str(workdir)) else \
-        Path(workdir) / TOKENIZER_FILE
+    saved = storage.join(storage.resolve(workdir), TOKENIZER_FILE)
     if c.tokenizer.path:
         given = load_tokenizer(c.tokenizer.path)
         if storage.is_file(str(saved)):

@@ -15,8 +15,10 @@ the vocabulary is padded to V_pad with zero rows, which export drops again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import tempfile
 from typing import Any, Iterator, Mapping, Optional
 
@@ -184,9 +186,65 @@ def _local_files(path: str, names: dict[str, str]) -> tuple[dict[str, str], Any]
     local = {}
     for n in sorted(set(names.values())):
         local[n] = os.path.join(tmp.name, n)
-        with open(local[n], "wb") as f:
-            f.write(storage.read_bytes(storage.join(path, n)))
+        storage.write_bytes(local[n], storage.read_bytes(storage.join(path, n)))
     return {k: local[n] for k, n in names.items()}, tmp
+
+
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def not_written_by_export(out: str) -> list[str]:
+    """Names directly under ``out`` that an HF export does not write (an earlier export, or what an
+    interrupted one left, is none of them: a new export replaces those)."""
+    from tieflax.run.layout import INCOMPLETE_MARKER, LOCK_FILE  # noqa: PLC0415
+
+    ours = {CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, *SIDE_FILES, INCOMPLETE_MARKER, LOCK_FILE}
+    return [n for n in storage.listdir(out) if n not in ours and not _SHARD_FILE.fullmatch(n)]
+
+
+@contextlib.contextmanager
+def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[str]:
+    """Yields the folder to write an HF export into; ``out`` then holds the new export whole, or is
+    marked incomplete. Holds ``out``'s lock for the block.
+
+    Local: a partial folder beside ``out``, renamed over it at the end (what an earlier export left is
+    replaced whole, so no stale shard survives). gs:// / s3://: ``out`` itself (no rename there): what an
+    earlier or interrupted export left is deleted, then ``INCOMPLETE_MARKER`` is written first and
+    deleted last. A failure or SIGTERM removes what the block wrote; after a kill -9 the next export
+    clears the partial folder or the marked prefix.
+    """
+    from tieflax.run.destinations import fresh_partial_folder, publish  # noqa: PLC0415
+    from tieflax.run.layout import INCOMPLETE_MARKER, LOCK_FILE  # noqa: PLC0415
+    # workdir_lock_single, not workdir_lock: an export holds no orbax checkpoint, so s3:// is fine.
+    from tieflax.run.lock import workdir_lock_single  # noqa: PLC0415
+
+    out = storage.resolve(out)
+
+    def clear():  # everything under the prefix but this command's lock
+        for p in storage.walk_files(out):
+            if p != storage.join(out, LOCK_FILE):
+                storage.delete(p)
+
+    with workdir_lock_single(out, command):
+        if not storage.is_remote(out):
+            partial = fresh_partial_folder(out)
+            try:
+                yield partial
+                publish(partial, out, overwrite=True)   # the caller checked what out holds
+            except BaseException:
+                storage.rmtree(partial)
+                raise
+            return
+        clear()
+        marker = storage.join(out, INCOMPLETE_MARKER)
+        storage.write_text(marker, f"tieflax {command} is writing this folder; it is complete once this object "
+                                   "is gone\n")
+        try:
+            yield out
+        except BaseException:
+            clear()
+            raise
+        storage.delete(marker)
 
 
 def _shard(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
@@ -204,4 +262,4 @@ def _shard(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.nd
 
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "read_hf_config", "read_safetensors", "SafetensorsFolder",
-           "UnsafeCheckpoint", "SIDE_FILES"]
+           "UnsafeCheckpoint", "SIDE_FILES", "writing_hf_folder", "not_written_by_export"]

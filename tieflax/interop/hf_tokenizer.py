@@ -17,8 +17,9 @@ export therefore also writes:
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
+
+from tieflax import storage
 
 
 def special_token_ids(tokenizer, *, eos_token: str, bos_token: str) -> dict[str, int]:
@@ -32,7 +33,8 @@ def special_token_ids(tokenizer, *, eos_token: str, bos_token: str) -> dict[str,
 
 def write_tokenizer_files(out: str, tokenizer, *, eos_token: str, bos_token: str,
                           max_length: int) -> tuple[list[str], dict[str, int]]:
-    """Writes the files above into ``out`` (beside its tokenizer.json); -> (file names, token ids)."""
+    """Writes the files above into ``out`` (beside its tokenizer.json; a local folder or a gs:// / s3://
+    prefix, through ``tieflax.storage``); -> (file names, token ids)."""
     ids = special_token_ids(tokenizer, eos_token=eos_token, bos_token=bos_token)
     opener = bos_token or eos_token
     special = {"bos_token": opener, "eos_token": eos_token, "pad_token": eos_token}
@@ -43,8 +45,7 @@ def write_tokenizer_files(out: str, tokenizer, *, eos_token: str, bos_token: str
         "generation_config.json": {**ids, "do_sample": False},
     }
     for name, content in files.items():
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(content, f, indent=2, sort_keys=True)
+        storage.write_text(storage.join(out, name), json.dumps(content, indent=2, sort_keys=True))
     return sorted(files), ids
 
 
@@ -53,13 +54,11 @@ def export_tokenizer_side(out: str, config) -> list[str]:
     companion files, and ``out/config.json`` the token ids. ``config`` is the run's root config."""
     from tieflax.data.tokenizer import load_tokenizer  # noqa: PLC0415
 
-    tok = load_tokenizer(os.path.join(out, "tokenizer.json"))
+    tok = load_tokenizer(storage.join(out, "tokenizer.json"))
     t = config.data.tokenizer
     names, ids = write_tokenizer_files(out, tok, eos_token=t.eos_token, bos_token=t.bos_token,
                                        max_length=int(config.train.seq_len))
-    path = os.path.join(out, "config.json")
-    with open(path) as f:
-        hf_config = json.load(f)
-    with open(path, "w") as f:
-        json.dump({**hf_config, **ids}, f, indent=2, sort_keys=True)
+    path = storage.join(out, "config.json")
+    hf_config = json.loads(storage.read_text(path))
+    storage.write_text(path, json.dumps({**hf_config, **ids}, indent=2, sort_keys=True))
     return names
