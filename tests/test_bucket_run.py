@@ -63,10 +63,14 @@ def test_kill9_on_a_bucket_resumes_to_the_local_result(gcs, data_dir, tmp_path, 
     killed_at = max(_committed_steps(run))
     assert killed_at < N
 
-    result = train_and_evaluate(config, run)  # the same run, resumed (the dead holder's lease is stale)
+    # The same run, resumed with no argument but the workdir: its config is read from the bucket (the
+    # dead holder's lease is stale).
+    capsys.readouterr()
+    assert main(["train", "--workdir", run]) == 0
     out = capsys.readouterr()
     assert f"resuming from step {killed_at}" in out.out, out
     assert "taking over the stale lease" in out.err
+    result = json.loads(out.out.strip().splitlines()[-1])
     assert result["step"] == N and result["final_val_loss"] == local["final_val_loss"]
 
     assert main(["eval", "--workdir", run]) == 0
@@ -76,7 +80,7 @@ def test_kill9_on_a_bucket_resumes_to_the_local_result(gcs, data_dir, tmp_path, 
 
     names = gcs.objects(run.rsplit("/runs", 1)[0], "runs/tiny/")
     top = {n.split("/")[2] for n in names}
-    assert top == {"checkpoints", "config.json", "metrics", "tensorboard", "tokenizer.json"}, top
+    assert top == {"checkpoints", "config.json", "data.json", "metrics", "tensorboard", "tokenizer.json"}, top
     assert wd.LOCK_FILE not in top  # the lease is given back at the end
     assert not os.path.exists(os.path.join(REPO, "gs:")) and not os.path.exists("gs:")
 

@@ -9,7 +9,7 @@ import pytest
 
 from console_support import capture_console, foreign_problems
 from tieflax import cli
-from tieflax.study import compare
+from tieflax.study import compare as study
 from tieflax.study.resume import StudyMismatch
 from tieflax.model.params import param_report
 from tieflax.study.report import REPORT, claims, load_summary

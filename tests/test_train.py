@@ -331,7 +331,8 @@ def recovered(tied_run, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(async_path, "write_text", full_disk)
-        code, console = capture_console(main, ["train", "--workdir", workdir, "--config.train.num_steps=60"])
+        code, console = capture_console(main, ["train", "--workdir", workdir, "--config.train.num_steps=60",
+                                               "--allow-change", "train.num_steps"])
     return workdir, code, console
 
 
@@ -365,6 +366,26 @@ def test_no_readable_checkpoint_stops_with_what_to_do_and_moves_nothing(tied_run
     err = _cli_one_line(capsys, ["train", "--workdir", workdir])
     assert "no checkpoint in" in err and "20 (" in err and "10 (" in err and "Restore them from a backup" in err
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "20"]
+
+
+def test_a_data_position_that_cannot_move_to_this_process_count_is_refused_naming_both(tied_run, tmp_path,
+                                                                                        capsys):
+    """Checkpoints whose data iterator states were saved by 2 processes and differ between them (not
+    ``make_loader``'s, a function of the global step, which moves: tests/test_multiprocess_train.py):
+    one line naming the step and both process counts, nothing moved. Checkpoint 20 lacks process 1's
+    file: damaged, so the newest movable one (15) is the one named."""
+    workdir = _copy_run(tied_run, tmp_path / "run")
+    for step in (10, 15, 20):
+        data = os.path.join(workdir, "checkpoints", str(step), "data")
+        os.remove(os.path.join(data, "process_0-of-1.json"))
+        for i in (0, 1) if step != 20 else (0,):
+            with open(os.path.join(data, f"process_{i}-of-2.json"), "w") as f:
+                json.dump({"next_index": step + i}, f)
+    err = _cli_one_line(capsys, ["train", "--workdir", workdir])
+    assert "checkpoint 15 was saved by 2 processes and this run has 1" in err, err
+    assert "resume it with 2 processes" in err and "checkpoints/ away" not in err and "backup" not in err, err
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "20"]
+    assert not os.path.exists(os.path.join(workdir, ckpt.UNREADABLE_DIR))
 
 
 def test_eval_of_a_damaged_checkpoint_names_the_step(tied_run, tmp_path, capsys):

@@ -40,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tieflax.run import checkpoints as ckpt
-from tieflax.run.identity import load_workdir_config, save_config
-from tieflax.run.layout import CONFIG_FILE, INITIAL_PARAMS_DIR, CHECKPOINT_DIR, TOKENIZER_FILE
+from tieflax.run import identity, layout
+from tieflax.run.layout import TOKENIZER_FILE
 from tieflax import flops
 from tieflax import sharding as shd
 from tieflax.config import model_config, validate_config
@@ -419,22 +419,6 @@ def _diagnostics_fn():
         return None
 
 
-def _check_resume_matches(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """Resuming with a different model would fail deep inside orbax; say so plainly instead."""
-    if not storage.is_file(storage.join(workdir, CONFIG_FILE)):
-        return
-    saved = model_config(load_workdir_config(workdir))
-    mine = model_config(config)
-    # Memory switches change what is recomputed, kept or chunked, not the parameters or the function:
-    # free to change on resume.
-    free = ("remat", "mlp_chunk", "offload_layer_inputs")
-    diff = {f.name: (getattr(saved, f.name), getattr(mine, f.name)) for f in dataclasses.fields(mine)
-            if getattr(saved, f.name) != getattr(mine, f.name) and f.name not in free}
-    if diff:
-        raise ConfigError(f"{workdir} holds a run of a different model (saved, now): {diff}; use a fresh "
-                          "--workdir or the saved config.")
-
-
 def setup_mesh(config: ml_collections.ConfigDict) -> Mesh:
     mesh = shd.mesh_from_config(config.mesh)
     check_fits_mesh(config, model_config(config), dict(mesh.shape), jax.process_count())
@@ -443,11 +427,15 @@ def setup_mesh(config: ml_collections.ConfigDict) -> Mesh:
 
 # ================================================================================================ the run
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       allow_change: tuple[str, ...] = ()) -> dict[str, Any]:
     """Trains ``config`` in ``workdir`` (resuming from its newest readable checkpoint) and evaluates.
 
     The config is validated before anything is written; the workdir is locked for the run (a second
-    training there refuses) and a workdir whose import was interrupted is refused.
+    training there refuses) and a workdir whose import was interrupted is refused. A workdir that holds
+    a run is continued only with the result fields and data it trained with (``tieflax.run.identity``):
+    ``allow_change`` names the fields (or sections, e.g. ``"data"``) that may change on purpose, each
+    change recorded as a config-history entry.
 
     Returns ``{'step', 'final_train_loss', 'final_train_perplexity', 'final_val_loss',
     'final_val_perplexity', 'params': {...counts...}, 'tokens_per_second', 'metrics_path', 'workdir',
@@ -461,10 +449,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     validate_config(config)
     check_no_partial_import(workdir)
     with workdir_lock(workdir, "train", enabled=jax.process_index() == 0) as held:
-        return _train_and_evaluate(config, workdir, held)
+        return _train_and_evaluate(config, workdir, held, tuple(allow_change))
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -> dict[str, Any]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
+                        allow_change: tuple[str, ...]) -> dict[str, Any]:
     from tieflax.data import make_loader, prepare_dataset, to_global_batch  # noqa: PLC0415
 
     t = config.train
@@ -474,14 +463,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -
     mc = model_config(config)
     report = param_report(mc).as_dict()
     mesh = setup_mesh(config)
-    _check_resume_matches(workdir, config)
+    resume = identity.check_resume(workdir, config, allow_change=allow_change)  # before anything is written
 
     # ---------------------------------------------------------------------------------------- input
     prepared = prepare_dataset(config.data, workdir, vocab_size=mc.vocab_size)
-    tokenizer_path = storage.join(workdir, "tokenizer.json")
-    if is_main and prepared.tokenizer is not None and not storage.is_file(tokenizer_path):
-        storage.write_text(tokenizer_path, prepared.tokenizer.to_str())
-    ckpt.save_config(workdir, config, claim=True)
+    tokenizer_json = prepared.tokenizer.to_str() if prepared.tokenizer is not None else None
+    data = identity.data_record(prepared.info, tokenizer_json)
+    identity.check_data(workdir, data, resume)
+    tokenizer_path = layout.path(workdir, TOKENIZER_FILE)
+    if is_main and tokenizer_json is not None and not storage.is_file(tokenizer_path):
+        storage.write_text(tokenizer_path, tokenizer_json)
     train_loader = make_loader(prepared, "train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                                seed=config.seed)
 
@@ -509,6 +500,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held) -
         else:
             state = s.init_state(jax.random.key(config.seed))
             start = 0
+        identity.record(workdir, config, data, resume, start)  # config.json once; a change as a history entry
+        if resume.changed and not resume.before_first_step:
+            say(f"changed on purpose from step {start} on ({identity.CONFIG_HISTORY_DIR}/): "
+                + "; ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in resume.changed.items()))
 
         writer = MetricWriter(workdir, enabled=is_main)
         step_model_flops = flops.step_flops(mc, t.global_batch_size, t.seq_len).train

@@ -3,7 +3,12 @@
     tieflax train --config configs/experiments/tiny.py --workdir /tmp/tiny
     tieflax train --config configs/experiments/tiny.py --workdir /tmp/tiny_untied \\
         --config.model.tie_embeddings=False
-    tieflax train --workdir /tmp/tiny          # resume with the workdir's saved config.json
+    tieflax train --workdir /tmp/tiny          # resume with the config the run trains with
+    tieflax train --workdir /tmp/tiny --config.train.num_steps=2000 --allow-change train.num_steps
+
+A rerun, with or without ``--config``, is the same run: a field that changes results and differs from
+the run's record is refused (naming it) unless ``--allow-change`` names it; the change is then recorded
+in ``config_history/`` (``tieflax.run.identity``), never by rewriting config.json.
 
 Multi-process launches (``launch/``) set ``TIEFLAX_COORDINATOR`` / ``TIEFLAX_NUM_PROCESSES`` /
 ``TIEFLAX_PROCESS_ID`` or ``TIEFLAX_DISTRIBUTED=1``; every process runs this same command. SIGTERM
@@ -22,23 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="experiment config file[:arg], e.g. configs/experiments/tiny.py; "
                                          "default: <workdir>/config.json")
     parser.add_argument("--workdir", required=True, help="run folder: config, checkpoints, metrics")
+    parser.add_argument("--allow-change", action="append", default=[], metavar="FIELD[,FIELD]",
+                        help="continue this run with these result fields changed on purpose (e.g. "
+                             "train.num_steps, train.learning_rate, data): recorded in config_history/")
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
 
 
 def load_run_config(config_path, workdir: str, overrides):
-    """The config file with overrides, or the workdir's saved config (overrides applied) when none."""
-    from tieflax.run.layout import CONFIG_FILE  # noqa: PLC0415
-    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
+    """The config file with overrides, or the config the run trains with (overrides applied) when none.
+    A workdir without one is a NotARun error (one line)."""
     from tieflax.config import apply_override, load_config, validate_config  # noqa: PLC0415
+    from tieflax.run.identity import NotARun, load_workdir_config  # noqa: PLC0415
 
     if config_path:
         return load_config(config_path, overrides)
-    if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
-        raise SystemExit(f"tieflax train: no --config given and {workdir}/{CONFIG_FILE} does not exist; "
-                         "pass --config configs/experiments/tiny.py")
-    config = load_workdir_config(workdir)
+    try:
+        config = load_workdir_config(workdir)
+    except NotARun as e:
+        raise NotARun(2, f"{e}; or pass --config, e.g. --config configs/experiments/tiny.py", e.filename) from None
     for item in overrides:
         apply_override(config, item)
     validate_config(config)
@@ -59,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_run_config(args.config, args.workdir, args.overrides)
     try:
-        result = train_and_evaluate(config, args.workdir)
+        allow = tuple(f.strip() for item in args.allow_change for f in item.split(",") if f.strip())
+        result = train_and_evaluate(config, args.workdir, allow_change=allow)
     except ProcessesStopped as e:
         # Every process stops with this line; orbax's save thread of a healthy process still waits for the
         # failed one at its commit barrier, and joining it at exit would hang: leave without it.

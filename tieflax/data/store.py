@@ -35,15 +35,11 @@ import dataclasses
 import hashlib
 import io
 import json
-import os
 import re
-import socket
-import threading
-import time
 
 import numpy as np
 
-from tieflax import storage
+from tieflax import lease, storage
 from tieflax.data.config import DataError
 
 FORMAT = "tieflax-token-store/1"
@@ -425,58 +421,22 @@ def finished_parts(store: str) -> dict[int, dict]:
 
 # ---------------------------------------------------------------------------------------------- lease
 
-class BuildLock:
-    """``lock[-i-of-n].json`` in the store while a prepare works on it; a heartbeat thread keeps it
-    fresh. A second prepare finding a fresh lock refuses; a stale one (its heartbeat older than
-    ``LEASE_SECONDS``, or its process gone on this host) is taken over with compare-and-set."""
+class BuildLock(lease.Lease):
+    """``lock[-i-of-n].json`` in the store while a prepare works on it: the same compare-and-set lease
+    as a workdir's on a bucket (``tieflax.lease``), renewed by a heartbeat. A second prepare finding a
+    live lease refuses; a stale one (not renewed for ``LEASE_SECONDS``, or its process gone on this
+    host) is taken over with a message."""
 
     def __init__(self, store: str, name: str = "lock.json"):
-        self.path = storage.join(store, name)
-        self._stop = threading.Event()
-        self._thread = None
+        path = storage.join(store, name)
 
-    def _record(self) -> bytes:
-        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
-                          ).encode()
+        def refuse(holder: dict, age: float) -> DataError:
+            return DataError(f"token store {store} is being written by another tieflax prepare (host "
+                             f"{holder.get('host')}, pid {holder.get('pid')}, renewed {age:.0f} s ago): wait "
+                             f"for it, or if it is dead delete {path} (it goes stale after {LEASE_SECONDS} s)")
 
-    def __enter__(self):
-        if not storage.create_new(self.path, self._record()):
-            data, stamp = storage.read_with_stamp(self.path)
-            if data is not None and not _stale(json.loads(data)):
-                who = json.loads(data)
-                raise DataError(f"token store {storage.parent(self.path)} is being written by another "
-                                f"tieflax prepare (host {who['host']}, pid {who['pid']}): wait for it, or "
-                                f"if it is dead delete {self.path} (it goes stale after "
-                                f"{LEASE_SECONDS} s)")
-            if storage.compare_and_set(self.path, self._record(), stamp) is None:
-                raise DataError(f"token store {storage.parent(self.path)}: another tieflax prepare took "
-                                "it over just now; wait for it to finish")
-        self._thread = threading.Thread(target=self._beat, daemon=True)
-        self._thread.start()
-        return self
-
-    def _beat(self):
-        while not self._stop.wait(LEASE_SECONDS / 4):
-            storage.write_bytes(self.path, self._record())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        storage.delete(self.path)
-
-
-def _stale(record: dict) -> bool:
-    if time.time() - record.get("heartbeat", 0) > LEASE_SECONDS:
-        return True
-    if record.get("host") == socket.gethostname():
-        try:
-            os.kill(int(record["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, ValueError, KeyError):
-            return False
-    return False
+        super().__init__(path, lease.holder_record(command="prepare"), refuse=refuse, owner=f"token store {store}",
+                         heartbeat_seconds=LEASE_SECONDS / 4, lease_seconds=LEASE_SECONDS)
 
 
 # ------------------------------------------------------------------------------------------- training

@@ -3,8 +3,9 @@
 A run directory (``--workdir``, local or ``gs://bucket/runs/NAME``) holds::
 
     config.json              the config the run trains with (created once; never rewritten by a resume)
-    config_history/<n>.json  each deliberate change of a result field (``--allow-change``), numbered,
-                             create-only: ``0.json`` is the config the run started with
+    config_history/<n>.json  n = 1, 2, ...: each change of a result field made on purpose
+                             (``--allow-change``), numbered, create-only (``tieflax.run.identity``)
+    data.json                what the run trains on: the data's source, content key, tokenizer digest
     tokenizer.json           the tokenizer its ids come from (trained, imported, or a copy)
     data_cache/              the content-hashed token cache of ``data.source`` corpora and files
     checkpoints/<step>/      orbax: ``state`` {'step', 'params', 'opt_state'} and ``data`` (the iterator)
@@ -29,6 +30,7 @@ from tieflax.errors import UserError
 
 CONFIG_FILE = "config.json"
 CONFIG_HISTORY_DIR = "config_history"
+DATA_RECORD_FILE = "data.json"
 TOKENIZER_FILE = "tokenizer.json"
 DATA_CACHE_DIR = "data_cache"
 CHECKPOINT_DIR = "checkpoints"

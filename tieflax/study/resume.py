@@ -3,55 +3,23 @@ was trained with the config the study would train it with now.
 
 A finished run is reused as it is and an unfinished one continues from its checkpoint, so a rerun with
 ``--config.train.num_steps=50`` over 4-step runs would report 4-step results under a 50-step config. The
-trainer saves the config it trained with (``<run>/config.json``); ``changed_fields`` compares the fields
-that change results and ``check_run_matches`` refuses, naming them, or (``retrain``) removes the run so
-it trains again.
+trainer saves the config it trained with (``<run>/config.json``); ``tieflax.run.identity.changed_fields``
+compares the fields that change results (those ``tieflax train`` holds every resume to), and
+``check_run_matches`` refuses, naming them, or (``retrain``) removes the run so it trains again.
 """
 
 from __future__ import annotations
 
-import json
-
 from tieflax import storage
 from tieflax.errors import UserError
+from tieflax.run.identity import changed_fields, load_workdir_config, result_fields
+from tieflax.run.layout import CONFIG_FILE
 
-# Fields that do not change a run's results: logging and checkpoint cadence, where files live, how the
-# data is read, memory/kernel switches that recompute the same function, and the mesh.
-IGNORED = {
-    "train": ("analyze_every", "checkpoint_every", "keep_checkpoints", "log_every", "eval_every", "loss_impl",
-              "loss_token_block", "loss_vocab_block"),
-    "data": ("cache_dir", "prefetch_buffer_size", "read_threads", "tokenizer.path"),
-    "model": ("remat", "mlp_chunk", "offload_layer_inputs", "attention"),
-}
-SECTIONS = ("model", "train", "data", "seed")
+__all__ = ["StudyMismatch", "check_run_matches", "result_fields"]
 
 
 class StudyMismatch(UserError):
     """A run in the study's workdir was trained with a different config; the message names the fields."""
-
-
-def _flat(node, prefix: str = "") -> dict:
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): node}
-
-
-def result_fields(config) -> dict:
-    """``{'section.field': value}`` of the fields that change a run's results (JSON-normalised)."""
-    tree = json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else config
-    flat = _flat({k: tree[k] for k in SECTIONS if k in tree})
-    drop = {f"{section}.{name}" for section, names in IGNORED.items() for name in names}
-    return {k: v for k, v in flat.items() if k not in drop}
-
-
-def changed_fields(saved, now) -> dict[str, tuple]:
-    """``{field: (saved, now)}`` for every result field that differs (a field absent on one side counts
-    when the other side sets it)."""
-    a, b = result_fields(saved), result_fields(now)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 def check_run_matches(run_dir: str, config, *, retrain: bool, saved_fields: dict | None = None,
@@ -60,9 +28,6 @@ def check_run_matches(run_dir: str, config, *, retrain: bool, saved_fields: dict
     with ``retrain`` removes it instead and returns True (the caller trains it afresh). False when there
     is nothing to check (no run yet) or it matches. ``saved_fields``: the run's own record of its
     :func:`result_fields` (the sweep keeps it in its result file); else ``run_dir/config.json``."""
-    from tieflax.run.layout import CONFIG_FILE  # noqa: PLC0415
-    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
-
     if saved_fields is not None:
         now = result_fields(config)
         diff = {k: (saved_fields.get(k), now.get(k)) for k in sorted(set(saved_fields) | set(now))

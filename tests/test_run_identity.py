@@ -1,0 +1,162 @@
+"""A run is one thing: every resume, with or without ``--config``, is held to the run's record
+(``tieflax.run.identity``). A changed result field or changed data is refused in one line before anything
+is written; ``--allow-change`` continues the run and records the change as a numbered history entry;
+memory, placement and cadence are free; config.json is never rewritten."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from test_train_support import micro_config, prepare_shared_data
+from tieflax.cli import main
+from tieflax.run import identity
+from tieflax.run.layout import CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE
+from tieflax.train import train_and_evaluate
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("identity_data"))
+    prepare_shared_data(d)
+    return d
+
+
+def _config(data_dir, **train):
+    c = micro_config(data_dir, num_steps=STEPS)
+    c.train.log_every, c.train.checkpoint_every = 2, 2
+    for k, v in train.items():
+        c.train[k] = v
+    return c
+
+
+@pytest.fixture(scope="module")
+def finished(data_dir, tmp_path_factory):
+    """A run trained to the end; each test copies it."""
+    workdir = str(tmp_path_factory.mktemp("identity") / "run")
+    result = train_and_evaluate(_config(data_dir), workdir)
+    assert result["step"] == STEPS
+    return workdir
+
+
+def _copy(src, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, str(dst))
+    return str(dst)
+
+
+def _one_line(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"tieflax {argv[0]}: "), err
+    return err
+
+
+@pytest.mark.parametrize("override, field, saved, new", [
+    ("--config.data.source=kjv", "data.source", "'python_stdlib'", "'kjv'"),
+    ("--config.train.learning_rate=0.001", "train.learning_rate", "0.01", "0.001"),
+    ("--config.seed=7", "seed", "0", "7"),
+])
+def test_a_changed_result_field_is_refused_in_one_line_and_nothing_is_written(finished, tmp_path, capsys,
+                                                                             override, field, saved, new):
+    run = _copy(finished, tmp_path / "run")
+    before = {n: open(os.path.join(run, n), "rb").read() for n in (CONFIG_FILE, DATA_RECORD_FILE)}
+    listing = sorted(os.listdir(run))
+    err = _one_line(capsys, ["train", "--workdir", run, override])
+    assert f"{field} {saved} -> {new}" in err and f"--allow-change {field}" in err, err
+    assert {n: open(os.path.join(run, n), "rb").read() for n in before} == before  # byte-identical
+    assert sorted(os.listdir(run)) == listing and not os.path.exists(os.path.join(run, CONFIG_HISTORY_DIR))
+
+
+def test_allow_change_trains_on_and_the_history_holds_both_configs(finished, tmp_path, capsys):
+    run = _copy(finished, tmp_path / "run")
+    original = open(os.path.join(run, CONFIG_FILE), "rb").read()
+    capsys.readouterr()
+    assert main(["train", "--workdir", run, "--config.train.num_steps=6", "--config.train.learning_rate=0.001",
+                 "--allow-change", "train.num_steps", "--allow-change", "train.learning_rate"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming from step {STEPS}" in out and "changed on purpose from step 4 on" in out, out
+    assert json.loads(out.strip().splitlines()[-1])["step"] == 6
+    assert open(os.path.join(run, CONFIG_FILE), "rb").read() == original  # never rewritten
+    (entry,) = identity.history(run)
+    assert entry["number"] == 1 and entry["step"] == STEPS and entry["reason"] == "--allow-change"
+    assert entry["changed"] == {"train.learning_rate": [0.01, 0.001], "train.num_steps": [4, 6]}
+    assert json.loads(original)["train"]["learning_rate"] == 0.01  # both configs are in the run
+    assert entry["config"]["train"]["learning_rate"] == 0.001
+    assert identity.load_workdir_config(run).train.num_steps == 6  # the config in force
+    assert identity.history_lines(run) == [
+        "config changed at step 4 (--allow-change): train.learning_rate 0.01 -> 0.001; train.num_steps 4 -> 6"]
+    # A rerun with no argument is the same (changed) run: finished, nothing new recorded.
+    assert main(["train", "--workdir", run]) == 0
+    assert "resuming from step 6" in capsys.readouterr().out
+    assert len(identity.history(run)) == 1
+
+
+def test_memory_placement_and_cadence_are_free(finished, tmp_path, capsys):
+    run = _copy(finished, tmp_path / "run")
+    original = open(os.path.join(run, CONFIG_FILE), "rb").read()
+    assert main(["train", "--workdir", run, "--config.model.remat=full", "--config.train.log_every=1",
+                 "--config.train.checkpoint_every=1", "--config.mesh.data=2", "--config.mesh.fsdp=4",
+                 "--config.data.read_threads=1"]) == 0
+    assert "resuming from step 4" in capsys.readouterr().out
+    assert open(os.path.join(run, CONFIG_FILE), "rb").read() == original
+    assert identity.history(run) == []
+
+
+def test_data_that_changed_under_the_same_config_is_refused(data_dir, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i}: " + " ".join(f"w{(i * j) % 97}" for j in range(60))
+                                  for i in range(40)))
+    config = _config(data_dir)
+    config.data.source, config.data.files.paths, config.data.files.split_on = "files", [str(corpus)], "\n\n"
+    run = str(tmp_path / "run")
+    train_and_evaluate(config, run)
+    saved = identity.read_data_record(run)
+    assert saved["source"] == "files" and saved["key"]
+
+    with open(corpus, "a") as f:  # the same path and settings, other content
+        f.write("\n\nanother document appended after the run trained")
+    with pytest.raises(identity.RunChanged, match=r"trained on other data \(saved -> now: data \(key\) "):
+        train_and_evaluate(config, run)
+    assert identity.read_data_record(run) == saved
+    train_and_evaluate(config, run, allow_change=("data",))  # on purpose: recorded with the new key
+    (entry,) = identity.history(run)
+    assert entry["data"]["key"] != saved["key"] and entry["changed"] == {}
+
+
+def test_imported_parameters_take_training_settings_before_their_first_step(finished, tmp_path, capsys):
+    untied = str(tmp_path / "untied")
+    assert main(["convert", "--untie", "--workdir", finished, "--out", untied]) == 0
+    err = _one_line(capsys, ["train", "--workdir", untied, "--config.model.d_ff=128"])
+    assert "model.d_ff 64 -> 128" in err and "tieflax convert" in err, err
+    assert main(["train", "--workdir", untied, "--config.train.learning_rate=0.003"]) == 0
+    (entry,) = identity.history(untied)
+    assert entry["step"] == 0 and entry["reason"] == "set before the first step"
+    # Now it has trained: the same override is held to the record like any other run's.
+    assert main(["train", "--workdir", untied, "--config.train.learning_rate=0.003"]) == 0
+    err = _one_line(capsys, ["train", "--workdir", untied, "--config.train.learning_rate=0.01"])
+    assert "train.learning_rate 0.003 -> 0.01" in err, err
+
+
+def test_a_folder_without_a_run_is_one_line(tmp_path, capsys):
+    err = _one_line(capsys, ["train", "--workdir", str(tmp_path / "nothing")])
+    assert "config.json does not exist" in err and "--config" in err, err
+
+
+def test_a_bucket_run_resumes_with_no_argument_and_so_does_an_untied_copy(finished, gcs, capsys):
+    """``tieflax train --workdir gs://B/run`` reads the run's config from the bucket (no --config)."""
+    bucket = gcs.new_bucket()
+    untied = f"{bucket}/untied"
+    assert main(["convert", "--untie", "--workdir", finished, "--out", untied]) == 0
+    capsys.readouterr()
+    assert main(["train", "--workdir", untied]) == 0
+    out = capsys.readouterr().out
+    assert "starting from initial_params/" in out and json.loads(out.strip().splitlines()[-1])["step"] == STEPS
+    assert main(["train", "--workdir", untied]) == 0  # finished: resumes at the end
+    assert f"resuming from step {STEPS}" in capsys.readouterr().out
