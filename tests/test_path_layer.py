@@ -37,7 +37,9 @@ FLAGGED_PREFIXES = ("shutil.",)
 # Methods of a pathlib.Path (flagged on ``Path(...).m()`` and on names bound to ``Path(...)``).
 PATH_METHODS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rmdir",
                 "exists", "is_file", "is_dir", "iterdir", "glob", "rglob", "rename", "replace", "touch"}
-TODO_MOVE = "TODO run/ move"  # the run/ package move fixes these (another change); then remove the entries
+LOCAL_LOCK = "the local branch of the workdir lock (remote: tieflax.lease through storage): O_EXCL and PIDs"
+LOCAL_PUBLISH = ("the local branch of writing a new workdir whole (remote: in place behind the incomplete "
+                 "marker, through storage): a partial folder beside it, renamed over it")
 
 # (module, function) -> why its paths can never be gs:// / s3:// URLs.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -64,17 +66,17 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tieflax/data/token_files.py", "_check_file"): "data.tokens.train_path/val_path are memory-mapped in "
                                                     "place: local files only (token stores on buckets are "
                                                     "tieflax.data.store)",
-    # The run/ package (another change moves and reworks it).
-    ("tieflax/run/destinations.py", "_check_local_destination"): TODO_MOVE,
-    ("tieflax/run/destinations.py", "_first_run_inside"): TODO_MOVE,
-    ("tieflax/run/destinations.py", "fresh_partial_folder"): TODO_MOVE,
-    ("tieflax/run/destinations.py", "partial_imports"): TODO_MOVE,
-    ("tieflax/run/destinations.py", "publish"): TODO_MOVE,
-    ("tieflax/run/destinations.py", "writing_new_workdir"): TODO_MOVE,
-    ("tieflax/run/lock.py", "_local_lock"): TODO_MOVE,
-    ("tieflax/run/lock.py", "_mtime"): TODO_MOVE,
-    ("tieflax/run/lock.py", "_read_lock"): TODO_MOVE,
-    ("tieflax/run/metrics.py", "_files_under"): TODO_MOVE,
+    ("tieflax/run/destinations.py", "_check_local_destination"): LOCAL_PUBLISH,
+    ("tieflax/run/destinations.py", "_first_run_inside"): "the local branch (remote: storage.walk_files): "
+                                                          "os.walk without following links, so --overwrite "
+                                                          "never deletes through one",
+    ("tieflax/run/destinations.py", "fresh_partial_folder"): LOCAL_PUBLISH,
+    ("tieflax/run/destinations.py", "partial_imports"): LOCAL_PUBLISH,
+    ("tieflax/run/destinations.py", "publish"): LOCAL_PUBLISH,
+    ("tieflax/run/destinations.py", "writing_new_workdir"): LOCAL_PUBLISH,
+    ("tieflax/run/lock.py", "_local_lock"): LOCAL_LOCK,
+    ("tieflax/run/lock.py", "_mtime"): LOCAL_LOCK,
+    ("tieflax/run/lock.py", "_read_lock"): LOCAL_LOCK,
 }
 
 

@@ -144,7 +144,6 @@ def test_a_signal_at_any_moment_is_one_line_an_exit_code_and_no_stale_lock(tmp_p
     (tmp_path / "signal_command.py").write_text(textwrap.dedent(SIGNAL_COMMAND))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(cli.COMMANDS, "signaltest", "signal_command")
-    monkeypatch.setitem(cli.HELP, "signaltest", "test")
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.unraisablehook
     workdir = tmp_path / "w"
     workdir.mkdir()

@@ -31,20 +31,6 @@ COMMANDS = {
     "prepare": "tieflax.commands.prepare",
 }
 
-HELP = {
-    "params": "exact parameter counts of a model config, or the table over all published models",
-    "train": "train a model (resumes from the workdir's latest checkpoint)",
-    "eval": "validation loss and perplexity of a workdir's latest checkpoint",
-    "compare": "the tied-vs-untied study: train the variants and write a report with plots",
-    "analyze": "embedding diagnostics of a checkpoint",
-    "sweep": "tied vs untied across model sizes: loss-vs-parameters curves and the crossover estimate",
-    "convert": "Hugging Face import/export, and tie/untie surgery on checkpoints",
-    "plan": "per-device memory of the train step on a TPU pod or GPU server, compiled from this machine",
-    "prepare": "tokenise a config's corpus into a token store (parallel, resumable, local or gs://)",
-    "evaluate": "lm-evaluation-harness tasks on a checkpoint", "sample": "generate text from a checkpoint",
-}
-
-
 DEBUG_HELP = "show the full traceback of a failure (also: TIEFLAX_DEBUG=1)"
 
 
@@ -55,10 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in COMMANDS.items():
         if importlib.util.find_spec(module_name) is None:
             continue  # a command whose module is not installed in this build
-        command_parser = sub.add_parser(name, help=HELP[name], description=HELP[name])
+        module = importlib.import_module(module_name)
+        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)  # HELP: once, there
         command_parser.set_defaults(_module=module_name)
         command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-        importlib.import_module(module_name).add_arguments(command_parser)
+        module.add_arguments(command_parser)
     return parser
 
 

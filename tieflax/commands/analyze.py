@@ -38,6 +38,8 @@ def summary_lines(result: dict) -> dict:
     """The headline numbers of one analysis (the JSON file holds everything)."""
     pick = {"spearman", "mean_cosine", "isotropy", "effective_rank", "mean_norm"}
     out = {"step": result["step"], "tied": result["tied"]}
+    if result.get("config_history"):
+        out["config_history"] = result["config_history"]
     for side in ("input", "output"):
         out[side] = {k: round(v, 4) for k, v in result[side].items() if k in pick}
     for key in ("in_out",):

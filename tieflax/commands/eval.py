@@ -8,7 +8,6 @@ model. Prints one JSON object: ``{"step", "loss", "perplexity", "accuracy", "tok
 from __future__ import annotations
 
 import argparse
-import json
 
 HELP = "validation loss and perplexity of a workdir's latest checkpoint"
 
@@ -24,12 +23,11 @@ def run(args: argparse.Namespace) -> int:
 
     import jax  # noqa: PLC0415
 
-    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
-    from tieflax.config import apply_override, model_config  # noqa: PLC0415
-    from tieflax.train import evaluate  # noqa: PLC0415
-
-    from tieflax.config import validate_config  # noqa: PLC0415
+    from tieflax import strict_json  # noqa: PLC0415
+    from tieflax.config import apply_override, model_config, validate_config  # noqa: PLC0415
     from tieflax.model.config import ConfigError  # noqa: PLC0415
+    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
+    from tieflax.train import evaluate  # noqa: PLC0415
 
     config = load_workdir_config(args.workdir)
     trained = model_config(config)
@@ -43,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
                           "overrides may change how the run is evaluated (mesh, batches), not the model")
     result = evaluate(config, args.workdir)
     if jax.process_index() == 0:
-        print(json.dumps(result, default=float))
+        print(strict_json.dumps(result))  # a NaN loss as "NaN": strict JSON
     return 0

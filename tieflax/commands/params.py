@@ -7,7 +7,7 @@ import glob
 import json
 import os
 
-HELP = "exact parameter counts"
+HELP = "exact parameter counts of a model config, or the table over all published models"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,10 @@ A run directory (``--workdir``, local or ``gs://bucket/runs/NAME``) holds::
     tensorboard/             TensorBoard event files
     tieflax.lock             while a command writes here (a lease object on gs:// and s3://)
     tieflax.incomplete       on gs:// / s3://: an import or surgery is writing this prefix
+    analysis/                what the study and ``tieflax analyze`` measured on this run (step_<n>.json,
+                             compare.json, tasks.json, plots)
+    lm_eval/                 lm-eval's own results and samples of the study's benchmark tasks
+    sweep_result.json        a sweep run's final loss and the result fields it was trained with
 
 Nothing here imports JAX or orbax: every module may ask this one for a name, and only ``tieflax.run``
 decides what a run folder holds.
@@ -43,6 +47,9 @@ LEGACY_METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 LOCK_FILE = "tieflax.lock"
 INCOMPLETE_MARKER = "tieflax.incomplete"
+ANALYSIS_DIR = "analysis"
+LM_EVAL_DIR = "lm_eval"
+SWEEP_RESULT_FILE = "sweep_result.json"
 PARTIAL_TAG = ".partial-"  # local imports are written into <parent>/.<name>.partial-<pid>, then renamed
 
 # What training or an import leaves beside config.json: with one of these the folder is a run.

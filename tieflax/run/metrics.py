@@ -88,7 +88,7 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.flush()
             if self._tb_local is not None:
-                for local in _files_under(self._tb_local.name):
+                for local in storage.walk_files(self._tb_local.name):
                     rel = os.path.relpath(local, self._tb_local.name)
                     storage.upload_file(local, storage.join(self.workdir, TENSORBOARD_DIR, *rel.split(os.sep)))
 
@@ -103,10 +103,6 @@ class MetricWriter:
             if self._tb_local is not None:
                 self._tb_local.cleanup()
                 self._tb_local = None
-
-
-def _files_under(folder: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
 
 
 def _jsonable(v):

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 
 from tieflax import storage
+from tieflax.run import identity, layout
+from tieflax.run.layout import ANALYSIS_DIR
 from tieflax import strict_json as jsonable
 from tieflax.analysis.diagnostics import embedding_diagnostics
 from tieflax.analysis.frequency import as_matrix
@@ -189,8 +191,9 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     result = analyze_params(mc, params, data["token_counts"], train_batch=data["train_batch"],
                             val_batches=data["val_batches"], loss_options=analysis_loss_options(config),
                             n_buckets=n_buckets, max_rows=max_rows, with_arrays=True)
-    result.update(step=int(step), workdir=storage.resolve(workdir), data_dir=data["data_dir"])
-    out_dir = storage.resolve(out_dir or storage.join(workdir, "analysis"))
+    result.update(step=int(step), workdir=storage.resolve(workdir), data_dir=data["data_dir"],
+                  config_history=identity.history_lines(workdir))  # when and how its config changed
+    out_dir = storage.resolve(out_dir or layout.path(workdir, ANALYSIS_DIR))
     storage.makedirs(out_dir)
     paths = {"json": storage.join(out_dir, f"step_{step}.json")}
     storage.write_text(paths["json"], jsonable.dumps(without_arrays(result), indent=1))

@@ -27,6 +27,8 @@ import time
 import ml_collections
 
 from tieflax import storage
+from tieflax.run import layout
+from tieflax.run.layout import ANALYSIS_DIR
 from tieflax import strict_json as jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigValueError
@@ -281,7 +283,7 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     from tieflax.study.analyze import analysis_loss_options, checkpoint_steps, load_params_at
     from tieflax.config import model_config
 
-    path = storage.join(run_dir, "analysis", "compare.json")
+    path = layout.path(run_dir, ANALYSIS_DIR, "compare.json")
     steps = checkpoint_steps(run_dir)
     if storage.is_file(path):
         saved = jsonable.loads(storage.read_text(path))

@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 
 from tieflax import storage
+from tieflax.run.layout import SWEEP_RESULT_FILE
 from tieflax import strict_json as jsonable
 from tieflax.analysis import stats as st
 from tieflax.strict_json import to_jsonable
@@ -39,7 +40,7 @@ from tieflax.errors import ConfigValueError
 from tieflax.run.layout import WorkdirError
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
-RESULT = "sweep_result.json"
+RESULT = SWEEP_RESULT_FILE
 
 
 def default_sweep_config() -> ml_collections.ConfigDict:

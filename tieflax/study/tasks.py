@@ -24,6 +24,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from tieflax import storage
+from tieflax.run import layout
+from tieflax.run.layout import ANALYSIS_DIR, LM_EVAL_DIR
 from tieflax import strict_json as jsonable
 from tieflax.analysis import stats as st
 from tieflax.errors import ConfigValueError, UserError
@@ -104,7 +106,7 @@ def score_run(run_dir: str, cc, *, log: Callable[[str], None] = print) -> dict:
     holds the same step and settings); -> ``{'step', 'settings', 'tasks': {name: items_of(...)}}``."""
     from tieflax.study.analyze import checkpoint_steps  # noqa: PLC0415
 
-    path = storage.join(run_dir, "analysis", TASKS_FILE)
+    path = layout.path(run_dir, ANALYSIS_DIR, TASKS_FILE)
     step, want = int(checkpoint_steps(run_dir)[-1]), settings(cc)
     if storage.is_file(path):
         saved = jsonable.loads(storage.read_text(path))
@@ -123,7 +125,7 @@ def score_run(run_dir: str, cc, *, log: Callable[[str], None] = print) -> dict:
                         model_args={"pretrained": run_dir},
                         num_fewshot=None if want["num_fewshot"] < 0 else want["num_fewshot"],
                         limit=want["limit"] or None, log_samples=True)
-    out_dir = storage.join(run_dir, "lm_eval")
+    out_dir = layout.path(run_dir, LM_EVAL_DIR)
     for leaf, samples in results["samples"].items():
         text = "".join(json.dumps(s, default=str, ensure_ascii=False) + "\n" for s in samples)
         storage.write_text(storage.join(out_dir, f"samples_{leaf}.jsonl"), text)
