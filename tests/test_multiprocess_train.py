@@ -10,6 +10,7 @@ mesh (data=8) and the program are the same; only the cross-process reduction ord
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 
@@ -80,6 +81,46 @@ def test_two_processes_match_one_and_resume(tmp_path, gcs):
     val = {r["step"]: r["loss"] for r in read_metrics(multi, "val")}
     np.testing.assert_allclose(val[8], result["final_val_loss"], rtol=LOSS_RTOL)
 
+
+def _keep_only_checkpoint(workdir: str, step: int) -> None:
+    """As if the run had been killed (kill -9) just after saving checkpoint ``step``: the later ones go."""
+    for name in os.listdir(os.path.join(workdir, ckpt.CHECKPOINT_DIR)):
+        if name.isdigit() and int(name) > step:
+            shutil.rmtree(os.path.join(workdir, ckpt.CHECKPOINT_DIR, name))
+    assert ckpt.latest_step(workdir) == step
+
+
+def test_checkpoints_of_two_processes_resume_on_one_and_back(tmp_path, capsys):
+    """Checkpoint 4 of 2 processes x 4 devices resumes on 1 process x 8 devices, whose checkpoint 6 then
+    resumes on 2 processes again. The data iterator's state is saved one file per process; it counts
+    global batches, so each resume reads exactly the batches of an uninterrupted run: every resumed
+    step's loss matches the uninterrupted 2-process run's (itself matching one process, test above)."""
+    data_dir = str(tmp_path / "data")
+    prepare_shared_data(data_dir)
+    run, config = str(tmp_path / "run"), _config(data_dir, 8)
+
+    _launch(run, config, str(tmp_path))                      # 2 processes, uninterrupted: checkpoints 4, 6, 8
+    want = {r["step"]: r["loss"] for r in read_metrics(run, "train")}
+    want_val = {r["step"]: r["loss"] for r in read_metrics(run, "val")}[8]
+    _keep_only_checkpoint(run, 4)
+    result = train_and_evaluate(config, run)                 # 1 process, from the 2-process checkpoint 4
+    assert result["step"] == 8
+    assert "tieflax: resuming from step 4" in capsys.readouterr().out
+    resumed_on_one = {r["step"]: r["loss"] for r in read_metrics(run, "train")}
+    _keep_only_checkpoint(run, 6)
+    proc = _launch(run, config, str(tmp_path))               # 2 processes, from the 1-process checkpoint 6
+    assert "tieflax: resuming from step 6" in proc.stdout
+    assert ckpt.latest_step(run) == 8
+    assert not os.path.exists(os.path.join(run, "checkpoints_unreadable"))
+
+    got = {r["step"]: r["loss"] for r in read_metrics(run, "train")}  # a repeated step: the later row
+    assert sorted(want) == sorted(got) == list(range(1, 9))
+    steps = range(5, 9)
+    np.testing.assert_allclose([resumed_on_one[s] for s in steps], [want[s] for s in steps], rtol=LOSS_RTOL)
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(result["final_val_loss"], want_val, rtol=LOSS_RTOL)
+    np.testing.assert_allclose({r["step"]: r["loss"] for r in read_metrics(run, "val")}[8], want_val,
+                               rtol=LOSS_RTOL)
 
 def test_a_save_failing_on_process_1_stops_both_within_one_log_interval(tmp_path, monkeypatch):
     """Process 1 may not write its share of the step-4 checkpoint (a storage server that answers 403 to

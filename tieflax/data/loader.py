@@ -16,9 +16,12 @@ exactly. Save it in the same orbax step as the parameters with grain's handler::
     mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                data=grain.checkpoint.CheckpointRestore(loader)))
 
-The handler writes one ``process_<i>-of-<n>.json`` per process, so that state restores only onto the
-same number of processes. To resume on another number, rebuild the loader with
-``start_step=<steps done>``: batches depend only on the seed and the step.
+The handler writes one ``process_<i>-of-<n>.json`` per process, and grain's restores only onto the
+same number of processes. The state of an iterator of ``make_loader`` is ``{"next_index": k}``, the
+global batches it returned, the same on every process and meaning the same on any number of them:
+``state_for_processes`` turns the saved files into the state for another number of processes (tieflax's
+checkpoint handler, ``tieflax.run.checkpoints``, does so on restore). Rebuilding the loader with
+``start_step=<steps done>`` resumes the same way without a saved state.
 """
 
 from __future__ import annotations
@@ -171,7 +174,34 @@ def make_loader(prepared: PreparedDataset, split: str, *, seq_len: int, global_b
     ds = grain.MapDataset.source(batches)[p::n_proc][start_step:].map(rows.rows)
     read = grain.ReadOptions(num_threads=prepared.read_threads,
                              prefetch_buffer_size=prepared.prefetch_buffer_size)
-    return iter(ds.to_iter_dataset(read))
+    iterator = iter(ds.to_iter_dataset(read))
+    setattr(iterator, _GLOBAL_STEP_STATE, True)
+    return iterator
+
+
+# Marks the iterators of make_loader: their state counts global batches (see state_for_processes).
+_GLOBAL_STEP_STATE = "_tieflax_state_counts_global_batches"
+
+
+def state_for_processes(iterator, saved_states: Sequence[Mapping]) -> dict | None:
+    """The state that puts ``iterator`` (on this run's processes) where the iterators that saved
+    ``saved_states`` (one state per process of another number of processes) were; None when that
+    cannot be said: ``iterator`` is not one of ``make_loader``, or the saved states are not all the same
+    ``{"next_index": k}``.
+
+    An iterator of ``make_loader`` returns one micro-batch per global batch on every process, so its
+    ``next_index`` is the number of global batches it returned since its ``start_step``, whatever the
+    number of processes, and global batch ``s`` is the same rows on any number of them. The restored
+    loader must have the saved one's seed, global batch size and ``start_step``, as for any resume.
+    """
+    if not getattr(iterator, _GLOBAL_STEP_STATE, False) or not saved_states:
+        return None
+    first = saved_states[0]
+    if (not isinstance(first, Mapping) or set(first) != {"next_index"}
+            or type(first["next_index"]) is not int or first["next_index"] < 0
+            or any(s != first for s in saved_states)):
+        return None
+    return {"next_index": first["next_index"]}
 
 
 def to_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh,

@@ -6,7 +6,8 @@
 
 Checkpoints go through ``orbax.checkpoint.CheckpointManager``: asynchronous, atomic (a step directory
 exists only once complete), ``keep`` most recent kept. Arrays restore onto whatever shardings the
-restoring run asks for, so a run saved on an ``8x1`` mesh resumes on ``2x4``. Readers go through a
+restoring run asks for, so a run saved on an ``8x1`` mesh resumes on ``2x4``, and the data position
+moves to another number of processes (``_state_of_other_process_count``). Readers go through a
 manager with the same item handlers as the writer (``read_manager``), which knows the layout: a healthy
 checkpoint reads without a warning. ``restore_newest_readable`` sets damaged checkpoints aside;
 ``SaveWatch`` turns a failed background save into an error at the next step.
@@ -94,10 +95,61 @@ def _define_data_iterator_handler() -> type:
             for f in asyncio.run(self.async_save(directory, item=item, args=args)):
                 f.result()
 
+        def restore(self, directory, item=None, args=None):
+            """grain's restore; a state saved by another number of processes is moved onto this run's
+            (``_state_of_other_process_count``)."""
+            item = item or args.item
+            mine = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+            if mine.exists():
+                return super().restore(directory, item=item, args=args)
+            item.set_state(_state_of_other_process_count(directory, item, mine))
+            item.start_prefetch()
+            return item
+
     # grain's save/restore arguments now name this handler (a subclass of grain's: the same files)
     ocp.args.register_with_handler(DataIteratorHandler, for_save=True)(grain.checkpoint.CheckpointSave)
     ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)(grain.checkpoint.CheckpointRestore)
     return DataIteratorHandler
+
+
+_PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def _state_of_other_process_count(directory, item, mine) -> dict:
+    """The data iterator state for this run's processes from the files of a checkpoint saved by another
+    number of processes (``directory``: its ``data`` folder). ``make_loader``'s state is a function of
+    the global step (``tieflax.data.loader.state_for_processes``): the new processes read exactly the
+    batches an uninterrupted run would. Raises ProcessCountError when the saved state cannot be moved
+    (same number of processes needed), ValueError when the folder is damaged (files missing)."""
+    from tieflax.data.loader import state_for_processes  # noqa: PLC0415
+
+    found = {}
+    for f in directory.iterdir():
+        m = _PROCESS_FILE.fullmatch(f.name)
+        if m:
+            found[int(m.group(1)), int(m.group(2))] = f
+    counts = {n for _, n in found}
+    if len(counts) != 1:
+        raise ValueError(f"File {mine} does not exist" + (f" (the folder holds files of {sorted(counts)} "
+                                                          "processes)" if counts else ""))
+    (saved,) = counts
+    missing = [i for i in range(saved) if (i, saved) not in found]
+    if missing:
+        raise ValueError(f"{directory} lacks the data position of process {missing[0]} of {saved}")
+    states = []
+    for i in range(saved):
+        try:
+            states.append(json.loads(found[i, saved].read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{found[i, saved]} is not JSON: {e}") from e
+    state = state_for_processes(item, states)
+    if state is None:
+        step = directory.parent.name
+        raise ProcessCountError(
+            f"checkpoint {step} was saved by {saved} processes and this run has {jax.process_count()}, "
+            f"and its data iterator's position cannot be moved to another number of processes: resume "
+            f"it with {saved} processes (as many as trained it)")
+    return state
 
 
 def _item_handlers() -> dict:
@@ -315,6 +367,11 @@ class CheckpointMismatchError(CheckpointError):
     """A readable checkpoint of another model (a config problem, not a damaged checkpoint)."""
 
 
+class ProcessCountError(CheckpointError):
+    """A readable checkpoint whose data position cannot be moved to this run's number of processes (a
+    launch problem, not a damaged checkpoint): the message names both counts."""
+
+
 def move_aside(workdir: str, step: int) -> str:
     """Moves ``checkpoints/<step>`` to ``checkpoints_unreadable/<step>[-n]`` (kept, never deleted)."""
     target_dir = layout.path(workdir, UNREADABLE_DIR)
@@ -332,7 +389,8 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
     Newer checkpoints that fail to restore are reported in one line each (step and why) through ``say``
     and moved to ``<workdir>/checkpoints_unreadable/`` (kept for inspection, never deleted). When none
     restores, nothing is moved and CheckpointError says what to do. A checkpoint of another model is a
-    config problem: CheckpointMismatchError, nothing moved.
+    config problem: CheckpointMismatchError, nothing moved; one whose data position cannot be moved to
+    this run's number of processes a launch problem: ProcessCountError, nothing moved.
     """
     bad: list[tuple[int, str]] = []
     for step in sorted(manager.all_steps(), reverse=True):
@@ -340,6 +398,9 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
             _check_same_model(manager, step, abstract_state)
             state = restore(manager, step, abstract_state, loader)
         except CheckpointMismatchError:
+            raise
+        except ProcessCountError:
+            _quiet_abandoned_reads()
             raise
         except Exception as e:  # noqa: BLE001 (orbax/tensorstore/JSON/OS: every way a file can be damaged)
             _quiet_abandoned_reads()
