@@ -21,10 +21,9 @@ import json
 from typing import Any, Sequence
 
 from tieflax import storage
+from tieflax.run.layout import HF_FILES_DIR, SURGERY_FILE as SURGERY_REPORT, TOKENIZER_FILE
 
 HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layouts of checkpoints"
-HF_FILES_DIR = "hf_files"      # tokenizer and generation files carried from an imported HF folder
-SURGERY_REPORT = "surgery.json"
 # What every surgery leaves behind: the new workdir holds parameters only (``initial_params/``), so training
 # there starts a new run from them; `tieflax train` says so when it starts.
 RESET_BY_SURGERY = ("the step (training restarts at 0), the optimizer state (moments start from zero), the "
@@ -104,7 +103,7 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
     weights = read_safetensors(hf_dir)
     with writing_new_workdir(workdir, overwrite=overwrite) as partial:
         if tokenizer:
-            copy_file(tokenizer, storage.join(partial, "tokenizer.json"))
+            copy_file(tokenizer, storage.join(partial, TOKENIZER_FILE))
         params = params_from_state(weights, mc)
         ckpt.save_initial_params(partial, config, params)
         copied = _copy_files(hf_dir, storage.join(partial, HF_FILES_DIR), SIDE_FILES)
@@ -124,12 +123,11 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
     from tieflax.interop.hf import SIDE_FILES, not_written_by_export, save_hf_checkpoint, writing_hf_folder
     from tieflax.interop.hf_tokenizer import export_tokenizer_side
     from tieflax.run.destinations import check_destination as check_safe_destination
-    from tieflax.run.layout import WorkdirError
+    from tieflax.run.layout import WorkdirError, is_run
 
     workdir, out = storage.resolve(workdir), storage.resolve(out)
     check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
-    if not overwrite and any(storage.exists(storage.join(out, n))
-                             for n in ("checkpoints", "initial_params", "metrics.jsonl", "metrics")):
+    if not overwrite and is_run(out):
         raise WorkdirError(f"--out {out} holds a tieflax run: export to a new folder (or pass --overwrite to "
                            "replace it whole, on a local disk)")
     other = not_written_by_export(out)
@@ -143,8 +141,8 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
     with writing_hf_folder(out) as target:
         written = save_hf_checkpoint(target, mc, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
         carried = _copy_files(storage.join(workdir, HF_FILES_DIR), target, SIDE_FILES)
-        if not carried and storage.is_file(storage.join(workdir, "tokenizer.json")):
-            carried = _copy_files(workdir, target, ("tokenizer.json",))
+        if not carried and storage.is_file(storage.join(workdir, TOKENIZER_FILE)):
+            carried = _copy_files(workdir, target, (TOKENIZER_FILE,))
             carried += export_tokenizer_side(target, config)   # special tokens and ids: lm-eval, generate need them
     return dict(action="to-hf", workdir=workdir, step=step, out=out,
                 family=mc.family, tied=mc.tie_embeddings, files=[storage.name(p) for p in written] + carried)
@@ -213,7 +211,7 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     report = dict(action=action, workdir=workdir, step=step, out=out, **report)
     with writing_new_workdir(out, overwrite=overwrite) as partial:
         ckpt.save_initial_params(partial, config, params)
-        for name in ("tokenizer.json", HF_FILES_DIR):
+        for name in (TOKENIZER_FILE, HF_FILES_DIR):
             src = storage.join(workdir, name)
             if storage.is_file(src):
                 storage.write_bytes(storage.join(partial, name), storage.read_bytes(src))
@@ -226,8 +224,8 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
 def _repoint_tokenizer(config, workdir: str, out: str) -> None:
     """A tokenizer path inside the source workdir becomes the copy in the new one."""
     path = config.data.tokenizer.path
-    if path and storage.resolve(path) == storage.join(storage.resolve(workdir), "tokenizer.json"):
-        config.data.tokenizer.path = storage.join(storage.resolve(out), "tokenizer.json")
+    if path and storage.resolve(path) == storage.join(storage.resolve(workdir), TOKENIZER_FILE):
+        config.data.tokenizer.path = storage.join(storage.resolve(out), TOKENIZER_FILE)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -237,7 +235,7 @@ def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> str | None:
     src = storage.join(hf_dir, "tokenizer.json")
     if not storage.is_file(src):
         return None
-    config.data.tokenizer.path = storage.join(storage.resolve(workdir), "tokenizer.json")
+    config.data.tokenizer.path = storage.join(storage.resolve(workdir), TOKENIZER_FILE)
     tok_config = storage.join(hf_dir, "tokenizer_config.json")
     if storage.is_file(tok_config):
         eos = json.loads(storage.read_text(tok_config)).get("eos_token")
