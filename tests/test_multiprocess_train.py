@@ -1,9 +1,9 @@
 """Two processes x 4 CPU devices over gloo (launch/local_multiprocess.sh), on a gs:// workdir, against one
 process x 8 devices on a local one.
 
-Phase 1 trains 4 steps and checkpoints; phase 2 reruns the command with num_steps=8 and resumes. The
-learning rate is constant (no warmup, min_lr_ratio=1) so that extending num_steps does not change the
-schedule. Every step's loss must match the single-process run on the same data: the global batch, the
+Phase 1 trains 4 steps and checkpoints; phase 2 reruns the command with num_steps=8 (``--allow-change
+train.num_steps``) and resumes. The learning rate is constant (no warmup, min_lr_ratio=1) so that
+extending num_steps does not change the schedule. Every step's loss must match the single-process run on the same data: the global batch, the
 mesh (data=8) and the program are the same; only the cross-process reduction order may differ.
 """
 
@@ -32,11 +32,11 @@ def _config(data_dir: str, num_steps: int):
     return c
 
 
-def _launch(workdir: str, config, logs: str, expect_failure: bool = False,
+def _launch(workdir: str, config, logs: str, expect_failure: bool = False, args: tuple[str, ...] = (),
             **env_changes: str) -> subprocess.CompletedProcess:
     cmd = ["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "4", "python", "-m",
            "tieflax.cli", "train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),
-           "--workdir", workdir, *config_overrides(config)]
+           "--workdir", workdir, *config_overrides(config), *args]
     env = subprocess_env(4, WORKDIR_LOGS=logs, **env_changes)
     env.pop("XLA_FLAGS")  # the launcher sets the per-process device count
     # Its own session, so that a timeout kills the launcher's processes too, not only the launcher.
@@ -66,7 +66,7 @@ def test_two_processes_match_one_and_resume(tmp_path, gcs):
 
     _launch(multi, _config(data_dir, 4), str(tmp_path))
     assert ckpt.latest_step(multi) == 4
-    _launch(multi, _config(data_dir, 8), str(tmp_path))  # resumes from step 4
+    _launch(multi, _config(data_dir, 8), str(tmp_path), args=("--allow-change", "train.num_steps"))  # from 4
     assert ckpt.latest_step(multi) == 8
 
     single = str(tmp_path / "single")
