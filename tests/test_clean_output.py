@@ -84,6 +84,30 @@ def test_a_command_prints_nothing_from_libtpu_on_a_machine_without_a_tpu():
     assert proc.stderr == "", proc.stderr  # no TPU_WORKER_HOSTNAMES, no "could not determine TPU ..."
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_importing_tieflax_from_python_prints_nothing_from_libtpu():
+    """A script or a notebook, not the console: importing any tieflax module keeps libtpu from starting
+    (tieflax/__init__.py), whether jax is imported before it or after; without tieflax it does start."""
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        pytest.skip("a TPU is attached: libtpu's start-up is then wanted")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    for code in ("import tieflax.train; import jax; jax.devices()",
+                 "import jax; import tieflax.ops.cross_entropy; jax.numpy.ones(2).block_until_ready()"):
+        proc = run(code)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", ""), (code, proc.stderr[-2000:])
+    plain = run("import jax; jax.devices()")   # the same start without tieflax: what the guard keeps out
+    assert "TPU" in plain.stderr, plain.stderr[-2000:]
+
+
 def test_the_console_capture_sees_every_channel():
     def noisy():
         print("progress")

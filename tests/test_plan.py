@@ -5,6 +5,9 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -112,10 +115,115 @@ def test_plans_compiled_by_a_libtpu_that_over_counts_say_so(monkeypatch, version
     assert targets.compiler_note(dataclasses.replace(tpu, platform="cpu")) == ""
 
 
-@needs_libtpu
 def test_unknown_tpu_slice_is_refused_with_an_example():
-    with pytest.raises(targets.TargetError, match="v5e:2x2"):
+    with pytest.raises(targets.TargetError, match="v5e slices are 2-D AxB: 1x1, 2x2, 2x4"):
         targets.resolve("v5e:3x3")
+
+
+# libtpu aborts the process (SIGABRT) on the first four when compiling, or compiles shapes no Google slice
+# has; each is refused before libtpu is loaded, in one line, exit 2.
+BAD_TOPOLOGIES = {
+    "v5e:16x16x2": "3-D, but v5e slices are 2-D AxB",
+    "v5p:3x3x3": "no v5p slice has this shape; v5p slices are 3-D AxBxC",
+    "v6e:2x2x2": "3-D, but v6e slices are 2-D AxB",
+    "v4:1x1x1": "no v4 slice has this shape",
+    "v5e:16x32": "no v5e slice has this shape",           # libtpu: Check failed: chip_bounds().y <= 16
+    "v5p:2x2": "2-D, but v5p slices are 3-D AxBxC",
+    "v5p:4x8x4": "no v5p slice has this shape",           # A <= B <= C
+    "v4:32x32x32": "up to 16x16x16",
+    "v5e:2xx2": "not a chip grid",
+    "v6e:0x0": "no v6e slice has this shape",
+    "v5p-192": "not a Cloud TPU accelerator type",        # 96 chips: no slice of whole 4x4x4 cubes
+    "v3-8": "tieflax plans v4, v5e (v5litepod-N), v5p and v6e",
+}
+
+
+@pytest.mark.parametrize("topology", sorted(BAD_TOPOLOGIES))
+def test_a_topology_no_google_slice_has_is_one_line_and_exit_2(topology, capsys, monkeypatch):
+    loads = []
+    monkeypatch.setattr(targets, "_tpu_target", lambda *a: loads.append(a))   # libtpu must never be asked
+    code = cli.main(["plan", "--config", TINY, "--topology", topology])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and not loads
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"tieflax plan: --topology {topology!r}: ")
+    assert BAD_TOPOLOGIES[topology] in captured.err, captured.err
+
+
+def test_the_console_refuses_an_aborting_topology_in_its_own_process():
+    """The whole command, as a user runs it: exit 2 and one line, no libtpu abort (134), no core dump."""
+    proc = subprocess.run([sys.executable, "-m", "tieflax.cli", "plan", "--config", TINY, "--topology",
+                           "v5e:16x16x2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("tieflax plan: --topology 'v5e:16x16x2': 3-D, but v5e slices are 2-D AxB: 1x1, "
+                           "2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16\n")
+
+
+def test_gcloud_names_map_to_google_slices():
+    # Google's tables (tieflax/targets.py cites them): v5p and v4 names count TensorCores, 2 per chip.
+    expected = {"v5p-128": ("v5p:4x4x4", 64), "v5litepod-16": ("v5e:4x4", 16), "v6e-256": ("v6e:16x16", 256),
+                "v4-64": ("v4:2x4x4", 32), "v5p-8": ("v5p:2x2x1", 4), "v5p-16": ("v5p:2x2x2", 8),
+                "v5p-256": ("v5p:4x4x8", 128), "v5p-512": ("v5p:4x8x8", 256), "v5p-1024": ("v5p:8x8x8", 512),
+                "v5p-17920": ("v5p:16x20x28", 8960), "v4-8": ("v4:2x2x1", 4), "v4-4096": ("v4:8x16x16", 2048),
+                "v5litepod-1": ("v5e:1x1", 1), "v5litepod-8": ("v5e:2x4", 8), "v6e-4": ("v6e:2x2", 4)}
+    for name, (topology, chips) in expected.items():
+        canonical, line = targets.canonical_topology(name)
+        assert canonical == topology and line.startswith(f"{name} is {topology}, {chips} chip"), (name, line)
+        assert ("count TensorCores, 2 per chip" in line) == name.startswith(("v5p", "v4"))
+    assert targets.canonical_topology(" V5P:4x4x4 ") == ("v5p:4x4x4", "")
+    for shape in [(2, 2, 1), (2, 4, 4), (4, 4, 4), (4, 4, 12), (8, 16, 16), (16, 20, 28)]:
+        targets.check_tpu_shape("v5p:" + "x".join(map(str, shape)))
+    for bad in ("v5p:20x20x20", "v5p:2x2x3", "v4:16x16x20", "v5e:4x2", "v6e:32x32"):
+        with pytest.raises(targets.TargetError):
+            targets.check_tpu_shape(bad)
+
+
+@needs_libtpu
+def test_a_gcloud_name_says_how_it_was_read_and_compiles(capsys, monkeypatch):
+    # One v5e chip (a one-chip host). In this process, as the suite has JAX loaded already (a child would
+    # load it again: +3 s here); the oversized-batch test above goes through the child.
+    from tieflax.commands import plan as command
+
+    monkeypatch.setenv(command.IN_PROCESS_ENV, "1")
+    code = cli.main(["plan", "--config", TINY, "--topology", "v5litepod-1", "--no-eval", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.err.splitlines()[0] == "tieflax plan: v5litepod-1 is v5e:1x1, 1 chip"
+    d = json.loads(captured.out)
+    assert d["target"]["name"] == "v5e:1x1" and d["target"]["num_devices"] == 1 and d["fits"]
+
+
+ABORT = """
+from tieflax.commands.plan import _no_core_file; _no_core_file()
+import sys, jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+print("compiling the train step of probe for v5e:16x16x2 ...", file=sys.stderr, flush=True)
+topology = topologies.get_topology_desc(topology_name="v5e:16x16x2", platform="tpu")
+mesh = Mesh(np.array(topology.devices), ("d",))
+x = jax.ShapeDtypeStruct((len(topology.devices), 128), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+jax.jit(lambda x: x.sum()).lower(x).compile()   # libtpu: Check failed: Topology()->chip_bounds().z == 1
+"""
+
+
+@needs_libtpu
+def test_a_libtpu_abort_in_the_child_is_one_line_with_its_reason(capsys, monkeypatch):
+    """Were a shape the checks let through to abort libtpu, the console reports it and lives: the child
+    here compiles for the 3-D v5e grid that libtpu really aborts on."""
+    from tieflax.commands import plan as command
+
+    monkeypatch.setattr(command, "child_command", lambda args, topology: [sys.executable, "-c", ABORT])
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    monkeypatch.delenv(command.IN_PROCESS_ENV, raising=False)
+    code = cli.main(["plan", "--config", TINY, "--topology", "v5e:2x2", "--no-eval"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == command.DID_NOT_COMPILE_CODE == 1
+    assert len(err) == 2 and err[0] == "compiling the train step of probe for v5e:16x16x2 ...", err
+    # libtpu 0.0.42.1: "... chip_bounds().z == 1 (2 vs. 1) (target.cc:1735)"; the source line moves by release.
+    assert re.fullmatch(r"tieflax plan: libtpu stopped the compile with SIGABRT while compiling the train step "
+                        r"of probe for v5e:16x16x2: Check failed: Topology\(\)->chip_bounds\(\)\.z == 1 "
+                        r"\(2 vs\. 1\) \(\w+\.cc:\d+\); nothing was planned for v5e:2x2 \(the reason is "
+                        r"libtpu's; --debug shows its log\)", err[1]), err
 
 
 def test_largest_temporaries_follow_fusions_to_the_jax_op(tmp_path):

@@ -12,6 +12,10 @@ accelerator. On a TPU VM the probe finds the chips and nothing changes; with a G
 changes either. A ``JAX_PLATFORMS`` the user set (even to ``''``) and ``JAX_FORCE_TPU_INIT`` always win.
 Compiling for a TPU topology from a CPU machine (``jax.experimental.topologies``) loads libtpu
 directly and keeps working.
+
+``import tieflax`` calls it (``tieflax/__init__.py``), so a notebook or a script that imports any tieflax
+module before its first JAX computation starts as quietly as the console does. The probe reads JAX's own
+``hardware_utils`` from its file without importing JAX (a few milliseconds).
 """
 
 from __future__ import annotations
@@ -20,9 +24,27 @@ import os
 import sys
 
 
-def _accelerator_present() -> bool:
-    from jax._src import hardware_utils  # noqa: PLC0415 (the probe JAX itself runs; no backend starts)
+def _hardware_utils():
+    """``jax._src.hardware_utils`` (the probe JAX itself runs; it imports only the standard library), read
+    from its file when JAX is not imported yet: importing the package costs a second or more, and this
+    runs on every ``import tieflax``."""
+    module = sys.modules.get("jax._src.hardware_utils")
+    if module is not None:
+        return module
+    import importlib.util  # noqa: PLC0415
 
+    spec = importlib.util.find_spec("jax")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("jax is not installed")
+    path = os.path.join(spec.submodule_search_locations[0], "_src", "hardware_utils.py")
+    loaded = importlib.util.spec_from_file_location("tieflax._jax_hardware_utils", path)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
+
+
+def _accelerator_present() -> bool:
+    hardware_utils = _hardware_utils()
     if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
         return True
     if hardware_utils.has_visible_nvidia_gpu():

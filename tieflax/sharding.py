@@ -54,7 +54,15 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
         raise ValueError(
             f"mesh data*fsdp*tensor = {data}*{fsdp}*{tensor} = {int(np.prod(shape))} does not match "
             f"the {len(devices)} devices available; set mesh sizes whose product is {len(devices)}.")
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    except AssertionError:
+        # libtpu's v4 compile targets (tieflax plan) are TensorCores, two per chip, and JAX's physical
+        # mesh helper asserts one device per chip ("megacore"): lay them out in the topology's own order.
+        if not any(getattr(d, "core_on_chip", 0) for d in devices):
+            raise
+        return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
+                    axis_types=(AxisType.Auto,) * 3)
 
 
 def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:

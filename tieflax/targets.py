@@ -124,9 +124,133 @@ class Target:
                     libtpu=libtpu_version() if self.platform == "tpu" else None)
 
 
-def resolve(topology: str) -> Target:
-    """``'v5p:4x4x4'`` / ``'h100:8'`` / ``'cpu'`` -> Target; raises TargetError with the fix."""
+# ============================================================================== TPU slice shapes
+# The chip grids Google sells, checked here before libtpu sees a name: libtpu aborts the process (SIGABRT,
+# a C++ "Check failed", exit 134) on some shapes it does not refuse, e.g. v5e:16x16x2 (chip_bounds().z ==
+# 1) or v5e:16x32 (chip_bounds().y <= 16), when compiling for them; it compiles others that no Google
+# slice has (v6e:2x2x2, v5e:4x2). Sources, Google's Cloud TPU pages (this table was written from the
+# pages as published, without re-reading them in this session: the search tool was not available):
+#   v5e  https://cloud.google.com/tpu/docs/v5e  accelerator types v5litepod-1 ... v5litepod-256, topologies
+#        1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16 (the name counts chips).
+#   v6e  https://cloud.google.com/tpu/docs/v6e  v6e-1 ... v6e-256, the same 2-D shapes (names count chips).
+#   v5p  https://cloud.google.com/tpu/docs/v5p  v5p-8 (2x2x1) ... v5p-17920 (16x20x28): 3-D AxBxC, names
+#        count TensorCores, 2 per chip (v5p-128 = 64 chips = 4x4x4).
+#   v4   https://cloud.google.com/tpu/docs/v4   v4-8 (2x2x1) ... the 4,096-chip pod (16x16x16), 3-D,
+#        names count TensorCores (v4-64 = 32 chips = 2x4x4); its "Topologies" section: A <= B <= C, all
+#        at most 4 or all multiples of 4, the slices below 64 chips being 2x2x1, 2x2x2, 2x2x4 and 2x4x4.
+#   Both 3-D generations: from 64 chips up a slice is whole 4x4x4 cubes, A <= B <= C, each a multiple of
+#   4, within the pod (v4 16x16x16 = 4,096 chips, v5p 16x20x28 = 8,960 chips).
+# libtpu (0.0.42.1 and 0.0.52) itself refuses 1x1 with an exception (its default host is 2x2x1 chips), so
+# a one-chip slice is compiled with a one-chip host (chips_per_host_bounds 1x1x1).
+SHAPES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+SMALL_3D = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+POD_3D = {"v4": (16, 16, 16), "v5p": (16, 20, 28)}
+GRID_DIMS = {"v5e": 2, "v6e": 2, "v4": 3, "v5p": 3}
+# gcloud accelerator-type prefix -> generation; (the name counts TensorCores, 2 per chip) for v4 and v5p.
+GCLOUD_PREFIX = {"v5litepod": "v5e", "v5e": "v5e", "v6e": "v6e", "v5p": "v5p", "v4": "v4"}
+CORES_PER_CHIP_IN_NAME = {"v4": 2, "v5p": 2}
+
+
+def _x(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def allowed_shapes(kind: str) -> str:
+    """The rule for a generation's slice shapes, in words (for error messages and ``--help``)."""
+    if GRID_DIMS[kind] == 2:
+        return f"{kind} slices are 2-D AxB: " + ", ".join(_x(s) for s in SHAPES_2D)
+    return (f"{kind} slices are 3-D AxBxC: " + ", ".join(_x(s) for s in SMALL_3D)
+            + f", or A <= B <= C, each a multiple of 4, up to {_x(POD_3D[kind])} (4x4x4, 4x4x8, 4x8x8, "
+              "8x8x8, ...)")
+
+
+def check_tpu_shape(name: str) -> tuple[str, tuple[int, ...]]:
+    """``'v5p:4x4x4'`` -> ('v5p', (4, 4, 4)) when Google sells that slice; else TargetError in one line.
+
+    Pure Python, before libtpu is loaded: the shapes libtpu aborts on never reach it."""
+    kind, _, text = name.partition(":")
+    if kind not in GRID_DIMS:
+        raise TargetError(f"--topology {name!r}: {kind!r} is not a TPU generation tieflax plans (v4, v5e, "
+                          "v5p, v6e)")
+    if not re.fullmatch(r"\d+(x\d+)*", text):
+        raise TargetError(f"--topology {name!r}: not a chip grid; {allowed_shapes(kind)}")
+    shape = tuple(int(n) for n in text.split("x"))
+    dims = GRID_DIMS[kind]
+    if len(shape) != dims:
+        raise TargetError(f"--topology {name!r}: {len(shape)}-D, but {allowed_shapes(kind)}")
+    if dims == 2:
+        ok = shape in SHAPES_2D
+    else:
+        pod = POD_3D[kind]
+        ok = shape in SMALL_3D or (all(n % 4 == 0 and n > 0 for n in shape) and list(shape) == sorted(shape)
+                                   and all(n <= p for n, p in zip(shape, pod)))
+    if not ok:
+        raise TargetError(f"--topology {name!r}: no {kind} slice has this shape; {allowed_shapes(kind)}")
+    return kind, shape
+
+
+def _cube_shape(kind: str, chips: int) -> tuple[int, int, int] | None:
+    """The 3-D slice of ``chips`` chips gcloud gives an accelerator type: the small shapes below 64 chips,
+    else the most cube-like A <= B <= C of multiples of 4 within the pod (v5p-128 -> 4x4x4, v5p-256 ->
+    4x4x8, v5p-512 -> 4x8x8, v5p-768 -> 4x8x12 ... as in Google's v5p and v4 tables)."""
+    for s in SMALL_3D:
+        if s[0] * s[1] * s[2] == chips:
+            return s
+    pod = POD_3D[kind]
+    best = None
+    for a in range(4, pod[0] + 1, 4):
+        for b in range(a, pod[1] + 1, 4):
+            c, rest = divmod(chips, a * b)
+            if rest or c < b or c > pod[2] or c % 4:
+                continue
+            if best is None or (c, b) < (best[2], best[1]):
+                best = (a, b, c)
+    return best
+
+
+def canonical_topology(topology: str) -> tuple[str, str]:
+    """(the topology tieflax compiles for, a line saying how a gcloud name was read or '').
+
+    ``'v5p-128'`` -> ('v5p:4x4x4', 'v5p-128 is v5p:4x4x4, 64 chips (...)'); ``'V5E:2x2 '`` -> ('v5e:2x2',
+    ''). TPU grids are checked against Google's slice shapes here (TargetError in one line)."""
     name = topology.strip().lower()
+    m = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", name)
+    if m:
+        prefix, count = m.group(1), int(m.group(2))
+        kind = GCLOUD_PREFIX.get(prefix)
+        if kind is None:
+            raise TargetError(f"--topology {topology!r}: tieflax plans v4, v5e (v5litepod-N), v5p and v6e "
+                              "slices")
+        per_chip = CORES_PER_CHIP_IN_NAME.get(kind, 1)
+        chips, odd = divmod(count, per_chip)
+        if GRID_DIMS[kind] == 2:
+            shape = next((s for s in SHAPES_2D if s[0] * s[1] == count), None)
+            names = ", ".join(f"{prefix}-{a * b}" for a, b in SHAPES_2D)
+        else:
+            shape = None if odd or not chips else _cube_shape(kind, chips)
+            names = f"{prefix}-8, -16, -32, -64, -128, -256, -512, -1024, ... (TensorCores, {per_chip} per chip)"
+        if shape is None:
+            raise TargetError(f"--topology {topology!r}: not a Cloud TPU accelerator type ({names}); or give "
+                              f"the grid: {allowed_shapes(kind)}")
+        canonical = f"{kind}:{_x(shape)}"
+        cores = (f" (gcloud's {prefix} names count TensorCores, {per_chip} per chip)" if per_chip > 1
+                 else "")
+        return canonical, f"{name} is {canonical}, {chips} chip{'s' if chips > 1 else ''}{cores}"
+    kind, sep, _ = name.partition(":")
+    if kind in GRID_DIMS and sep:
+        check_tpu_shape(name)
+    return name, ""
+
+
+def is_tpu(topology: str) -> bool:
+    """Whether a canonical topology name is a TPU slice (compiled by libtpu)."""
+    return topology.partition(":")[0] in TPU_MEMORY and ":" in topology
+
+
+def resolve(topology: str) -> Target:
+    """``'v5p:4x4x4'`` / ``'v5p-128'`` / ``'h100:8'`` / ``'cpu'`` -> Target; raises TargetError with the
+    fix. TPU shapes are checked against Google's slices before libtpu is loaded (``check_tpu_shape``)."""
+    name, _ = canonical_topology(topology)
     if name == "cpu":
         return _cpu_target()
     kind, sep, shape = name.partition(":")
@@ -180,14 +304,17 @@ def _cpu_target() -> Target:
 
 
 def _tpu_target(name: str, kind: str) -> Target:
+    _, shape = check_tpu_shape(name)   # before libtpu: it aborts the process on some shapes
     if importlib.util.find_spec("libtpu") is None:
         raise TargetError(f"compiling for {name} needs libtpu: {TPU_EXTRA}")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile only: never holds a TPU
     from jax.experimental import topologies  # noqa: PLC0415
 
+    # One chip is one host of one chip (libtpu's default host, 2x2x1 chips, does not divide it).
+    options = {"chips_per_host_bounds": (1, 1, 1)} if all(n == 1 for n in shape) else {}
     try:
         with quiet_stderr():
-            topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+            topo = topologies.get_topology_desc(topology_name=name, platform="tpu", **options)
     except Exception as e:  # noqa: BLE001 (libtpu raises RuntimeError / JaxRuntimeError / ValueError)
         raise TargetError(f"--topology {name!r}: libtpu does not know this slice ({_first_line(e)}); "
                           f"use e.g. {kind}:2x2{'x1' if kind in ('v4', 'v5p') else ''}") from None
