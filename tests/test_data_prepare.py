@@ -266,3 +266,22 @@ def test_a_bucket_workdir_caches_files_from_a_bucket_glob_with_the_local_numbers
     with pytest.raises(DataError, match="matches no file"):
         c.files.paths = [f"{bucket}/nothing/*.txt"]
         prepare_dataset(c, f"{bucket}/run2", vocab_size=V)
+
+
+def test_a_data_setting_the_source_does_not_read_is_refused_naming_both_fields():
+    """``data.tokens.path`` without ``data.source='tokens'`` used to be ignored: the config's corpus was
+    tokenised and trained on instead. Every section the chosen source does not read is checked."""
+    from tieflax.data.config import DataError, default_data_config, validate_data_config
+
+    c = default_data_config()
+    c.tokens.path = "/data/store"
+    with pytest.raises(DataError, match=r"data.tokens.path is set but data.source = 'kjv' does not read "
+                                        r"data.tokens: set data.source = 'tokens'"):
+        validate_data_config(c)
+    c = default_data_config()
+    c.source, c.files.paths, c.hf.path = "files", ["a.txt"], "wikitext"
+    with pytest.raises(DataError, match="data.hf.path is set but data.source = 'files'"):
+        validate_data_config(c)
+    # A token store beside the corpus section it was prepared from is what `tieflax prepare` leaves.
+    c.source, c.tokens.path, c.hf.path = "tokens", "/data/store", ""
+    validate_data_config(c)

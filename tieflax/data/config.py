@@ -101,10 +101,35 @@ def default_data_config() -> ml_collections.ConfigDict:
     return c
 
 
+# The section each source reads; a token store (data.tokens.path) was made from one of the others, which may
+# stay set beside it (the config `tieflax prepare` read).
+SOURCE_SECTIONS = {"python_stdlib": "python_stdlib", "files": "files", "hf": "hf", "tokens": "tokens"}
+
+
+def _set_away_from_default(c: ml_collections.ConfigDict, section: str) -> list[str]:
+    defaults = default_data_config()[section]
+    return sorted(k for k in defaults.keys() if c[section].get(k) != defaults[k]
+                  and not (k == "paths" and not c[section].get(k)))
+
+
+def _check_no_ignored_section(c: ml_collections.ConfigDict) -> None:
+    """A setting the chosen source does not read would be ignored silently (the run would train on
+    something else than the config says): refused, naming both fields."""
+    for source, section in SOURCE_SECTIONS.items():
+        if source == c.source or (c.source == "tokens" and c.tokens.path and section != "tokens"):
+            continue
+        changed = _set_away_from_default(c, section)
+        if changed:
+            raise DataError(f"data.{section}.{changed[0]} is set but data.source = {c.source!r} does not read "
+                            f"data.{section}: set data.source = {source!r} to use it, or leave data.{section} "
+                            "at its defaults")
+
+
 def validate_data_config(c: ml_collections.ConfigDict) -> None:
     """Fails early, naming the field and the fix, before any file is read."""
     if c.source not in SOURCES:
         raise DataError(f"data.source = {c.source!r} is not one of {SOURCES}.")
+    _check_no_ignored_section(c)
     if not 0.0 < c.val_fraction < 1.0:
         raise DataError(f"data.val_fraction = {c.val_fraction} must lie strictly between 0 and 1.")
     if c.source == "files" and not c.files.paths:
