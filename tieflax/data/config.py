@@ -101,8 +101,8 @@ def default_data_config() -> ml_collections.ConfigDict:
     return c
 
 
-# The section each source reads; a token store (data.tokens.path) was made from one of the others, which may
-# stay set beside it (the config `tieflax prepare` read).
+# The section each source reads. Pre-tokenised data (a token store or token files) was made from one of the
+# others, which may stay set beside data.tokens (the config `tieflax prepare` read).
 SOURCE_SECTIONS = {"python_stdlib": "python_stdlib", "files": "files", "hf": "hf", "tokens": "tokens"}
 
 
@@ -116,7 +116,7 @@ def _check_no_ignored_section(c: ml_collections.ConfigDict) -> None:
     """A setting the chosen source does not read would be ignored silently (the run would train on
     something else than the config says): refused, naming both fields."""
     for source, section in SOURCE_SECTIONS.items():
-        if source == c.source or (c.source == "tokens" and c.tokens.path and section != "tokens"):
+        if source == c.source or c.source == "tokens":
             continue
         changed = _set_away_from_default(c, section)
         if changed:
