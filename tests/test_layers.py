@@ -14,7 +14,9 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tieflax"
 
 # Bottom to top. shared/DESIGN.md "Floors": ops, storage, errors at the bottom; data and model above
-# them; run/ above storage; train above run; eval, study and plan above train; commands on top.
+# them; run/ above storage; train above run; study and plan above train; commands on top. eval/ (the
+# lm-eval backend) sits between run/ and train: training scores lm-eval tasks on its live parameters
+# (config.train.eval_tasks), and eval/ never needed train.
 FLOORS = [
     {"errors"},
     {"storage", "platforms", "strict_json", "targets", "hlo_buffers", "sharding", "distributed", "optim"},
@@ -23,8 +25,9 @@ FLOORS = [
     {"train_config", "analysis/", "flops"},
     {"config"},
     {"run/"},
+    {"eval/"},
     {"train", "interop/"},
-    {"eval/", "plan"},
+    {"plan"},
     {"study/"},
     {"commands/"},
     {"cli"},

@@ -143,10 +143,15 @@ class Generator:
             fn = functools.partial(loop, self.model, self.config, max_new_tokens=max_new_tokens,
                                    stop_ids=stop_ids, temperature=float(temperature),
                                    pad_id=self.pad_id, cache_dtype=self.cache_dtype)
-            self._compiled[key] = jax.jit(fn)
+            # Replicated results: with several processes each one can read them (tieflax.eval.harness).
+            replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+            self._compiled[key] = jax.jit(fn, out_shardings=replicated)
         with self._context():
             tokens, valid = self._place(tokens), self._place(valid)
-            out, lengths = self._compiled[key](self.layer_params(params), tokens, valid, jax.random.key(seed))
+            rng = jax.random.key(seed)
+            if self.mesh is not None:
+                rng = jax.device_put(rng, NamedSharding(self.mesh, P()))
+            out, lengths = self._compiled[key](self.layer_params(params), tokens, valid, rng)
         return Generated(np.asarray(jax.device_get(out)), np.asarray(jax.device_get(lengths)))
 
     def _place(self, x: np.ndarray):

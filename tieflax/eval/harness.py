@@ -22,8 +22,11 @@ token is the prefix of empty contexts and rolling windows (``prefix_token_id``),
 tokenizer's BOS (the export declares the same token as ``bos_token``). Strings are encoded as the
 tokenizer's post-processor says (a published Llama-3 tokenizer adds its BOS; a trained BPE adds nothing).
 
-Single-process only for now: a multi-host run would drive the harness on process 0 and have the others
-follow its batches (not built yet; ``TieflaxLM`` refuses to start with more than one process).
+Several processes (a pod, ``launch/local_multiprocess.sh``): lm-eval runs on process 0 alone (it reads
+the tasks, writes the results); each batch it scores or generates is a program on the whole mesh, so
+process 0 first sends it to the others (``tieflax.eval.requests``), which run it on their devices in the
+same order (``follow()``) until process 0's ``leading()`` block ends. Results are replicated: the numbers
+are those of one process on the same mesh.
 """
 
 from __future__ import annotations
@@ -68,15 +71,20 @@ class TieflaxLM(TemplateLM):
         (None: one per data x fsdp shard);
       token_budget: tokens per loglikelihood batch (rows = budget // padded length).
       mesh: the run's mesh (batches are split over data x fsdp, the vocabulary over tensor), or None.
+      progress: this backend's own progress bars (off during training, which prints its own lines).
     """
 
     def __init__(self, config: ModelConfig, params: Any, tokenizer, *, eos_id: int, prefix_id: Optional[int] = None,
                  max_length: int, batch_size: Optional[int] = 8, token_budget: int = 4096, mesh=None,
-                 max_gen_toks: int = 256, seed: int = 0):
+                 max_gen_toks: int = 256, seed: int = 0, progress: bool = True):
         super().__init__()
+        self.channel = None
         if jax.process_count() > 1:
-            raise EvalError("tieflax evaluate runs on one process for now; run it on one host (one "
-                            "process sees all its local devices)")
+            if mesh is None:
+                raise EvalError("several processes evaluate on the run's mesh: give TieflaxLM the mesh")
+            from tieflax.eval.requests import Channel  # noqa: PLC0415
+
+            self.channel = Channel()
         self.config, self.params, self.tokenizer_ = config, params, tokenizer
         self.eos_id, self.prefix_id = eos_id, eos_id if prefix_id is None else prefix_id
         self.mesh = mesh
@@ -93,7 +101,9 @@ class TieflaxLM(TemplateLM):
         self.model = TransformerLM(scoring, mesh=mesh)
         self.generator = Generator(config, mesh=mesh, max_len=max_length, pad_id=eos_id)
         self.seed = seed
-        self._score = jax.jit(self._score_fn)
+        self.progress = progress
+        replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self._score = jax.jit(self._score_fn, out_shardings=replicated)   # every process may read it
 
     # ------------------------------------------------------------------------------------- loading
     @classmethod
@@ -172,6 +182,9 @@ class TieflaxLM(TemplateLM):
                                      method="loss")
         return -loss, aux["correct"]
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """requests: [(cache key, context ids, continuation ids)] -> [(sum log p, is_greedy)], in order."""
         rows = []
@@ -185,7 +198,7 @@ class TieflaxLM(TemplateLM):
         results: list = [None] * len(rows)
         buckets = length_buckets(self.max_length)
         params = self.scoring_params()
-        pbar = tqdm(total=len(rows), disable=disable_tqdm, desc="tieflax loglikelihood")
+        pbar = tqdm(total=len(rows), disable=disable_tqdm or not self.progress, desc="tieflax loglikelihood")
         at = 0
         while at < len(order):
             length = next(b for b in buckets if b >= len(rows[order[at]][0]))
@@ -199,9 +212,8 @@ class TieflaxLM(TemplateLM):
                 inp, tgt, n = rows[i]
                 tokens[r, :len(inp)], valid[r, :len(inp)] = inp, True
                 targets[r, len(inp) - n:len(inp)] = tgt[-n:]   # only the continuation is scored
-            with self._context():
-                logp, greedy = self._score(params, *(self._place(x) for x in (tokens, targets, valid)))
-            logp, greedy = np.asarray(logp), np.asarray(greedy)
+            self._tell("score", tokens=tokens, targets=targets, valid=valid)
+            logp, greedy = self._run_score(params, tokens, targets, valid)
             for r, i in enumerate(batch):
                 scored = targets[r] >= 0
                 answer = (float(logp[r][scored].sum()), bool(greedy[r][scored].all()))
@@ -234,8 +246,9 @@ class TieflaxLM(TemplateLM):
         out = []
         collator = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                             group_by="gen_kwargs", group_fn=lambda r: r[1])
-        pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="tieflax generate_until")
+        pbar = tqdm(total=len(requests), disable=disable_tqdm or not self.progress, desc="tieflax generate_until")
         eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        self._tell("layers")
         params = self.generator.layer_params(self.params)
         for chunk in collator.get_batched(n=self._batch_size):
             contexts, all_kwargs = zip(*chunk)
@@ -250,6 +263,10 @@ class TieflaxLM(TemplateLM):
             padded = list(prompts) + [prompts[0]] * (self._batch_size - len(prompts))  # one shape per task
             self.seed += 1
             stops = (self.eot_token_id, *self.tokens_containing(tuple(until)))
+            width = max(len(p) for p in padded)
+            self._tell("generate", prompts=np.array([list(p) + [0] * (width - len(p)) for p in padded], np.int32),
+                       lengths=np.array([len(p) for p in padded], np.int32), new=np.int32(new),
+                       stops=np.array(stops, np.int32), temperature=np.float64(temperature), seed=np.int64(self.seed))
             gen = self.generator.generate(params, padded, max_new_tokens=new, stop_ids=stops,
                                           temperature=temperature, seed=self.seed)
             for r, context in enumerate(contexts):
@@ -260,6 +277,52 @@ class TieflaxLM(TemplateLM):
             pbar.update(len(contexts))
         pbar.close()
         return collator.get_original(out)
+
+    # ---------------------------------------------------------------------------- several processes
+    def _tell(self, kind: str, **arrays) -> None:
+        if self.channel is not None:
+            self.channel.send(kind, **arrays)
+
+    def _run_score(self, params, tokens, targets, valid):
+        with self._context():
+            logp, greedy = self._score(params, *(self._place(x) for x in (tokens, targets, valid)))
+        return np.asarray(logp), np.asarray(greedy)
+
+    def leading(self):
+        """Process 0's evaluation (``with lm.leading(): ...``): at its end the others stop following; an
+        error ends their ``follow()`` with it too. Single-process: does nothing."""
+        import contextlib  # noqa: PLC0415
+
+        @contextlib.contextmanager
+        def lead():
+            try:
+                yield
+            except BaseException as e:
+                if self.channel is not None:
+                    self.channel.finish(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                raise
+            if self.channel is not None:
+                self.channel.finish()
+        return lead()
+
+    def follow(self) -> None:
+        """Every process but 0: runs process 0's batches, in its order, until its evaluation ends."""
+        layers = None
+        while True:
+            kind, a = self.channel.receive()
+            if kind == "score":
+                self._run_score(self.scoring_params(), a["tokens"], a["targets"], a["valid"])
+            elif kind == "layers":
+                layers = self.generator.layer_params(self.params)
+            elif kind == "generate":
+                prompts = [row[:n].tolist() for row, n in zip(a["prompts"], a["lengths"])]
+                self.generator.generate(layers, prompts, max_new_tokens=int(a["new"]),
+                                        stop_ids=tuple(int(x) for x in a["stops"]),
+                                        temperature=float(a["temperature"]), seed=int(a["seed"]))
+            elif kind == "failed":
+                raise EvalError(f"process 0: {a['message']}")
+            else:
+                return
 
     # ------------------------------------------------------------------------------------- helpers
     def tokens_containing(self, stops: tuple[str, ...]) -> tuple[int, ...]:

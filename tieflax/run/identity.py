@@ -42,7 +42,11 @@ from tieflax.run.layout import (CHECKPOINT_DIR, CONFIG_FILE, CONFIG_HISTORY_DIR,
 # are not result fields at all (``SECTIONS``).
 FREE = {
     "train": ("analyze_every", "checkpoint_every", "keep_checkpoints", "log_every", "eval_every", "loss_impl",
-              "loss_token_block", "loss_vocab_block"),
+              "loss_token_block", "loss_vocab_block",
+              # what watches the run: the console, trackers, the profiler window, tasks scored on the way
+              "console", "trackers", "wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags",
+              "profile_steps", "eval_tasks", "eval_tasks_every", "eval_tasks_include_path", "eval_tasks_limit",
+              "eval_tasks_num_fewshot", "eval_tasks_batch_size", "eval_tasks_token_budget"),
     "data": ("cache_dir", "prefetch_buffer_size", "read_threads", "tokenizer.path"),
     "model": ("remat", "mlp_chunk", "offload_layer_inputs", "attention"),
 }
