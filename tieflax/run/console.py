@@ -12,8 +12,8 @@
   reports it (``device.memory_stats()`` on TPU and GPU: the most any local device holds). The first
   interval after a start includes compilation: it shows its wall time instead of a throughput.
 - ``'bar'``: a tqdm progress bar on stderr with the loss, as before these lines existed.
-- ``'auto'`` (default): ``'lines'`` when stdout is not a terminal; in a terminal the bar, with the lines
-  printed above it.
+- ``'auto'`` (default): ``'lines'`` when stdout is not a terminal; in a terminal (or a notebook) the bar,
+  with the lines printed above it.
 - ``'quiet'``: neither (the command's final line is all).
 
 Events (resuming, a preemption, a checkpoint set aside, the W&B run, a profile written, tasks scored)
@@ -36,12 +36,17 @@ def _is_terminal(stream) -> bool:
         return False
 
 
+def _is_notebook(stream) -> bool:
+    """A Jupyter/Colab cell's output (ipykernel's stream): tqdm.auto draws a widget there, no ``\r``."""
+    return type(stream).__module__.startswith("ipykernel")
+
+
 def resolve(mode: str, stream=None) -> tuple[bool, bool]:
     """``(lines, bar)`` for a ``config.train.console`` mode, ``'auto'`` decided by whether ``stream``
-    (stdout) is a terminal."""
+    (stdout) is a terminal (or a notebook's output)."""
     if mode == "auto":
-        tty = _is_terminal(stream if stream is not None else sys.stdout)
-        return True, tty
+        stream = stream if stream is not None else sys.stdout
+        return True, _is_terminal(stream) or _is_notebook(stream)
     return mode == "lines", mode == "bar"
 
 
