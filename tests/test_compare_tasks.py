@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed
 from console_support import capture_console, foreign_problems  # noqa: E402
 from tieflax import cli  # noqa: E402
 from tieflax.analysis import stats as st  # noqa: E402
-from tieflax.study import compare  # noqa: E402
+from tieflax.study import compare as study  # noqa: E402
 from tieflax.study.tasks import compare_tasks, tasks_section  # noqa: E402
 from tieflax.config import load_config  # noqa: E402
 
