@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Iterable
+import re
+from typing import Iterable, Iterator
 
 import ml_collections
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,21 +22,54 @@ TOKENIZER_FILE = "tokenizer.json"
 log = logging.getLogger(__name__)
 
 
+# The trainer's cost grows with its longest word: one whitespace-free megabyte (a minified file, a base64
+# blob, 1 MB of "a") made no progress for minutes. Runs of non-space (or of space) characters longer than
+# this are cut into pieces of this length before the trainer sees them (each piece a text of its own, so
+# no separator is learnt); encoding is unchanged. Recorded in a token store's build.json.
+MAX_PIECE_CHARS = 1024
+_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (MAX_PIECE_CHARS + 1, MAX_PIECE_CHARS + 1))
+
+
+def capped_pieces(texts: Iterable[str], stats: dict | None = None) -> Iterator[str]:
+    """``texts`` with every run of more than :data:`MAX_PIECE_CHARS` non-space (or space) characters cut
+    into pieces of that length, each yielded alone; ``stats["runs_cut"]`` counts the runs cut."""
+    stats = {} if stats is None else stats
+    stats.setdefault("runs_cut", 0)
+    for text in texts:
+        at = 0
+        for m in _LONG_RUN.finditer(text):
+            stats["runs_cut"] += 1
+            if m.start() > at:
+                yield text[at:m.start()]
+            for a in range(m.start(), m.end(), MAX_PIECE_CHARS):
+                yield text[a:min(a + MAX_PIECE_CHARS, m.end())]
+            at = m.end()
+        if at == 0:
+            yield text
+        elif at < len(text):
+            yield text[at:]
+
+
 def train_bpe(texts: Iterable[str], *, vocab_size: int, eos_token: str,
-              min_frequency: int = 2, length: int | None = None) -> Tokenizer:
+              min_frequency: int = 2, length: int | None = None, stats: dict | None = None) -> Tokenizer:
     """A byte-level BPE (GPT-2 style) of exactly ``vocab_size`` ids trained on ``texts``.
 
     ``eos_token`` is the only special token and gets id 0. Every byte has a token, so any text
     encodes. Training is deterministic for a given input order. A corpus too small to learn
     ``vocab_size`` distinct merges is an error, since the model's vocabulary would not match.
+
+    Runs longer than :data:`MAX_PIECE_CHARS` are cut first (``stats["runs_cut"]``). The trainer runs in a
+    child process fed through a pipe (``tieflax.data.workers``): the Rust trainer never returns to Python
+    while it works, so in this process a SIGTERM or Ctrl-C could not stop it; here it stops it at once
+    (the child is killed), and the child dies with this process.
     """
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer, length=length)
+    from tieflax.data import workers  # noqa: PLC0415
+
+    stats = {} if stats is None else stats
+    stats["max_piece_chars"] = MAX_PIECE_CHARS
+    tok = Tokenizer.from_str(workers.run_bpe_trainer(
+        capped_pieces(texts, stats), vocab_size=vocab_size, eos_token=eos_token, min_frequency=min_frequency,
+        length=length))
     got = tok.get_vocab_size(with_added_tokens=True)
     if got != vocab_size:
         raise DataError(
@@ -43,6 +77,19 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, eos_token: str,
             f"yields only {got} tokens. Lower data.tokenizer.vocab_size (and the model's vocab size) to "
             f"{got}, lower data.tokenizer.min_frequency, or add text.")
     return tok
+
+
+def _train_bpe_here(texts: Iterable[str], *, vocab_size: int, eos_token: str, min_frequency: int,
+                    length: int | None) -> str:
+    """The trainer itself (in the child process): -> the tokenizer's JSON."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer, length=length)
+    return tok.to_str()
 
 
 def save_tokenizer(tok: Tokenizer, path) -> None:
