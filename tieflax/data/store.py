@@ -31,6 +31,7 @@ their token and offset shards checked at open.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -206,6 +207,58 @@ def read_result(future, store: str, name: str, *, repairable: bool = True):
         raise err from None
 
 
+class StoreChanged(DataError):
+    """The store was deleted or replaced while a run read it: what the run had read is not what the store
+    holds now. ``at_step`` adds the step and the checkpoint kept (the trainer's line)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def at_step(self, step: int, last_checkpoint: int | None) -> "StoreChanged":
+        kept = (f"its last checkpoint, step {last_checkpoint}, is kept" if last_checkpoint is not None else
+                "no checkpoint had been saved yet")
+        return StoreChanged(f"step {step}: {self.message}; training stopped and {kept}: put the store back "
+                            "(or point data.tokens.path at it) and rerun the same command to resume, or train a "
+                            "new run on the new store")
+
+
+CHECK_SECONDS = 10.0  # how often a reader looks at the store's manifest (one small read)
+
+
+class StoreGuard:
+    """The manifest digest a reader opened the store with, compared with the store's now: at most every
+    ``CHECK_SECONDS``, and at once after a failed read. Raises :class:`StoreChanged`."""
+
+    def __init__(self, store: str, digest: str):
+        import threading  # noqa: PLC0415
+
+        self.store, self.digest = store, digest
+        self._lock = threading.Lock()
+        self._last = 0.0
+
+    def check(self, *, now: bool = False) -> None:
+        import time  # noqa: PLC0415
+
+        t = time.monotonic()
+        with self._lock:
+            if not now and t - self._last < CHECK_SECONDS:
+                return
+            self._last = t
+        try:
+            raw = storage.read_bytes(manifest_path(self.store))
+        except FileNotFoundError:
+            raise StoreChanged(f"token store {self.store} was deleted while this run read it (its manifest.json "
+                               "is gone)") from None
+        try:
+            digest = json.loads(raw).get("digest")
+        except (ValueError, AttributeError):
+            digest = None
+        if digest != self.digest:
+            raise StoreChanged(f"token store {self.store} was replaced while this run read it (manifest digest "
+                               f"{self.digest[:16]} at the start, {str(digest)[:16]} now)")
+
+
 class StoreTokens:
     """A split's ``[N]`` token stream read lazily from the store, usable where a memmap is.
 
@@ -215,8 +268,9 @@ class StoreTokens:
     :func:`damaged`); grain's reader threads re-raise it as it is.
     """
 
-    def __init__(self, array, store: str, name: str, *, repairable: bool = True):
+    def __init__(self, array, store: str, name: str, *, repairable: bool = True, guard: StoreGuard | None = None):
         self._arr, self._store, self._name, self._repairable = array, store, name, repairable
+        self._guard = guard
         self.path = storage.join(store, *name.split("/"))
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype.numpy_dtype)
@@ -226,7 +280,26 @@ class StoreTokens:
         return self.shape[0]
 
     def __getitem__(self, key) -> np.ndarray:
-        return np.asarray(read_result(self._arr[key].read(), self._store, self._name, repairable=self._repairable))
+        with self._guarded():
+            return np.asarray(read_result(self._arr[key].read(), self._store, self._name,
+                                          repairable=self._repairable))
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        """A store deleted or replaced under the reader is said so (:class:`StoreChanged`), whether a read
+        then fails (a missing chunk, an index out of the new shape) or not (the manifest checked every
+        ``CHECK_SECONDS``)."""
+        if self._guard is None:
+            yield
+            return
+        self._guard.check()
+        try:
+            yield
+        except StoreChanged:
+            raise
+        except Exception:  # noqa: BLE001
+            self._guard.check(now=True)
+            raise
 
     def __array__(self, dtype=None, copy=None):  # noqa: ARG002
         out = self[:]
@@ -240,12 +313,13 @@ class StoreTokens:
         n = len(self)
         starts = np.asarray(starts, np.int64)
         out = np.empty((len(starts), length), self.dtype)
-        with ts.Batch() as batch:
-            futures = [self._arr[int(s):min(int(s) + length, n)].read(batch=batch) for s in starts]
-        for r, (s, f) in enumerate(zip(starts, futures)):
-            got = read_result(f, self._store, self._name, repairable=self._repairable)
-            out[r, :len(got)] = got
-            out[r, len(got):] = got[-1] if len(got) else 0
+        with self._guarded():
+            with ts.Batch() as batch:
+                futures = [self._arr[int(s):min(int(s) + length, n)].read(batch=batch) for s in starts]
+            for r, (s, f) in enumerate(zip(starts, futures)):
+                got = read_result(f, self._store, self._name, repairable=self._repairable)
+                out[r, :len(got)] = got
+                out[r, len(got):] = got[-1] if len(got) else 0
         return out
 
     def __repr__(self) -> str:
@@ -331,7 +405,8 @@ class TokenStore:
             raise DataError(f"token store {self.path}: {split}/tokens holds {arr.shape[0]} "
                             f"{arr.dtype.numpy_dtype} ids but manifest.json says {want} "
                             f"{self.manifest['dtype']}: the store is damaged; delete it and prepare again")
-        return StoreTokens(arr, self.path, name, repairable=self.checksums)
+        return StoreTokens(arr, self.path, name, repairable=self.checksums,
+                           guard=StoreGuard(self.path, self.manifest["digest"]))
 
     def read(self, name: str) -> np.ndarray:
         """Array ``name`` whole."""
