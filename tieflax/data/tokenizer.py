@@ -13,7 +13,7 @@ import re
 from typing import Iterable, Iterator
 
 import ml_collections
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from tieflax import storage
 from tieflax.data.config import DataError
@@ -77,19 +77,6 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, eos_token: str,
             f"yields only {got} tokens. Lower data.tokenizer.vocab_size (and the model's vocab size) to "
             f"{got}, lower data.tokenizer.min_frequency, or add text.")
     return tok
-
-
-def _train_bpe_here(texts: Iterable[str], *, vocab_size: int, eos_token: str, min_frequency: int,
-                    length: int | None) -> str:
-    """The trainer itself (in the child process): -> the tokenizer's JSON."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer, length=length)
-    return tok.to_str()
 
 
 def save_tokenizer(tok: Tokenizer, path) -> None:

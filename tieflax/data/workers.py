@@ -87,6 +87,21 @@ def kill_pool(pool: cf.ProcessPoolExecutor) -> None:
 _BATCH_CHARS = 1 << 20  # texts travel to the trainer in batches of about this much
 
 
+def _train_bpe(texts, *, vocab_size: int, eos_token: str, min_frequency: int, length: int | None) -> str:
+    """The trainer itself (in the child process; ``tieflax.data.tokenizer.train_bpe`` documents it): ->
+    the tokenizer's JSON."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer, length=length)
+    return tok.to_str()
+
+
 def _bpe_main() -> None:
     """The trainer process: ``python -c ...`` (not multiprocessing's spawn, which would import the
     caller's ``__main__`` again: a script without a ``__main__`` guard would start itself over)."""
@@ -98,8 +113,6 @@ def _bpe_main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     try:
-        from tieflax.data.tokenizer import _train_bpe_here  # noqa: PLC0415
-
         def texts():
             while True:
                 batch = inbox.recv()
@@ -107,14 +120,14 @@ def _bpe_main() -> None:
                     return
                 yield from batch
 
-        outbox.send(("ok", _train_bpe_here(texts(), **options)))
+        outbox.send(("ok", _train_bpe(texts(), **options)))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
         with contextlib.suppress(Exception):
             outbox.send(("error", f"{type(e).__name__}: {e}"))
 
 
 def run_bpe_trainer(texts, **options) -> str:
-    """Trains ``tieflax.data.tokenizer``'s BPE on ``texts`` in a child process; -> the tokenizer's JSON.
+    """Trains the byte-level BPE (:func:`_train_bpe`) on ``texts`` in a child process; -> the tokenizer's JSON.
     This process streams the texts and then waits in short polls, so a signal's handler runs at once; on
     any exception the child is killed."""
     import json  # noqa: PLC0415
