@@ -90,3 +90,38 @@ def test_a_lone_config_json_is_not_a_run(tmp_path):
     (tmp_path / "models" / "config.json").write_text("{}")
     check_destination(str(tmp_path / "models" / "export"), sources=[("--workdir", str(tmp_path / "run"))],
                       overwrite=True)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_publishing_over_a_folder_never_leaves_it_missing(tmp_path, monkeypatch, exchange):
+    """Replacing a folder by a complete one: one atomic swap where the kernel has it (renameat2), else
+    two renames, and a signal (an exception) between them puts the old folder back."""
+    from tieflax.errors import Interrupted
+    from tieflax.run import destinations
+
+    out, partial = tmp_path / "out", tmp_path / ".out.partial-1"
+    for folder, text in ((out, "old"), (partial, "new")):
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+    if not exchange:
+        monkeypatch.setattr(destinations, "_exchange", lambda a, b: False)
+        real_replace, calls = os.replace, []
+
+        def replace(src, dst):
+            calls.append(src)
+            if len(calls) == 2:   # after the old folder moved aside, before the new one moved in
+                raise Interrupted(15)
+            real_replace(src, dst)
+
+        monkeypatch.setattr(destinations.os, "replace", replace)
+        with pytest.raises(Interrupted):
+            destinations.publish(str(partial), str(out), overwrite=True)
+        assert (out / "config.json").read_text() == "old"
+        monkeypatch.setattr(destinations.os, "replace", real_replace)
+    used = []
+    swap = destinations._exchange
+    monkeypatch.setattr(destinations, "_exchange", lambda a, b: used.append(swap(a, b)) or used[-1])
+    destinations.publish(str(partial), str(out), overwrite=True)
+    assert (out / "config.json").read_text() == "new" and os.listdir(tmp_path) == ["out"]
+    if exchange and used != [True]:
+        pytest.skip("this kernel or file system has no renameat2(RENAME_EXCHANGE): the two renames were used")

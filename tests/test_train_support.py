@@ -83,3 +83,55 @@ def start_train(workdir: str, config, *, devices: int = 8, log_path: str | None 
     out = open(log_path or os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log"), "w")
     return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(devices, **env), stdout=out,
                             stderr=subprocess.STDOUT)
+
+
+def full_disk_at(monkeypatch, *patterns: str) -> None:
+    """A full disk under the paths matching ``patterns`` (fnmatch): what tieflax.storage writes there
+    (whole files, create-only files) and what ``np.save`` writes there go to /dev/full, so the write fails
+    with the kernel's own ENOSPC ("No space left on device", no file name), as on a full disk. Files
+    elsewhere are written as usual. Skips where there is no /dev/full."""
+    import fnmatch
+    import tempfile
+
+    import numpy as np
+    import pytest
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    full_fds: set[int] = set()
+    real_mkstemp, real_open, real_fdopen, real_save = tempfile.mkstemp, os.open, os.fdopen, np.save
+
+    def hit(path) -> bool:
+        return any(fnmatch.fnmatch(str(path), p) for p in patterns)
+
+    def full_fd() -> int:
+        fd = real_open("/dev/full", os.O_WRONLY)
+        full_fds.add(fd)
+        return fd
+
+    def mkstemp(suffix=None, prefix=None, dir=None, text=False):  # storage.write_bytes: ".<name>." in dir
+        if dir is not None and prefix and hit(os.path.join(dir, prefix[1:-1])):
+            return full_fd(), os.path.join(dir, f"{prefix}full{suffix or ''}")
+        return real_mkstemp(suffix, prefix, dir, text)
+
+    def open_(path, flags, mode=0o777, *, dir_fd=None):  # storage.create_new: O_CREAT | O_EXCL
+        if flags & os.O_CREAT and hit(path):
+            return full_fd()
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def fdopen(fd, *args, **kwargs):  # unbuffered: the write itself fails, before anything else runs
+        if fd in full_fds:
+            full_fds.discard(fd)
+            return open(fd, "wb", buffering=0)
+        return real_fdopen(fd, *args, **kwargs)
+
+    def save(file, arr, *args, **kwargs):  # the data cache's np.save(path, array)
+        if isinstance(file, (str, os.PathLike)) and hit(file):
+            with open("/dev/full", "wb", buffering=0) as f:
+                return real_save(f, arr, *args, **kwargs)
+        return real_save(file, arr, *args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    monkeypatch.setattr(np, "save", save)

@@ -17,6 +17,8 @@ import os
 import re
 import sys
 
+from tieflax import errors
+
 # name -> module; order is the order of `tieflax --help`.
 COMMANDS = {
     "params": "tieflax.commands.params",
@@ -53,52 +55,67 @@ def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
     from tieflax.platforms import skip_absent_tpu  # noqa: PLC0415
 
-    skip_absent_tpu()  # before any command touches JAX: no libtpu start-up noise on a machine without a TPU
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    overrides = [a for a in unknown if a.startswith("--config.")]
-    rest = [a for a in unknown if not a.startswith("--config.")]
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.overrides = list(getattr(args, "overrides", None) or []) + overrides
-    debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
-    module = importlib.import_module(args._module)
+    args, module, debug = argparse.Namespace(command=None), None, False
     try:
+        # From the first import on: a signal while the parser imports the commands, or a command its
+        # libraries, is one line too (not KeyboardInterrupt's traceback out of an extension's import).
         with _signals_as_exceptions():
+            skip_absent_tpu()  # before any command touches JAX: no libtpu start-up noise without a TPU
+            parser = build_parser()
+            args, unknown = parser.parse_known_args(argv)
+            overrides = [a for a in unknown if a.startswith("--config.")]
+            rest = [a for a in unknown if not a.startswith("--config.")]
+            if rest:
+                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            args.overrides = list(getattr(args, "overrides", None) or []) + overrides
+            debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
+            module = importlib.import_module(args._module)
             return int(module.run(args) or 0)
-    except Interrupted as e:  # SIGTERM/SIGINT outside the trainer's own handling: one line, locks released
-        print(f"tieflax {args.command}: {e}", file=sys.stderr, flush=True)
-        return e.code
     except GeneratorExit:
         raise
     except BaseException as e:  # noqa: BLE001 (known failures become one line; the rest propagate)
-        line = None if debug else one_line(e)
+        prefix = f"tieflax {args.command}" if args.command else "tieflax"
+        stop = _interrupted_in(e)
+        if stop is not None:  # SIGTERM/SIGINT outside the trainer's own handling: one line, locks released
+            print(f"{prefix}: {interrupted_line(stop, module)}", file=sys.stderr, flush=True)
+            return stop.code
+        line = None if debug else one_line(e, full_disk=getattr(module, "FULL_DISK_FIX", None))
         if line is None:
             raise
         # Messages raised as "tieflax convert --from-hf: ..." keep their detail without a doubled prefix.
         line = re.sub(rf"^tieflax {args.command}( [^:]*)?: ", lambda m: (m.group(1) or "").strip() + ": "
                       if m.group(1) else "", line)
-        print(f"tieflax {args.command}: {line}", file=sys.stderr, flush=True)
+        print(f"{prefix}: {line}", file=sys.stderr, flush=True)
         if isinstance(e, SystemExit):
             return 2
         # A command may give bad input its own code (plan: 1 means "does not fit", so bad input is 2).
         return int(getattr(module, "USER_ERROR_CODE", 1))
 
 
+def _interrupted_in(e: BaseException) -> "Interrupted | None":
+    """The :class:`Interrupted` that ``e`` is or was raised from (a signal during a C extension's import
+    comes out as that import's ImportError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, Interrupted):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 # ------------------------------------------------------------------------------------------- signals
-class Interrupted(BaseException):
-    """SIGTERM or SIGINT arrived while a command ran: raised where the program was, so every ``with``
-    block on the way out (the workdir lock, partial folders) is left and cleaned up as on any error.
-    A BaseException, like KeyboardInterrupt, so that ``except Exception`` handlers do not swallow it."""
+Interrupted = errors.Interrupted
+# What a stop keeps, in the words of each command (``ON_INTERRUPT`` of its module may say otherwise):
+# a trained step is kept by its checkpoint, a prepared shard by the store's ledger.
+ON_INTERRUPT = "the workdir's lock is released and finished work is kept: rerun the same command to continue"
 
-    def __init__(self, signum: int):
-        import signal  # noqa: PLC0415
 
-        self.signum = signum
-        self.code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
-        what = signal.Signals(signum).name
-        super().__init__(f"stopped by {what}; the workdir's lock is released and finished work is kept: "
-                         "rerun the same command to continue")
+def interrupted_line(e: "Interrupted", module) -> str:
+    """The one line a stop by a signal prints (after ``tieflax <command>: ``)."""
+    if e.explained:
+        return str(e)
+    return f"stopped by {e.signal_name}; " + getattr(module, "ON_INTERRUPT", ON_INTERRUPT)
 
 
 @contextlib.contextmanager
@@ -162,8 +179,8 @@ def _signals_as_exceptions():
 # a full disk inside tensorstore), not bugs of tieflax: shown as one line without a traceback.
 _LIBRARY_MODULES = ("orbax", "tensorstore", "safetensors", "grain", "tokenizers")
 _OS_FIXES = {
-    errno.ENOSPC: "free space on that disk, or point --workdir at another one",
-    errno.EDQUOT: "free space on that disk, or point --workdir at another one",
+    errno.ENOSPC: "free space on that disk, or write to another one",   # FULL_DISK_FIX: the command's words
+    errno.EDQUOT: "free space on that disk, or write to another one",
     errno.ENOENT: "check the path",
     errno.EACCES: "check its permissions, or choose a folder you can write",
     errno.EPERM: "check its permissions, or choose a folder you can write",
@@ -174,12 +191,13 @@ _OS_FIXES = {
 }
 
 
-def one_line(e: BaseException) -> str | None:
+def one_line(e: BaseException, full_disk: str | None = None) -> str | None:
     """``<what> (<file or field>): <fix>`` for a failure of the input or the environment, or None for a
     failure that is a bug (whose traceback the user should see and report).
 
     The package's own user errors all derive from :class:`tieflax.errors.UserError`; OS errors and the
-    libraries' errors about damaged input files are recognised here."""
+    libraries' errors about damaged input files are recognised here. ``full_disk``: the fix of a full disk
+    in the words of the command (``FULL_DISK_FIX`` of its module: which flag names the folder)."""
     from tieflax.errors import UserError  # noqa: PLC0415
 
     if isinstance(e, SystemExit):
@@ -191,7 +209,8 @@ def one_line(e: BaseException) -> str | None:
                      "or delete it")
     if isinstance(e, OSError) and e.errno is not None:
         where = f" ({e.filename})" if e.filename else ""
-        fix = _OS_FIXES.get(e.errno, "check the file and the disk")
+        fix = (full_disk if full_disk and e.errno in (errno.ENOSPC, errno.EDQUOT)
+               else _OS_FIXES.get(e.errno, "check the file and the disk"))
         return _flat(f"{e.strerror or e}{where}: {fix}")
     if isinstance(e, OSError):  # raised by tieflax with a message naming the file and the fix
         return _flat(str(e))

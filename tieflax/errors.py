@@ -17,3 +17,21 @@ class UserError(Exception):
 class ConfigValueError(UserError, ValueError):
     """A config section (``compare``, ``sweep``, ...) holds a value that cannot be used; the message names
     the field and the valid choices. A ValueError too, so callers that caught ValueError still do."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while a command ran: raised where the program was, so every ``with``
+    block on the way out (the workdir lock, partial folders) is left and cleaned up as on any error.
+    A BaseException, like KeyboardInterrupt, so that ``except Exception`` handlers do not swallow it.
+
+    ``message``: what the stop kept and lost, when the raiser knows (the trainer's second Ctrl-C); else
+    the console says it in the words of the command (``ON_INTERRUPT`` of its module)."""
+
+    def __init__(self, signum: int, message: str | None = None):
+        import signal  # noqa: PLC0415
+
+        self.signum = signum
+        self.code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+        self.signal_name = signal.Signals(signum).name
+        self.explained = message is not None
+        super().__init__(message or f"stopped by {self.signal_name}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 HELP = "validation loss and perplexity of a workdir's latest checkpoint"
+ON_INTERRUPT = "nothing was written: rerun the same command"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 
 HELP = "tokenise a config's corpus into a token store (parallel, resumable, local or gs://)"
+FULL_DISK_FIX = ("free space on that disk, or choose another --out; rerun the same command to resume (the "
+                 "input shards already tokenised are kept)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,12 +34,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of work and of resuming")
 
 
+def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
+    """Every flag, before the config is read or anything written: -> the parsed ``--shard``. A run folder
+    (or a folder inside one) is refused as ``--out``: a store needs a folder of its own."""
+    import math  # noqa: PLC0415
+
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.data.config import DataError  # noqa: PLC0415
+    from tieflax.data.store_build import parse_shard  # noqa: PLC0415
+    from tieflax.run.destinations import check_destination  # noqa: PLC0415
+    from tieflax.run.layout import CONFIG_FILE, RUN_CONTENT, holds_a_run, is_run  # noqa: PLC0415
+
+    shard = parse_shard(args.shard)
+    if args.workers < 1:
+        raise DataError(f"--workers {args.workers}: use at least 1 (one tokenizer process per core)")
+    if not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
+        raise DataError(f"--shard-mb {args.shard_mb:g}: give the MiB of text per input shard, a number > 0 "
+                        "(default 8)")
+    out = storage.resolve(args.out)
+    if is_run(out):
+        raise DataError(f"--out {out} is a tieflax run folder (its config with checkpoints, parameters, metrics "
+                        "or a lock): a token store needs a folder of its own; choose another --out")
+    if holds_a_run(out):
+        held = [n for n in (CONFIG_FILE, *RUN_CONTENT) if storage.exists(storage.join(out, n))]
+        raise DataError(f"--out {out} holds {', '.join(held)}, as a run or a checkpoint does: a token store "
+                        "needs a folder of its own; choose another --out")
+    check_destination(out, overwrite=False)   # nor inside a run
+    return shard
+
+
 def run(args: argparse.Namespace) -> int:
     from tieflax.config import load_config  # noqa: PLC0415
-    from tieflax.data.store_build import build_store, parse_shard, print_progress  # noqa: PLC0415
+    from tieflax.data.store_build import build_store, print_progress  # noqa: PLC0415
 
+    shard = check_arguments(args)
     config = load_config(args.config, args.overrides)
-    manifest = build_store(config.data, args.out, workers=args.workers, shard=parse_shard(args.shard),
+    manifest = build_store(config.data, args.out, workers=args.workers, shard=shard,
                            finalize_only=args.finalize, shard_bytes=int(args.shard_mb * (1 << 20)),
                            progress=print_progress, model_vocab_size=config.model.vocab_size)
     if manifest is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 HELP = "generate text from a checkpoint"
+ON_INTERRUPT = "nothing was written: rerun the same command"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +25,14 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.eval.decode import EvalError  # noqa: PLC0415
     from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
 
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        raise EvalError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    import math  # noqa: PLC0415
+
+    if args.max_new_tokens < 1:
+        raise EvalError(f"--max-new-tokens {args.max_new_tokens}: use 1 or more")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise EvalError(f"--temperature {args.temperature}: use a finite number >= 0 (0 = greedy)")
+    if args.step is not None and args.step < 0:
+        raise EvalError(f"--step {args.step}: use a checkpoint step >= 0 (or leave it out for the latest)")
     lm = TieflaxLM.from_workdir(args.workdir, step=args.step, batch_size=None)
     shards = lm.shards   # one row per data shard: the same prompt, the first row printed
     prompt = lm.tok_encode(args.prompt) or [lm.prefix_token_id]

@@ -18,6 +18,7 @@ for the default corpus. ``tieflax.data.prepare`` (text corpora) and ``tieflax.da
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -198,10 +199,20 @@ def write_cache(data_dir, info: dict, arrays: dict[str, np.ndarray]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     digests = {}
-    for name, array in arrays.items():
-        np.save(tmp / f"{name}.npy", array)
-        digests[f"{name}.npy"] = file_digest(tmp / f"{name}.npy")
-    (tmp / "meta.json").write_text(json.dumps({**info, "format": FORMAT_VERSION, "digests": digests}, indent=1))
+    path = tmp
+    try:
+        for name, array in arrays.items():
+            path = tmp / f"{name}.npy"
+            np.save(path, array)
+            digests[f"{name}.npy"] = file_digest(path)
+        path = tmp / "meta.json"
+        path.write_text(json.dumps({**info, "format": FORMAT_VERSION, "digests": digests}, indent=1))
+    except OSError as e:  # a full disk: the half-written folder goes (it holds space), the error names the file
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = e.errno
+        if code is None:  # numpy's short write ("N requested and M written"): no room left for the rest
+            code = errno.ENOSPC if shutil.disk_usage(tmp.parent).free < (1 << 20) else errno.EIO
+        raise OSError(code, os.strerror(code), str(data_dir / path.name)) from None
     try:
         os.replace(tmp, data_dir)
     except OSError:  # another process finished first; its folder has the same content

@@ -47,8 +47,13 @@ class DamagedCheckpoint(UserError, ValueError):
     """A file of the checkpoint cannot be parsed (truncated, zeroed); the message names it."""
 
 
+class IncompleteCheckpoint(UserError, ValueError):
+    """The folder is an export that is being written or was interrupted; the message names it."""
+
+
 def read_hf_config(path: str) -> dict[str, Any]:
     """The ``config.json`` of a checkpoint folder, as a dict."""
+    check_complete(path)
     config_path = storage.join(path, CONFIG_FILE)
     if not storage.is_file(config_path):
         _refuse_pickles_only(path)  # the more useful message when only pickled weights are there
@@ -109,6 +114,7 @@ class SafetensorsFolder(Mapping):
 
 def read_safetensors(path: str) -> SafetensorsFolder:
     """All tensors of a checkpoint folder (single file or sharded), lazily, by name."""
+    check_complete(path)
     single, index = storage.join(path, WEIGHTS_FILE), storage.join(path, INDEX_FILE)
     if storage.is_file(index):
         weight_map: dict[str, str] = json.loads(storage.read_text(index))["weight_map"]
@@ -208,10 +214,11 @@ def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[st
     marked incomplete. Holds ``out``'s lock for the block.
 
     Local: a partial folder beside ``out``, renamed over it at the end (what an earlier export left is
-    replaced whole, so no stale shard survives). gs:// / s3://: ``out`` itself (no rename there): what an
-    earlier or interrupted export left is deleted, then ``INCOMPLETE_MARKER`` is written first and
-    deleted last. A failure or SIGTERM removes what the block wrote; after a kill -9 the next export
-    clears the partial folder or the marked prefix.
+    replaced whole, so no stale shard survives; swapped in one step where the kernel can, see
+    ``publish``). gs:// / s3://: ``out`` itself (no rename there): ``INCOMPLETE_MARKER`` is written
+    first, then what an earlier or interrupted export left is deleted, and the marker is deleted last, so
+    a reader (``check_complete``) never takes a mix for an export. A failure or SIGTERM removes what the
+    block wrote; after a kill -9 the next export clears the partial folder or the marked prefix.
     """
     from tieflax.run.destinations import fresh_partial_folder, publish  # noqa: PLC0415
     from tieflax.run.layout import INCOMPLETE_MARKER, LOCK_FILE  # noqa: PLC0415
@@ -219,10 +226,11 @@ def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[st
     from tieflax.run.lock import workdir_lock_single  # noqa: PLC0415
 
     out = storage.resolve(out)
+    marker = storage.join(out, INCOMPLETE_MARKER)
 
-    def clear():  # everything under the prefix but this command's lock
+    def clear():  # everything under the prefix but this command's lock and the marker
         for p in storage.walk_files(out):
-            if p != storage.join(out, LOCK_FILE):
+            if p not in (storage.join(out, LOCK_FILE), marker):
                 storage.delete(p)
 
     with workdir_lock_single(out, command):
@@ -235,16 +243,32 @@ def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[st
                 storage.rmtree(partial)
                 raise
             return
-        clear()
-        marker = storage.join(out, INCOMPLETE_MARKER)
+        # The marker first: from here until it is gone, a reader refuses the prefix (the old export is
+        # being deleted, the new one written); a signal never leaves an unmarked mix.
         storage.write_text(marker, f"tieflax {command} is writing this folder; it is complete once this object "
                                    "is gone\n")
         try:
+            clear()
             yield out
         except BaseException:
             clear()
+            storage.delete(marker)
             raise
         storage.delete(marker)
+
+
+def check_complete(path: str) -> None:
+    """Refuses a folder an export or import is still writing, or left unfinished: the incomplete marker
+    (on a bucket), or a local partial folder (``.<name>.partial-<pid>``)."""
+    from tieflax.run.layout import INCOMPLETE_MARKER, PARTIAL_TAG  # noqa: PLC0415
+
+    if storage.is_file(storage.join(path, INCOMPLETE_MARKER)):
+        raise IncompleteCheckpoint(f"{path} is an incomplete export ({INCOMPLETE_MARKER} is there: an export into it "
+                                   "is running or was interrupted): wait for it, or rerun the export")
+    base = storage.name(path.rstrip("/"))
+    if base.startswith(".") and re.search(re.escape(PARTIAL_TAG) + r"\d+$", base):
+        raise IncompleteCheckpoint(f"{path} is the partial folder of an export or import that did not finish: "
+                                   "read the finished folder, or rerun the command that writes it")
 
 
 def _shard(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
@@ -262,4 +286,4 @@ def _shard(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.nd
 
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "read_hf_config", "read_safetensors", "SafetensorsFolder",
-           "UnsafeCheckpoint", "SIDE_FILES", "writing_hf_folder", "not_written_by_export"]
+           "UnsafeCheckpoint", "IncompleteCheckpoint", "check_complete", "SIDE_FILES", "writing_hf_folder", "not_written_by_export"]

@@ -38,6 +38,9 @@ def _inside(path: str, folder: str) -> bool:
     return path != folder and path.startswith(folder.rstrip(sep) + sep)
 
 
+inside = _inside
+
+
 def check_destination(out: str, *, sources: Sequence[tuple[str, str]] = (), overwrite: bool,
                       flag: str = "--out") -> str:
     """Refuses ``out`` (returns its canonical form) when writing or replacing it could destroy what this
@@ -217,20 +220,52 @@ def check_no_partial_import(workdir: str) -> None:
 
 def publish(partial: str, workdir: str, *, overwrite: bool) -> None:
     """Renames a complete ``partial`` folder to ``workdir``. An existing ``workdir`` must be empty (this
-    process's lock aside), or be replaced because ``overwrite`` was given."""
+    process's lock aside), or be replaced because ``overwrite`` was given.
+
+    An existing ``workdir`` is swapped with ``partial`` in one step where the kernel can (Linux
+    ``renameat2(RENAME_EXCHANGE)``), so at every instant, a kill -9 included, ``workdir`` is the old
+    folder or the new one. Elsewhere it is moved aside first; a signal between the two renames puts the
+    old one back before it goes on."""
     workdir = os.path.abspath(workdir)
     if os.path.isdir(workdir) and set(os.listdir(workdir)) - {LOCK_FILE}:
         if not overwrite:
             raise WorkdirError(f"{workdir} is not empty{' and holds a run' if holds_a_run(workdir) else ''}: "
                                "pass --overwrite to replace it, or write to a new folder")
+    if os.path.isdir(workdir):
+        if _exchange(partial, workdir):
+            shutil.rmtree(partial, ignore_errors=True)   # now the old folder (and our lock in it)
+            return
         old = partial.replace(PARTIAL_TAG, ".replaced-")
-        os.replace(workdir, old)
-        os.replace(partial, workdir)
+        try:
+            os.replace(workdir, old)
+            os.replace(partial, workdir)
+        except BaseException:   # SIGTERM/SIGINT arrive as exceptions: never leave workdir missing
+            if os.path.isdir(old) and not os.path.exists(workdir):
+                os.replace(old, workdir)
+            raise
         shutil.rmtree(old, ignore_errors=True)
         return
-    if os.path.isdir(workdir):
-        shutil.rmtree(workdir)  # empty but for our own lock, released with it
     os.replace(partial, workdir)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps the folders ``a`` and ``b`` atomically (Linux renameat2 RENAME_EXCHANGE); False where the
+    kernel, the C library or the file system cannot (then nothing was changed)."""
+    import ctypes  # noqa: PLC0415
+    import errno  # noqa: PLC0415
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 def _check_local_destination(workdir: str, *, overwrite: bool) -> None:
