@@ -9,7 +9,7 @@ uniform moment of its writing phase (from the lock it takes in X to its exit, me
 After each, X must hold exactly OLD's files or NEW's (byte for byte; no lock, no partial folder beside
 it), and ``transformers.AutoModelForCausalLM.from_pretrained(X)`` must give OLD's or NEW's embedding.
 
-    python tools/export_signals.py                 # 20 moments per signal: about 5 minutes on 2 cores
+    python tools/export_signals.py                 # 20 moments per signal: 3.2 minutes on 2 cores
     python tools/export_signals.py --moments 4     # quicker
 """
 
