@@ -22,7 +22,7 @@ WORDS = ("the of and to in that he shall unto for his a lord they be is him not 
          "was god which my me said but ye their have will thee from as are when this out were upon man by "
          "you israel king son up there hath then people came had house into her").split()
 PLOTS = ("loss_curves", "loss_differences", "norm_vs_frequency", "movement_by_bin", "anisotropy",
-         "gradient_interference", "updated_by_bin")
+         "gradient_interference", "updated_by_bin", "input_path_ratio", "lens_by_layer", "rare_token_gains")
 
 
 @pytest.mark.parametrize("strategy,shape", [("width", dict(n_layers=2)), ("depth", dict(n_layers=6)),
@@ -79,13 +79,19 @@ def test_compare_config_errors_name_the_field():
 
 
 @pytest.fixture(scope="module")
-def compare_run(tmp_path_factory):
-    """A shortened compare: three 1-layer models, 4 steps each, on a small generated corpus."""
+def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     rng = np.random.default_rng(0)
     for i in range(12):
         text = "\n".join(" ".join(rng.choice(WORDS, rng.integers(5, 15))) + "." for _ in range(8))
         (root / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory, corpus):
+    """A shortened compare: three 1-layer models, 4 steps each, on a small generated corpus."""
+    root = corpus
     workdir = tmp_path_factory.mktemp("compare")
     overrides = [
         "data.source=files", f"data.files.paths={root}/*.txt", "data.tokenizer.vocab_size=300",
@@ -139,6 +145,48 @@ def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys
         groups.setdefault(r["variant"], []).append(r)
     lines = claims(groups, summary)
     assert len(lines) == 6 and all("[" in line for line in lines)
+    # The literature table opens the report, and summary.json carries its rows (no NaN in them).
+    assert text.index("## From the literature") < text.index("## Setup")
+    assert [r["source"] for r in summary["literature"]] == ["arXiv 2603.26663"] * 4 + ["arXiv 2601.22040"]
+    assert all(r["verdict"] in ("holds here", "contradicted here", "not resolved", "too little data")
+               for r in summary["literature"])
+    json.dumps(summary["literature"], allow_nan=False)  # undefined numbers are null, never NaN
+    al = summary["alignment"]["tied"]["0"]
+    assert al["same"]["init"]["cka_input"] == pytest.approx(1.0) and al["same"]["init"]["knn_input"] == 1.0
+    assert al["cross"]["untied_seed"] == 1 and tied["lens"]["layers"] == 1
+    assert np.sum(val["doc_bin_tokens"]) == sum(val["doc_tokens"])
+
+
+def test_one_seed_one_document_prints_no_verdict_and_no_nan(tmp_path, corpus):
+    """1 seed, 1 held-out document (the runlocal shape): every line says what is missing, none gives a
+    verdict, nothing prints nan, and the split is called whole only when it is."""
+    import re
+
+    overrides = [
+        "data.source=files", f"data.files.paths={corpus}/*.txt", "data.tokenizer.vocab_size=300",
+        "data.val_fraction=0.25", "data.max_val_documents=1", "model.vocab_size=300", "model.d_model=32",
+        "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=16", "train.seq_len=16",
+        "train.global_batch_size=8", "train.num_steps=2", "train.warmup_steps=1", "train.eval_every=2",
+        "train.eval_batches=1", "train.log_every=1", "compare.analysis_points=1", "compare.max_rows=64",
+        "compare.seeds=(0,)", "compare.grad_batches=1", "compare.bootstrap=50", "compare.n_bins=4",
+        "compare.val_batches=1", "compare.variants=('tied', 'untied')",
+    ]
+    argv = ["compare", "--config", CONFIG, "--workdir", str(tmp_path), *[f"--config.{o}" for o in overrides]]
+    code, console = capture_console(cli.main, argv)
+    assert code == 0, console
+    text = (tmp_path / REPORT).read_text()
+    for shown in (text, console, (tmp_path / "report.html").read_text()):
+        assert not re.search(r"\bnan\b", shown, re.IGNORECASE), [x for x in shown.splitlines() if "nan" in x.lower()]
+    said = "\n".join(x for x in text.splitlines() if not x.startswith("Verdicts: "))  # not the legend
+    for verdict in ("holds here", "contradicted here", "not resolved", "is better", "seen: ", "interference: ",
+                    "tying adds", "moved its rare rows", "the bias ", "dominates more", "dominates less"):
+        assert verdict not in said, [x for x in said.splitlines() if verdict in x]
+    assert "1 seed: no interval over seeds" in text and "1 held-out document" in text
+    summary = load_summary(str(tmp_path))
+    assert {r["verdict"] for r in summary["literature"]} == {"too little data"}
+    whole = summary["data"]["whole_split"]
+    assert ("evaluation on the whole validation split" in text) == whole
+    assert whole or "not the whole split" in text
 
 
 def test_compare_prints_no_foreign_warning(compare_run):

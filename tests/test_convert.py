@@ -305,3 +305,137 @@ def test_convert_to_and_from_a_bucket(chain, gcs, capsys):
     storage.write_text(f"{untied}/{INCOMPLETE_MARKER}", "as a kill -9 leaves it")
     with pytest.raises(Exception, match="did not finish"):
         check_no_partial_import(untied)
+
+
+# ------------------------------------------------------------------------ exports are destinations too
+def _sha(folder) -> dict:
+    import hashlib
+
+    return {os.path.relpath(os.path.join(d, f), folder): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(folder) for f in files}
+
+
+def test_an_export_never_writes_over_the_folder_the_run_was_imported_from(chain, tmp_path, capsys):
+    """`convert --from-hf A`, train, `--to-hf --out A` replaced A's model.safetensors (exit 0, no --overwrite
+    needed). The import records A (imported_from.json, carried by surgery); an export is refused into A,
+    a link to it, a folder holding it or a folder inside it, with or without --overwrite; A stays byte for
+    byte as it was, although it looks like an export (config.json + model.safetensors)."""
+    hf = tmp_path / "A"
+    shutil.copytree(chain["hf"], hf)
+    run = str(tmp_path / "imp")
+    assert main(["convert", "--from-hf", str(hf), "--workdir", run]) == 0
+    assert json.load(open(os.path.join(run, "imported_from.json"))) == {"hf_dir": str(hf)}
+    untied = str(tmp_path / "untied")
+    assert main(["convert", "--untie", "--workdir", run, "--out", untied]) == 0   # surgery carries the record
+    before = _sha(hf)
+    (tmp_path / "link").symlink_to(hf)
+    for workdir in (run, untied):
+        for out, extra, what in ((hf, [], "is"), (hf, ["--overwrite"], "is"), (tmp_path / "link", ["--overwrite"], "is"),
+                                 (tmp_path, ["--overwrite"], "holds"), (hf / "sub", [], "lies inside")):
+            err = _fails(capsys, ["convert", "--to-hf", "--workdir", workdir, "--out", str(out), *extra],
+                         f"--out {re.escape(str(out))} {what} the Hugging Face folder {re.escape(str(hf))} that the "
+                         f"run {re.escape(workdir)} comes from \\(imported_from.json\\)")
+            assert ("--overwrite does not change this" in err) == bool(extra)
+            assert _sha(hf) == before
+    assert sorted(os.listdir(tmp_path)) == ["A", "imp", "link", "untied"]
+
+
+def test_an_export_into_a_non_empty_folder_needs_overwrite_and_then_nothing_old_survives(chain, tmp_path, capsys):
+    """A foreign config.json was overwritten (exit 0); run B's sharded export into run A's unsharded one
+    kept A's model.safetensors, which transformers loaded under B's config. Now a non-empty --out is
+    refused without --overwrite, and with it the folder is replaced whole, either way round."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"mine": 1}')
+    _fails(capsys, ["convert", "--to-hf", "--workdir", chain["untied"], "--out", str(foreign)],
+           r"is not empty \(config.json\): pass --overwrite")
+    assert (foreign / "config.json").read_text() == '{"mine": 1}'
+    x = str(tmp_path / "x")
+    assert main(["convert", "--to-hf", "--workdir", chain["imported"], "--out", x]) == 0
+    _fails(capsys, ["convert", "--to-hf", "--workdir", chain["untied"], "--out", x, "--max-shard-gb", "0.00001"],
+           r"is not empty \(config.json, generation_config.json, model.safetensors\): pass --overwrite")
+    assert main(["convert", "--to-hf", "--workdir", chain["untied"], "--out", x, "--max-shard-gb", "0.00001",
+                 "--overwrite"]) == 0
+    names = os.listdir(x)
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names and len(names) > 4
+    np.testing.assert_array_equal(_hf_embedding(x), _hf_embedding(chain["hf_out"]))
+    assert main(["convert", "--to-hf", "--workdir", chain["imported"], "--out", x, "--overwrite"]) == 0
+    assert sorted(os.listdir(x)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def _hf_embedding(folder) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    return model.get_input_embeddings().weight.detach().numpy()
+
+
+def test_an_incomplete_export_is_refused_by_import(chain, tmp_path, capsys):
+    """An export that is being written or was interrupted (the bucket's marker object; a local partial
+    folder) is refused in one line instead of being imported."""
+    from tieflax.run.layout import INCOMPLETE_MARKER
+
+    marked = tmp_path / "marked"
+    shutil.copytree(chain["hf_out"], marked)
+    (marked / INCOMPLETE_MARKER).write_text("an export is writing this folder")
+    _fails(capsys, ["convert", "--from-hf", str(marked), "--workdir", str(tmp_path / "a")],
+           f"{re.escape(str(marked))} is an incomplete export \\({INCOMPLETE_MARKER} is there")
+    partial = tmp_path / ".export.partial-4242"
+    shutil.copytree(chain["hf_out"], partial)
+    _fails(capsys, ["convert", "--from-hf", str(partial), "--workdir", str(tmp_path / "b")],
+           "is the partial folder of an export or import that did not finish")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_signal_at_any_moment_of_an_export_leaves_the_old_export_or_the_new(chain, tmp_path):
+    """SIGTERM and SIGINT sent to `tieflax convert --to-hf --overwrite` (untied run, ~10 shard files) over
+    the tied run's unsharded export, at random moments of its writing phase (after it takes the lock in
+    --out): a stopped export left shard 1 and B's config among A's files, or a lone config.json. Each
+    time --out holds exactly the old files or the new ones (byte for byte), nothing beside it, and
+    transformers loads that model; into a new folder, nothing or the new export. Five moments here;
+    tools/export_signals.py sends 20 of each signal."""
+    import hashlib
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_train_support import REPO, subprocess_env
+
+    def files(folder):
+        return {n: hashlib.sha256(open(os.path.join(folder, n), "rb").read()).hexdigest()
+                for n in sorted(os.listdir(folder))}
+
+    shard = "0.000004"   # ~4 KiB: each tensor its own file
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    assert main(["convert", "--to-hf", "--workdir", chain["imported"], "--out", old]) == 0
+    assert main(["convert", "--to-hf", "--workdir", chain["untied"], "--out", new, "--max-shard-gb", shard]) == 0
+    refs = {"old": (files(old), _hf_embedding(old)), "new": (files(new), _hf_embedding(new))}
+    out = tmp_path / "x" / "export"
+    rng = random.Random(35)
+    runs = [(signal.SIGTERM, True), (signal.SIGINT, True), (signal.SIGTERM, True), (signal.SIGINT, True),
+            (signal.SIGINT, False)]   # the last into a new folder: it kept a lone config.json
+    for signum, over_old in runs:
+        shutil.rmtree(out, ignore_errors=True)
+        if over_old:
+            shutil.copytree(old, out)
+        proc = subprocess.Popen([sys.executable, "-m", "tieflax.cli", "convert", "--to-hf", "--workdir",
+                                 chain["untied"], "--out", str(out), "--overwrite", "--max-shard-gb", shard],
+                                cwd=REPO, env=subprocess_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        while not (out / "tieflax.lock").exists() and proc.poll() is None:
+            time.sleep(0.0005)
+        time.sleep(rng.uniform(0, 0.5))   # from the lock to the exit: ~0.55 s (tools/export_signals.py)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 128 + signum, -signum), err
+        if not over_old and not out.exists():
+            assert os.listdir(out.parent) == [] and proc.returncode == 128 + signum
+            continue   # stopped before it finished: nothing at all, no lone config.json
+        assert os.listdir(out.parent) == ["export"], os.listdir(out.parent)   # no partial folder, no lock
+        held = files(out)
+        which = [k for k, (f, _) in refs.items() if f == held]
+        assert which, sorted(held)
+        np.testing.assert_array_equal(_hf_embedding(str(out)), refs[which[0]][1])
+        assert "tieflax.lock" not in held

@@ -223,3 +223,57 @@ def test_sample_continues_a_prompt(world, capsys):
     greedy = capsys.readouterr().out
     assert main(["sample", "--workdir", world["run"], "--prompt", "In the beginning", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == greedy and greedy.strip()
+
+
+def test_every_flag_of_evaluate_and_sample_is_checked_before_work(world, capsys, tmp_path):
+    """`--limit 0` / `-1` were 32- and 35-line tracebacks, `--batch-size 0` / `-4` silently used, an
+    `--output` that is a file got no results (exit 0), `sample --temperature nan` printed an empty line
+    (exit 0). Each is one line before the checkpoint loads; nothing is written."""
+    run, tasks = world["run"], world["tasks"]
+    a_file = tmp_path / "results.json"
+    a_file.write_text("mine")
+    base = ["evaluate", "--workdir", run, "--tasks", "tf_mc", "--include-path", tasks]
+    for extra, needle in ((["--limit", "0"], "--limit 0: give the items per task"),
+                          (["--limit", "-1"], "--limit -1: give the items per task"),
+                          (["--limit", "nan"], "--limit nan"),
+                          (["--limit", "2.5"], "--limit 2.5: above 1 it counts items, a whole number"),
+                          (["--batch-size", "0"], "--batch-size 0: use 1 or more"),
+                          (["--batch-size", "-4"], "--batch-size -4: use 1 or more"),
+                          (["--token-budget", "0"], "--token-budget 0: use 1 or more"),
+                          (["--num-fewshot", "-1"], "--num-fewshot -1: use 0 or more"),
+                          (["--step", "-1"], "--step -1: use 0 or more"),
+                          (["--log-samples"], "--log-samples keeps lm-eval's per-sample records in --output"),
+                          (["--output", str(a_file)], f"--output {a_file} is a file"),
+                          (["--output", str(a_file / "sub")], f"--output {a_file / 'sub'} cannot be a folder: "
+                                                              f"{a_file} is a file")):
+        _fails(capsys, base + extra, needle)
+    for extra, needle in ((["--temperature", "nan"], "--temperature nan: use a finite number >= 0"),
+                          (["--temperature", "inf"], "--temperature inf"),
+                          (["--temperature", "-0.5"], "--temperature -0.5"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens 0: use 1 or more"),
+                          (["--step", "-2"], "--step -2")):
+        _fails(capsys, ["sample", "--workdir", run, "--prompt", "In the beginning", *extra], needle)
+    assert a_file.read_text() == "mine" and os.listdir(tmp_path) == ["results.json"]
+
+
+def test_a_task_file_that_does_not_parse_or_render_is_one_line_naming_file_and_line(world, capsys, tmp_path):
+    """A YAML syntax error was reported as "unknown task, not in lm-eval's registry"; a template with an
+    undefined variable was a 48-line jinja traceback. Both name the file, the line and the error."""
+    run = world["run"]
+    bad = tmp_path / "bad"
+    shutil.copytree(world["tasks"], bad)
+    text = (bad / "tf_mc.yaml").read_text()
+    (bad / "tf_mc.yaml").write_text(text.replace('doc_to_choice: "{{choices}}"', 'doc_to_choice: [{{choices}}'))
+    line = 1 + text.splitlines().index('doc_to_choice: "{{choices}}"')
+    _fails(capsys, ["evaluate", "--workdir", run, "--tasks", "tf_mc", "--include-path", str(bad)],
+           f"task file {bad / 'tf_mc.yaml'}, line {line + 1}", "not valid YAML")
+    undefined = tmp_path / "undefined"
+    shutil.copytree(world["tasks"], undefined)
+    (undefined / "tf_mc.yaml").write_text(text.replace('"{{question}}"', '"{{questio}}"'))
+    line = 1 + text.splitlines().index('doc_to_text: "{{question}}"')
+    assert main(["evaluate", "--workdir", run, "--tasks", "tf_mc", "--include-path", str(undefined), "--limit",
+                 "2"]) == 1
+    err = capsys.readouterr().err   # the datasets library's progress bar, then the line
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"tieflax evaluate: task tf_mc, {undefined / 'tf_mc.yaml'}, line {line}: the template '{{{{questio}}}}' does "
+        "not render: 'questio' is undefined (the documents' fields: question, choices, answer)"), err

@@ -440,3 +440,126 @@ def test_tieflax_train_on_a_damaged_store_stops_in_one_line(local_store, tmp_pat
                        "checksum (its bytes changed after they were written): rebuild its arrays from the parts it "
                        f"kept: delete {copy}/manifest.json and rerun tieflax prepare with the same config and --out "
                        f"{copy}; or delete the store and prepare it again"), err  # after the progress bar's lines
+
+
+# ------------------------------------------------------------------- prepare: flags, --out, full disks
+def _prepare_argv(tmp_path, out, *extra) -> list[str]:
+    corpus = tmp_path / "corpus"
+    if not corpus.exists():
+        corpus.mkdir()
+        for i, d in enumerate(load_documents(corpus_config(4))):
+            (corpus / f"{i}.txt").write_text(d.text)
+    return ["prepare", "--config", "configs/experiments/tiny.py", "--config.data.source=files",
+            f"--config.data.files.paths={corpus}/*.txt", "--config.data.tokenizer.vocab_size=300",
+            "--config.model.vocab_size=300", "--config.data.val_fraction=0.5", "--out", str(out), *extra]
+
+
+def _one_line_failure(capsys, argv, code: int = 1) -> str:
+    from tieflax.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == code
+    lines = capsys.readouterr().err.strip().splitlines()   # progress lines, then the failure
+    assert lines and all(line.startswith("tieflax prepare: ") for line in lines), lines
+    return lines[-1]
+
+
+def test_prepare_checks_every_flag_and_refuses_a_run_or_a_foreign_folder_before_work(tmp_path, capsys):
+    """`prepare --out RUN` wrote a whole store into a run folder; bad numbers failed late or not at all.
+    Each is one line before anything is read or written."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (tmp_path / "a_file").write_text("x")
+    cases = [(["--workers", "0"], tmp_path / "s", "--workers 0: use at least 1"),
+             (["--shard-mb", "0"], tmp_path / "s", "--shard-mb 0: give the MiB of text per input shard"),
+             (["--shard-mb", "nan"], tmp_path / "s", "--shard-mb nan"),
+             (["--shard", "3/2"], tmp_path / "s", "--shard '3/2': need 0 <= i < N"),
+             ([], run, f"--out {run} is a tieflax run folder"),
+             ([], run / "store", f"--out {run / 'store'} lies inside the run {run}"),
+             ([], hf, f"--out {hf} holds config.json, as a run or a checkpoint does"),
+             ([], mine, f"--out {mine} holds 'notes.txt', which a token store does not"),
+             ([], tmp_path / "a_file", "is a file, not a folder")]
+    argv = _prepare_argv(tmp_path, tmp_path / "s")   # writes the corpus once
+    before = sorted(os.listdir(tmp_path))
+    for extra, out, message in cases:
+        err = _one_line_failure(capsys, _prepare_argv(tmp_path, out, *extra))
+        assert message in err, err
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(run) == ["checkpoints", "config.json"]
+    assert os.listdir(mine) == ["notes.txt"] and os.listdir(hf) == ["config.json"] and argv
+
+
+def test_a_rerun_with_other_tokenizer_settings_is_refused_naming_them(tmp_path, capsys):
+    """build.json records how the store's tokenizer was made; an unfinished store's rerun with another
+    data.tokenizer.vocab_size / min_frequency was accepted (the store kept its BPE) and is refused now."""
+    from tieflax.cli import main
+
+    out = tmp_path / "s"
+    assert main(_prepare_argv(tmp_path, out)) == 0
+    made = json.loads((out / "build.json").read_text())["tokenizer"]
+    assert {k: made[k] for k in ("trained", "vocab_size", "min_frequency", "eos_token")} == {
+        "trained": "byte-level BPE", "vocab_size": 300, "min_frequency": 2, "eos_token": "<|endoftext|>"}
+    (out / "manifest.json").unlink()   # as if the first prepare had been stopped before it finished
+    err = _one_line_failure(capsys, _prepare_argv(tmp_path, out, "--config.data.tokenizer.vocab_size=320",
+                                                  "--config.data.tokenizer.min_frequency=3"))
+    assert "was started with other settings (tokenizer.min_frequency: 2 -> 3; tokenizer.vocab_size: 300 -> 320)" in err
+    assert not (out / "manifest.json").exists()
+    assert main(_prepare_argv(tmp_path, out)) == 0   # the same settings finish it
+
+
+def test_a_full_disk_in_each_phase_of_prepare_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """A full disk while tokenising said "point --workdir at another one" (prepare has none) and named no
+    file; at finalize it was a 22-line traceback. Each phase now fails in one line naming the file and the
+    fix, leaves no truncated file behind, and the rerun on a disk with room finishes the store."""
+    import pickle
+
+    from test_train_support import full_disk_at
+    from tieflax.cli import main, one_line
+    from tieflax.commands.prepare import FULL_DISK_FIX
+    from tieflax.data import store_build
+
+    out = tmp_path / "s"
+    for name in ("tokenizer.json", "build.json"):   # before any worker starts
+        with monkeypatch.context() as m:
+            full_disk_at(m, str(out / name))
+            err = _one_line_failure(capsys, _prepare_argv(tmp_path, out))
+        assert err == f"tieflax prepare: No space left on device ({out / name}): {FULL_DISK_FIX}", err
+        assert not (out / name).exists()   # no truncated file that a rerun would take for the real one
+    # A worker's part: tokenise_part in this process (workers are spawned, out of a monkeypatch's reach);
+    # its error crosses back to the main process pickled.
+    tok = store_build.tokenizer_lib.train_bpe(["some text and more text"], vocab_size=260,
+                                              eos_token="<|endoftext|>")
+    store_build._init_worker(tok.to_str(), str(out), 0.5, 0, "uint16")
+    with monkeypatch.context() as m:
+        full_disk_at(m, str(out / "parts" / "*"))
+        with pytest.raises(OSError) as e:
+            store_build.tokenise_part(0, 0, ["a document", "another one"])
+    part = str(out / "parts" / "0000000.npy")
+    assert one_line(pickle.loads(pickle.dumps(e.value)), full_disk=FULL_DISK_FIX) == (
+        f"No space left on device ({part}): {FULL_DISK_FIX}")
+    # Finalize: tensorstore's own error, as a full local disk gives it (seen on a 3 MB tmpfs).
+    real = store_build.st.create_array
+
+    def full(path, *args, **kwargs):
+        if path.endswith("tokens"):
+            raise ValueError(f'RESOURCE_EXHAUSTED: Error writing local file "{path}/c/0": Failed writing: '
+                             f'"{path}/c/0.__lock": Failed to write 2396060 bytes to file 3: No space left on '
+                             "device [os_error_code='28']")
+        return real(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(store_build.st, "create_array", full)
+        err = _one_line_failure(capsys, _prepare_argv(tmp_path, out))
+    assert err == f"tieflax prepare: No space left on device ({out / 'train' / 'tokens' / 'c' / '0'}): {FULL_DISK_FIX}"
+    with monkeypatch.context() as m:
+        full_disk_at(m, str(out / "manifest.json"))
+        err = _one_line_failure(capsys, _prepare_argv(tmp_path, out))
+    assert err == f"tieflax prepare: No space left on device ({out / 'manifest.json'}): {FULL_DISK_FIX}"
+    assert not (out / "manifest.json").exists()
+    assert main(_prepare_argv(tmp_path, out)) == 0 and st.open_store(str(out)).manifest["vocab_size"] == 300

@@ -157,6 +157,54 @@ def test_sigterm_saves_and_exits_0_then_kill9_and_resume_is_exact(tied_run, data
     assert "tieflax: resuming from step" in open(str(tmp_path / "run.log")).read()
 
 
+def test_ctrl_c_saves_a_checkpoint_exits_130_and_the_rerun_resumes_there(tied_run, data_dir, tmp_path, capsys):
+    """Ctrl-C exited 130 saying "finished work is kept" and wrote no checkpoint: the steps since the last
+    one were lost. Now the first SIGINT is SIGTERM's twin: the step finishes, a checkpoint is saved at
+    it, exit 130 saying so; the rerun resumes from that step and ends where the uninterrupted run does."""
+    config = micro_config(data_dir, tied=True, num_steps=N)
+    workdir = str(tmp_path / "run")
+    proc = start_train(workdir, config)
+    _wait_for_checkpoint(workdir, proc, above=0)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=240) == 130
+    log = open(str(tmp_path / "run.log")).read()
+    found = re.search(r"tieflax train: stopped by SIGINT \(Ctrl-C\): checkpoint saved at step (\d+); "
+                      r"rerun the same command to resume from step \1$", log.strip())
+    assert found, log
+    stopped = int(found.group(1))
+    assert ckpt.latest_step(workdir) == stopped < N and "finished work is kept" not in log
+    capsys.readouterr()
+    result = train_and_evaluate(config, workdir)
+    assert f"tieflax: resuming from step {stopped}" in "".join(capsys.readouterr())
+    assert result["step"] == N
+    chex.assert_trees_all_equal(ckpt.load_latest_params(workdir)[1], ckpt.load_latest_params(tied_run[0])[1])
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_which_steps_are_lost(tied_run):
+    """The trainer's handler: a first SIGINT asks for a checkpoint; a second raises Interrupted at once,
+    and the console line names the steps after the last checkpoint (the tied run's last is 20)."""
+    from tieflax.commands.train import second_stop_line
+    from tieflax.errors import Interrupted
+    from tieflax.train import _StopSignal
+
+    at = {"step": 23}
+    stop = _StopSignal(progress=lambda: at["step"])
+    try:
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested and stop.name == "SIGINT"
+        with pytest.raises(Interrupted) as e:
+            stop._handle(signal.SIGINT, None)
+        assert e.value.code == 130 and e.value.at_step == 23
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN   # the clean-up is not cut short
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, stop._handle)
+    assert second_stop_line(tied_run[0], 23) == (
+        "stopped at once by a second SIGINT at step 23: steps 21-23 are lost (the last checkpoint is step 20); "
+        "rerun the same command to resume from step 20")
+    assert "nothing is lost" in second_stop_line(tied_run[0], 20)
+
+
 def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
     """Saved on 8 devices as data=8; evaluated through `tieflax eval` as data=4 x tensor=2 (resharded)."""
     from tieflax.cli import main
@@ -415,3 +463,36 @@ def test_scanned_run_converts_to_per_layer_with_the_same_loss(data_dir, tmp_path
     assert evaluate(flat_config, flat)["loss"] == pytest.approx(result["final_val_loss"], rel=1e-5)
     assert main(["convert", "--scan-layers", "--workdir", flat, "--out", str(tmp_path / "again")]) == 0
     chex.assert_trees_all_equal(ckpt.load_latest_params(str(tmp_path / "again"))[1], params)
+
+
+def test_a_full_disk_in_each_phase_of_train_is_one_line_naming_the_file(data_dir, tmp_path, capsys, monkeypatch):
+    """The tokenizer, the data cache, the run's record and its metrics (checkpoints: `recovered` above),
+    each on a full disk (the kernel's ENOSPC through /dev/full): one line naming the file and the fix, no
+    traceback; a half-written data cache is not left behind; the rerun with room trains."""
+    import fnmatch
+
+    from test_train_support import REPO, config_overrides, full_disk_at
+    from tieflax.cli import main
+    from tieflax.commands.train import FULL_DISK_FIX
+
+    config = micro_config(data_dir, num_steps=2)
+    config.data.tokenizer.path = ""                     # trained and saved in the workdir
+    config.data.cache_dir = str(tmp_path / "cache")     # built here
+    config.train.update(log_every=1, checkpoint_every=100)
+    workdir = tmp_path / "run"
+    argv = ["train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"), "--workdir", str(workdir),
+            *config_overrides(config)]
+    for pattern in (str(workdir / "tokenizer.json"), str(tmp_path / "cache" / "*" / "train.npy"),
+                    str(workdir / "config.json"), str(workdir / "metrics" / "*")):
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            full_disk_at(m, pattern)
+            assert main(argv) == 1
+        out, err = capsys.readouterr()
+        last = err.strip().splitlines()[-1]
+        assert "Traceback" not in out + err and last.startswith("tieflax train: No space left on device ("), err
+        path = last[len("tieflax train: No space left on device ("):].split(")")[0]
+        assert fnmatch.fnmatch(path, pattern) and last.endswith(f"): {FULL_DISK_FIX}"), last
+        assert not glob.glob(str(tmp_path / "cache" / ".*.tmp"))   # the half-written cache is gone
+    capsys.readouterr()
+    assert main(argv) == 0 and ckpt.latest_step(str(workdir)) == 2

@@ -70,6 +70,10 @@ def validate_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
     mc = model_config(config)
     validate_train_config(config.train)
+    if config.train.get("tied_input_grad_scale", 1.0) != 1.0 and not mc.tie_embeddings:
+        raise ConfigError(f"config.train.tied_input_grad_scale = {config.train.tied_input_grad_scale!r} has no "
+                          "effect with model.tie_embeddings=False (it scales a tied matrix's lookup-path gradient); "
+                          "set it to 1.0 or tie the embeddings.")
     try:
         validate_data_config(config.data)
     except DataError as e:  # one error type for every config field

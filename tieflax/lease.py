@@ -24,6 +24,7 @@ from tieflax import storage
 
 HEARTBEAT_SECONDS = 15.0
 LEASE_SECONDS = 60.0
+RELEASE_SECONDS = 5.0     # the most that releasing a lease waits (its heartbeat, its removal)
 
 
 def process_start(pid: int) -> str | None:
@@ -128,11 +129,14 @@ class Lease:
             self.stamp = stamp
 
     def release(self) -> None:
+        """Stops the heartbeat and removes the lease, in bounded time: a heartbeat stuck on a bucket that
+        stopped answering is not waited for, and the removal gets ``RELEASE_SECONDS`` (a lease left
+        behind goes stale, and the next command takes it over with a message)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=RELEASE_SECONDS)
         if self.lost is None and self.stamp is not None:
-            with contextlib.suppress(storage.StorageError):
+            with contextlib.suppress(storage.StorageError), storage.deadline_within(RELEASE_SECONDS):
                 storage.compare_and_set(self.path, None, self.stamp)
 
     def __enter__(self) -> "Lease":

@@ -34,6 +34,8 @@ import fnmatch
 import os
 import re
 import tempfile
+import threading
+import time
 from typing import Iterator
 
 from tieflax.errors import UserError
@@ -45,6 +47,18 @@ from tieflax.errors import UserError
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 REMOTE_SCHEMES = ("gs", "s3")
+
+# Every remote call has a deadline: tensorstore retries a failed request with backoff (up to 32 times, 32 s
+# apart: a quarter of an hour) and waits on a stalled connection forever. Within the deadline its own
+# retries and backoff (``_RETRIES``) run as usual; when it passes, the call is cancelled and the command
+# stops with one line naming the object.
+DEADLINE_ENV = "TIEFLAX_STORAGE_DEADLINE_S"
+DEFAULT_DEADLINE_S = 180.0
+_RETRIES = {"max_retries": 1000, "initial_delay": "0.5s", "max_delay": "8s"}  # the deadline bounds them
+# A transfer that moves nothing for a minute is dropped and retried on a new connection (libcurl's
+# low-speed watchdog; tensorstore sets no timeout on its requests). Read when tensorstore starts.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "60")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 
 
 class StorageError(UserError, RuntimeError):
@@ -153,7 +167,10 @@ def _bucket_store(path: str):
     if store is None:
         import tensorstore as ts  # noqa: PLC0415
 
-        store = ts.KvStore.open(kvstore_spec(f"{scheme}://{bucket}")).result()
+        spec = kvstore_spec(f"{scheme}://{bucket}")
+        if scheme == "gs":
+            spec["context"] = {"gcs_request_retries": dict(_RETRIES)}
+        store = _wait(ts.KvStore.open(spec))
         _BUCKETS[(scheme, bucket)] = store
     return store, key
 
@@ -166,9 +183,9 @@ def _keys_under(path: str) -> list[str]:
     prefix = key.rstrip("/") + "/" if key else ""
     if prefix:  # [prefix, prefix with its last byte + 1): every key that starts with prefix
         end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        found = store.list(ts.KvStore.KeyRange(prefix, end)).result()
+        found = _wait(store.list(ts.KvStore.KeyRange(prefix, end)))
     else:
-        found = store.list().result()
+        found = _wait(store.list())
     # Filtered again here: some servers (the Cloud Storage emulator) ignore the range's offsets.
     return sorted(k for k in (k.decode() for k in found) if k.startswith(prefix))
 
@@ -231,7 +248,7 @@ def glob(pattern: str) -> list[str]:
 def _read_remote(path: str) -> bytes | None:
     def read():
         store, key = _bucket_store(path)
-        r = store.read(key).result()
+        r = _wait(store.read(key))
         return None if r.state == "missing" else bytes(r.value)
     return _remote(path, "read", read)
 
@@ -258,7 +275,7 @@ def write_bytes(path: str, data: bytes) -> None:
     if is_remote(path):
         def write():
             store, key = _bucket_store(path)
-            store.write(key, data).result()
+            _wait(store.write(key, data))
         _remote(path, "write", write)
         return
     folder = os.path.dirname(os.path.abspath(path))
@@ -270,9 +287,11 @@ def write_bytes(path: str, data: bytes) -> None:
             # mkstemp creates 0600 whatever the umask: give the file the mode open() would (0644 under 022).
             os.fchmod(f.fileno(), 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:  # a full disk: name the file
+            raise OSError(e.errno, e.strerror, path) from None
         raise
 
 
@@ -316,7 +335,7 @@ def _store_and_key(path: str):
         return _bucket_store(path)
     import tensorstore as ts  # noqa: PLC0415
 
-    return ts.KvStore.open(kvstore_spec(parent(path))).result(), name(path)
+    return _wait(ts.KvStore.open(kvstore_spec(parent(path)))), name(path)
 
 
 def create_new(path: str, data: bytes) -> bool:
@@ -331,8 +350,15 @@ def create_new(path: str, data: bytes) -> bool:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies, as open()
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except BaseException as e:  # a full disk: no truncated file left to pass for the real one
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+                raise OSError(e.errno, e.strerror, path) from None
+            raise
         return True
     return compare_and_set(path, data, ObjectStamp.missing()) is not None
 
@@ -341,7 +367,7 @@ def read_with_stamp(path: str) -> tuple[bytes | None, ObjectStamp]:
     """``(content or None when absent, stamp)`` of an object, read in one request."""
     def read():
         store, key = _store_and_key(path)
-        r = store.read(key).result()
+        r = _wait(store.read(key))
         return (None if r.state == "missing" else bytes(r.value)), ObjectStamp(r.stamp.generation)
     return _remote(path, "read", read)
 
@@ -353,7 +379,7 @@ def compare_and_set(path: str, data: bytes | None, expected: ObjectStamp) -> Obj
     """
     def write():
         store, key = _store_and_key(path)
-        stamp = store.write(key, data, if_equal=expected.generation).result()
+        stamp = _wait(store.write(key, data, if_equal=expected.generation))
         return ObjectStamp(stamp.generation) if stamp.generation else None
     return _remote(path, "write", write)
 
@@ -367,7 +393,7 @@ def delete(path: str) -> None:
 
     def remove():
         store, key = _bucket_store(path)
-        store.write(key, None).result()
+        _wait(store.write(key, None))
     _remote(path, "write", remove)
 
 
@@ -441,11 +467,97 @@ def check_writable(path: str) -> None:
     delete(probe)
 
 
+def deadline_seconds() -> float:
+    """The deadline of one remote call: ``TIEFLAX_STORAGE_DEADLINE_S`` (seconds), else 180."""
+    text = os.environ.get(DEADLINE_ENV, "").strip()
+    if not text:
+        return DEFAULT_DEADLINE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise StorageError(f"{DEADLINE_ENV}={text!r}: give the deadline of one storage call in seconds, e.g. 180")
+    return value
+
+
+_DEADLINE = threading.local()  # the monotonic deadline of the remote call this thread is in, if any
+
+
+class _DeadlinePassed(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline_within(seconds: float):
+    """Remote calls in the block end within ``seconds`` (or their own deadline, if sooner): for clean-up
+    after a failure (releasing a lease), which must not wait a whole deadline again."""
+    outer = getattr(_DEADLINE, "at", None)
+    at = time.monotonic() + seconds
+    _DEADLINE.at = at if outer is None else min(outer, at)
+    try:
+        yield
+    finally:
+        _DEADLINE.at = outer
+
+
+@contextlib.contextmanager
+def watchdog(path: str, action: str, seconds: float | None = None):
+    """For remote work done by a library outside this layer, which no deadline can cancel (orbax's
+    checkpoint saves, through gcsfs and its own tensorstore): when the block has not ended within
+    ``seconds`` (default: the storage deadline), the process prints the one line of a passed deadline and
+    exits 1 at once (``os._exit``: its threads may be stuck in the library). Nothing is committed by an
+    unfinished block: a checkpoint without its commit marker is not a checkpoint; a rerun resumes from the
+    last one. Local paths: no watchdog."""
+    if not is_remote(path):
+        yield
+        return
+    seconds = deadline_seconds() if seconds is None else seconds
+    done = threading.Event()
+
+    def expire():
+        if done.wait(seconds):
+            return
+        import sys  # noqa: PLC0415
+
+        prefix = " ".join(["tieflax", *[a for a in sys.argv[1:2] if not a.startswith("-")]])  # as the console
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os.write(2, f"{prefix}: {_no_answer(path, action, seconds)}\n".encode())
+        os._exit(1)
+
+    threading.Thread(target=expire, name="tieflax-storage-watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _wait(future):
+    """A tensorstore future's result, within the deadline of the current remote call (cancelled at it)."""
+    deadline = getattr(_DEADLINE, "at", None)
+    if deadline is None:
+        return future.result()
+    try:
+        return future.result(timeout=max(deadline - time.monotonic(), 0.0))
+    except TimeoutError:
+        future.cancel()
+        raise _DeadlinePassed() from None
+
+
 def _remote(path: str, action: str, fn):
-    """Runs one remote operation, turning the libraries' failures into a StorageError that names the
-    path and the fix (no bucket, no credentials, no permission)."""
+    """Runs one remote operation within the deadline (``deadline_seconds``), turning the libraries'
+    failures into a StorageError that names the path and the fix (no bucket, no credentials, no
+    permission, no answer in time)."""
+    if not is_remote(path):
+        return fn()
+    seconds = deadline_seconds()
+    outer = getattr(_DEADLINE, "at", None)
+    _DEADLINE.at = time.monotonic() + seconds if outer is None else min(outer, time.monotonic() + seconds)
     try:
         return fn()
+    except _DeadlinePassed:
+        raise StorageError(_no_answer(path, action, seconds)) from None
     except StorageError:
         raise
     except FileNotFoundError:
@@ -456,6 +568,27 @@ def _remote(path: str, action: str, fn):
         if not is_remote(path):
             raise
         raise StorageError(_why(path, action, f"{type(e).__name__}: {e}")) from e
+    finally:
+        _DEADLINE.at = outer
+
+
+def _no_answer(path: str, action: str, seconds: float) -> str:
+    scheme, bucket, _ = bucket_and_key(path)
+    if scheme == "gs" and not _gcs_credentials_configured():
+        fix = ("no credentials are configured (no GOOGLE_APPLICATION_CREDENTIALS, no "
+               "~/.config/gcloud/application_default_credentials.json) and no metadata server answered: run "
+               "`gcloud auth application-default login`, or check the network")
+    else:
+        fix = f"check the network and that {scheme}://{bucket} is reachable"
+    return (f"cannot {action} {path}: no answer from {scheme}://{bucket} within {seconds:g} s; {fix}, then rerun "
+            f"the command (work done so far is kept; {DEADLINE_ENV} sets the deadline)")
+
+
+def _gcs_credentials_configured() -> bool:
+    if os.environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return True
+    home = os.environ.get("CLOUDSDK_CONFIG") or os.path.join(os.path.expanduser("~"), ".config", "gcloud")
+    return os.path.isfile(os.path.join(home, "application_default_credentials.json"))
 
 
 def _why(path: str, action: str, detail: str) -> str:

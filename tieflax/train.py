@@ -21,6 +21,7 @@ contributions separately for the ``grad_norm/embed_lookup`` and ``grad_norm/embe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -39,6 +40,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tieflax.data.store import StoreChanged
 from tieflax.run import checkpoints as ckpt
 from tieflax.run import identity, layout
 from tieflax.run.layout import TOKENIZER_FILE
@@ -46,12 +48,15 @@ from tieflax import flops
 from tieflax import sharding as shd
 from tieflax.config import model_config, validate_config
 from tieflax import storage
-from tieflax.run.metrics import MetricWriter, metric_files, progress_bar, read_metrics
+from tieflax.run.console import Console, device_memory
+from tieflax.run.metrics import MetricWriter, metric_files, read_metrics
+from tieflax.run.profiler import ProfileWindow
+from tieflax.run.trackers import check_installed, open_trackers
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
 from tieflax.model.params import param_report
 from tieflax.optim import make_optimizer
-from tieflax.errors import UserError
+from tieflax.errors import Interrupted, UserError
 
 log = logging.getLogger(__name__)
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -220,6 +225,8 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
         metrics = {}
         if tied:
             g_lookup, g_head = grads["embed"]["embedding"], grads["lm_head"]["embedding"]
+            if c.get("tied_input_grad_scale", 1.0) != 1.0:  # the intervention; at 1.0 the step is today's
+                g_lookup = g_lookup * c.tied_input_grad_scale  # (and grad_norm/embed_lookup the scaled path)
             g_head_tree = grads["lm_head"]
             grads = {k: v for k, v in grads.items() if k != "lm_head"}
             grads["embed"] = {**grads["embed"], "embedding": g_lookup + g_head,
@@ -331,21 +338,51 @@ def _perplexity(loss: float) -> float:
 # ================================================================================================ helpers
 
 class _StopSignal:
-    """Records SIGTERM so the loop can finish the step, checkpoint and exit cleanly; restores on close."""
+    """SIGTERM, or a first SIGINT (Ctrl-C), is recorded so the loop can finish the step, checkpoint and
+    exit (SIGTERM: 0, SIGINT: 130 by :class:`Interrupted`); a second SIGINT stops at once, raising
+    :class:`Interrupted` where the program is (``at_step``: the last step trained). ``progress()`` gives
+    the step reached. Restores the previous handlers on close."""
 
-    def __init__(self):
+    def __init__(self, progress: Callable[[], int] | None = None):
         self.requested = False
-        self._previous = None
+        self.signum: int | None = None
+        self._progress = progress
+        self._previous: dict = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._handle)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.requested:
+            for s in self._previous:  # once: the clean-up on the way out (lock, last save) runs whole
+                signal.signal(s, signal.SIG_IGN)
+            try:
+                step = self._progress() if self._progress else None
+            except NameError:  # before the loop's first step
+                step = None
+            e = Interrupted(signal.SIGINT, "stopped at once by a second SIGINT"
+                            + (f" at step {step}" if step is not None else "")
+                            + ": the steps after the last finished checkpoint are lost; rerun the same "
+                            "command to resume from that checkpoint")
+            e.at_step = step
+            raise e
+        if not self.requested:
+            self.signum = signum
         self.requested = True
+        if signum == signal.SIGINT:
+            import sys  # noqa: PLC0415
+
+            print("tieflax: SIGINT (Ctrl-C): saving a checkpoint after this step, then exiting; Ctrl-C again "
+                  "stops at once, losing the steps since the last checkpoint", file=sys.stderr, flush=True)
 
     def close(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
 
 
 def _stop_everywhere(local: bool) -> bool:
@@ -458,6 +495,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
 
     t = config.train
     is_main = jax.process_index() == 0
+    check_installed(t.trackers)  # a missing tracker package fails before any work, on every process
 
     # ---------------------------------------------------------------------------------------- mesh
     mc = model_config(config)
@@ -505,9 +543,19 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
             say(f"changed on purpose from step {start} on ({identity.CONFIG_HISTORY_DIR}/): "
                 + "; ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in resume.changed.items()))
 
-        writer = MetricWriter(workdir, enabled=is_main)
+        # ------------------------------------------------------------------- console, trackers, profiler
+        console = Console(t.console, t.num_steps, start, enabled=is_main)
+        say = console.event
+        writer = MetricWriter(workdir, enabled=is_main, trackers=open_trackers(
+            t.trackers, workdir, config, enabled=is_main, say=say))
+        profiler = ProfileWindow(t.profile_steps, workdir, enabled=is_main, say=say)
+        tasks = None
+        if t.eval_tasks:  # lm-eval on the live parameters (an unknown task fails here, before training)
+            from tieflax.eval.tasks import TrainingTasks  # noqa: PLC0415
+
+            tasks = TrainingTasks(config, mc, prepared.tokenizer, mesh, workdir, write=is_main)
         step_model_flops = flops.step_flops(mc, t.global_batch_size, t.seq_len).train
-        stop = _StopSignal()
+        stop = _StopSignal(progress=lambda: step)
         diagnostics = _diagnostics_fn() if t.analyze_every else None
         if diagnostics is not None and jax.process_count() > 1:
             # The diagnostics read whole matrices on the host, which one process of many does not hold.
@@ -522,10 +570,28 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
         last = {"loss": float("nan"), "ce_loss": float("nan")}
         val = None
         preempted = False
-        timing = {"t0": None, "tokens": 0.0, "seconds": 0.0}
-        bar = progress_bar(t.num_steps, start, enabled=is_main)
+        # Step time is the wall time between two log intervals' device syncs, less the time spent on
+        # evaluations, scoring and diagnostics in between (``paused``); the first interval after a start
+        # includes compilation and is not a throughput.
+        timing = {"t0": None, "tokens": 0.0, "seconds": 0.0, "paused": 0.0, "started": time.perf_counter()}
         step = start
         saves = ckpt.SaveWatch(manager)
+        announced = {"step": None}  # the save whose end is still to be reported
+
+        @contextlib.contextmanager
+        def paused():
+            began = time.perf_counter()
+            try:
+                yield
+            finally:
+                timing["paused"] += time.perf_counter() - began
+
+        def note_saved():
+            """One line once the save in flight has ended (a failed one raised before this)."""
+            if announced["step"] is not None and saves.pending != announced["step"]:
+                console.progress(f"checkpoint of step {announced['step']} saved: "
+                                 f"{ckpt.CHECKPOINT_DIR}/{announced['step']}")
+                announced["step"] = None
 
         def health_check(summary: dict, at_step: int):
             if summary["invalid_labels"]:
@@ -542,33 +608,44 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
 
         def flush(at_step: int) -> dict:
             nonlocal buffer
-            now = time.perf_counter()
             rows = buffer
-            summary = _summarise(buffer)
+            summary = _summarise(buffer)  # waits for the interval's last step
+            now = time.perf_counter()
+            first = None
             if timing["t0"] is not None:  # the first interval includes compilation: not a throughput
                 tokens = len(buffer) * t.global_batch_size * t.seq_len
-                timing["seconds"] += now - timing["t0"]
+                seconds = max(now - timing["t0"] - timing["paused"], 1e-9)
+                timing["seconds"] += seconds
                 timing["tokens"] += tokens
-                summary["tokens_per_second"] = tokens / (now - timing["t0"])
+                summary["step_time"] = seconds / len(buffer)
+                summary["tokens_per_second"] = tokens / seconds
+                summary["tokens_per_second_per_device"] = tokens / seconds / jax.device_count()
                 # model TFLOP/s per device, and MFU where the devices' peak is known (tieflax/flops.py)
-                summary.update(flops.throughput(step_model_flops, (now - timing["t0"]) / len(buffer),
-                                                jax.devices()))
-            timing["t0"] = now
+                summary.update(flops.throughput(step_model_flops, seconds / len(buffer), jax.devices()))
+            else:
+                first = now - timing["started"]
+            summary.update(device_memory(jax.local_devices()))  # where the backend reports it
             buffer = []
             health_check(summary, at_step)
             # `interval_steps`: how many steps the row averages, so the final loss can span a restart
             row = {k: v for k, v in summary.items() if k != "tokens"}
             writer.write(at_step, {**row, "interval_steps": len(rows)})
-            bar.set_postfix(loss=f"{summary['loss']:.3f}")
+            console.interval(at_step, summary, first_seconds=first, steps=len(rows))
             return summary
 
         try:
             while step < t.num_steps:
-                batch = to_global_batch(next(train_loader), mesh)
-                state, metrics = train_step(state, batch)
+                profiler.before(step + 1)
+                with profiler.step(step + 1):
+                    batch = to_global_batch(next(train_loader), mesh)
+                    state, metrics = train_step(state, batch)
                 buffer.append(metrics)
                 step += 1
-                bar.update(1)
+                if profiler.ends_at(step):  # the traced steps end on the device; writing the trace is no step
+                    jax.block_until_ready(state)
+                    with paused():
+                        profiler.after(step, state)
+                console.update(1)
                 at_log = step % t.log_every == 0 or step == t.num_steps
                 at_ckpt = step % t.checkpoint_every == 0 or step == t.num_steps
                 if jax.process_count() == 1 or at_log or at_ckpt:
@@ -583,6 +660,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
                     _settle_saves(saves)  # before orbax starts the next save (it would wait for this one)
                 elif at_log:
                     _raise_if_any_failed(saves.failure(wait=False), saves)
+                note_saved()
                 held.check()  # the workdir's lease (object stores) is still this run's
                 if (at_ckpt or preempted) and jax.process_count() == 1:
                     saves.start(step, state, train_loader)
@@ -593,30 +671,51 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
                     except ckpt.CheckpointError as e:
                         refused = e
                     _raise_if_any_failed(refused, saves)
+                if at_ckpt or preempted:
+                    note_saved()  # starting this save waited for the one before
+                    announced["step"] = step
                 if diagnostics is not None and step % t.analyze_every == 0:
-                    scalars = diagnostics(state["params"], prepared.token_counts)
+                    with paused():
+                        scalars = diagnostics(state["params"], prepared.token_counts)
                     writer.write(step, {k.removeprefix("diag/"): v for k, v in scalars.items()}, split="diag")
                 if step % t.eval_every == 0 or step == t.num_steps:
-                    val = run_eval(eval_step, state["params"], prepared, config, mesh)
+                    with paused():
+                        val = run_eval(eval_step, state["params"], prepared, config, mesh)
                     writer.write(step, val, split="val")
                 if at_log or preempted:
                     writer.flush()  # one metrics segment per log period
+                if tasks is not None and not preempted and (
+                        step == t.num_steps or (t.eval_tasks_every and step % t.eval_tasks_every == 0)):
+                    with paused():  # after the flush: a run killed while scoring has logged this step
+                        scores = tasks.score(state["params"], step)
+                    writer.write(step, scores, split="tasks")
+                    writer.flush()
+                    say(f"tasks at step {step}: " + ", ".join(
+                        f"{k} {v:.4f}" for k, v in scores.items() if not k.endswith("_stderr")))
+                if at_log or at_ckpt or preempted:  # the next interval's time starts after this bookkeeping
+                    timing["t0"], timing["paused"] = time.perf_counter(), 0.0
                 if preempted:
                     if is_main:
-                        print(f"tieflax: SIGTERM received; checkpoint saved at step {step}; exiting.",
+                        print(f"tieflax: {stop.name} received; checkpoint saved at step {step}; exiting.",
                               flush=True)
                     break
             if jax.process_count() > 1:
                 _settle_saves(saves)  # the last save, ended (or failed) on every process
+        except StoreChanged as e:  # the token store was deleted or replaced under the run: say at which step
+            raise e.at_step(step, manager.latest_step()) from None
         finally:
             # Every resource is closed; the first failure is raised unless one is already on its way
             # (a full disk also fails the metric files' close: the failed save is the error to report).
-            _close_all(bar.close, writer.close, stop.close,
-                       saves.close)  # waits for the last save; raises its error (the OS error last)
+            _close_all(lambda: profiler.close(step), console.close, writer.close, saves.close,
+                       stop.close)  # saves.close waits for the last save, raises its error (the OS error last)
+        note_saved()
 
         if val is None and not preempted:
             val = run_eval(eval_step, state["params"], prepared, config, mesh)
 
+    if preempted and stop.signum == signal.SIGINT:  # Ctrl-C: SIGTERM's twin, ending as the shell's 130
+        raise Interrupted(signal.SIGINT, f"stopped by SIGINT (Ctrl-C): checkpoint saved at step {step}; rerun "
+                                         f"the same command to resume from step {step}")
     if metric_files(workdir):  # the last interval's loss across restarts, from the logged rows
         logged = read_metrics(workdir, "train")
         fallback = logged[-1]["ce_loss"] if step == start and logged else last["ce_loss"]

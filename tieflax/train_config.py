@@ -26,6 +26,10 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.decay_embeddings = False        # apply weight decay to embedding / head matrices
     c.embedding_optimizer = "adam"    # 'adam', or 'sgd': SGD + momentum 0.9 on embedding matrices (ablation)
     c.embedding_sgd_lr = 1.0          # peak rate of that SGD (same warmup and cosine as learning_rate)
+    # Tied models: the lookup (input) path's gradient into the shared matrix is multiplied by this before
+    # the two paths are summed (the intervention of Lopardo et al., arXiv 2603.26663); 1.0 = the plain
+    # tied gradient, bit for bit. Untied models refuse any other value.
+    c.tied_input_grad_scale = 1.0
     c.decay_norms_and_biases = False
     c.grad_clip_norm = 1.0
     c.z_loss = 0.0
@@ -43,6 +47,34 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 200
     c.keep_checkpoints = 3
     c.analyze_every = 0               # diagnostics interval in steps; 0 = off
+    # What the console shows while training (tieflax.run.console): 'lines' (one line per log interval:
+    # step, loss, learning rate, step time, tokens/s and TFLOP/s per device, MFU, memory; one line per
+    # checkpoint save), 'bar' (a tqdm progress bar), 'auto' (lines when stdout is not a terminal, else the
+    # bar with the lines above it) or 'quiet' (neither: the command's final line). Resume, preemption and
+    # failures get their one line in every mode.
+    c.console = "auto"
+    # Where the logged scalars go besides metrics/ (tieflax.run.trackers): 'tensorboard' (tensorboardX,
+    # <workdir>/tensorboard/) and 'wandb' (Weights & Biases, the `wandb` extra; WANDB_MODE=offline works
+    # without network). Only process 0 logs.
+    c.trackers = ("tensorboard",)
+    c.wandb_project = "tieflax"
+    c.wandb_entity = ""               # "" = the W&B default entity
+    c.wandb_name = ""                 # "" = the workdir's name
+    c.wandb_group = ""
+    c.wandb_tags = ()
+    # (start, stop): a JAX profiler trace of steps start..stop (1-based, inclusive) into <workdir>/profile/,
+    # for TensorBoard's profile plugin / xprof; () = off.
+    c.profile_steps = ()
+    # lm-eval tasks scored on the live parameters during training (tieflax.eval.tasks; the `eval` extra):
+    # every eval_tasks_every steps (0 = at the last step only) and at the last step; results in metrics/
+    # (split 'tasks'), every tracker and <workdir>/lm_eval/step_<n>/.
+    c.eval_tasks = ()
+    c.eval_tasks_every = 0
+    c.eval_tasks_include_path = ""    # a local folder of task YAMLs
+    c.eval_tasks_limit = 0.0          # items per task: 0 = every item, < 1 a fraction, else a count
+    c.eval_tasks_num_fewshot = -1     # -1 = the task's own
+    c.eval_tasks_batch_size = 0       # generation rows per batch; 0 = one per data x fsdp shard
+    c.eval_tasks_token_budget = 4096  # tokens per log-likelihood batch
     return c
 
 
@@ -64,6 +96,7 @@ _RANGES = {
     "grad_clip_norm": (0.0, _INF, True, True, "0 = no clipping"),
     "z_loss": (0.0, _INF, True, True, "0 = none"),
     "label_smoothing": (0.0, 1.0, True, False, "the probability moved to the uniform distribution"),
+    "tied_input_grad_scale": (0.0, _INF, False, True, "the factor on a tied matrix's lookup-path gradient; 1 = none"),
     "loss_token_block": (0, _INF, True, True, "tokens per tile of the fused loss; 0 = the platform's default"),
     "loss_vocab_block": (0, _INF, True, True, "vocabulary rows per tile of the fused loss; 0 = the default"),
     "eval_every": (1, _INF, True, True, "steps between evaluations"),
@@ -72,9 +105,15 @@ _RANGES = {
     "checkpoint_every": (1, _INF, True, True, "steps between checkpoints"),
     "keep_checkpoints": (1, _INF, True, True, "checkpoints kept"),
     "analyze_every": (0, _INF, True, True, "0 = off"),
+    "eval_tasks_every": (0, _INF, True, True, "steps between lm-eval scorings; 0 = at the last step only"),
+    "eval_tasks_limit": (0.0, _INF, True, True, "items per task: 0 = every item, < 1 a fraction, else a count"),
+    "eval_tasks_num_fewshot": (-1, _INF, True, True, "-1 = the task's own"),
+    "eval_tasks_batch_size": (0, _INF, True, True, "0 = one row per data x fsdp shard"),
+    "eval_tasks_token_budget": (1, _INF, True, True, "tokens per log-likelihood batch"),
 }
 _INTEGER_FIELDS = {k for k, (lo, *_rest) in _RANGES.items() if isinstance(lo, int)}
-_CHOICES = {"loss_impl": ("fused", "dense")}
+_CHOICES = {"loss_impl": ("fused", "dense"), "console": ("auto", "lines", "bar", "quiet")}
+TRACKERS = ("tensorboard", "wandb")
 
 
 def validate_train_config(c: ml_collections.ConfigDict) -> None:
@@ -99,3 +138,36 @@ def validate_train_config(c: ml_collections.ConfigDict) -> None:
     for field, choices in _CHOICES.items():
         if field in c and c[field] not in choices:
             raise ConfigError(f"config.train.{field} = {c[field]!r} is not one of {choices}.")
+    _validate_observers(c)
+
+
+def _names(value) -> bool:
+    return isinstance(value, (tuple, list)) and all(isinstance(v, str) and v.strip() for v in value)
+
+
+def _validate_observers(c: ml_collections.ConfigDict) -> None:
+    """Trackers, W&B names, the profiler window and the in-training tasks (types and ranges)."""
+    from tieflax.model.config import ConfigError  # noqa: PLC0415
+
+    trackers = c.get("trackers", ())
+    if not _names(trackers) or any(t not in TRACKERS for t in trackers) or len(set(trackers)) < len(trackers):
+        raise ConfigError(f"config.train.trackers = {trackers!r}: give a tuple of distinct names from {TRACKERS}, "
+                          "e.g. --config.train.trackers='(\"tensorboard\", \"wandb\")', or () for none.")
+    for field in ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "eval_tasks_include_path"):
+        if field in c and not isinstance(c[field], str):
+            raise ConfigError(f"config.train.{field} = {c[field]!r} must be a string.")
+    if "wandb_tags" in c and not (c.wandb_tags == () or _names(c.wandb_tags)):
+        raise ConfigError(f"config.train.wandb_tags = {c.wandb_tags!r}: give a tuple of strings, e.g. "
+                          "'(\"tied\", \"d64\")'.")
+    window = c.get("profile_steps", ())
+    ok = isinstance(window, (tuple, list)) and (len(window) == 0 or (
+        len(window) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in window)
+        and 1 <= window[0] <= window[1]))
+    if not ok:
+        raise ConfigError(f"config.train.profile_steps = {window!r}: give (start, stop) with 1 <= start <= stop "
+                          "(steps start..stop are traced), e.g. --config.train.profile_steps='(5, 7)', or () "
+                          "for no trace.")
+    tasks = c.get("eval_tasks", ())
+    if not (tasks == () or _names(tasks)) or isinstance(tasks, str):
+        raise ConfigError(f"config.train.eval_tasks = {tasks!r}: give a tuple of lm-eval task names, e.g. "
+                          "'(\"arc_easy\",)', or () for none.")

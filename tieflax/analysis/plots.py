@@ -213,3 +213,75 @@ def loss_vs_params(series: dict[str, list[tuple[float, dict]]], path: str, *, xl
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     return _save(fig, path)
+
+
+def seed_curves(series: dict[str, list[tuple]], path: str, *, ylabel: str, title: str,
+                reference: float | None = None) -> str:
+    """One line per run over training, runs of a variant in its colour: ``series[variant] = [(seed,
+    steps, values), ...]``; log y axis (ratios), a line at ``reference``."""
+    fig = Figure(figsize=(8, 4.4))
+    ax = fig.subplots()
+    for i, (label, runs) in enumerate(series.items()):
+        for j, (seed, steps, values) in enumerate(runs):
+            ax.plot(steps, values, color=_color(label, i), lw=1.2, alpha=0.8,
+                    label=f"{label} ({len(runs)} seeds)" if j == 0 else None)
+    if reference is not None:
+        ax.axhline(reference, color="gray", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def lens_layers(means: dict[str, dict], diffs: dict[str, tuple], path: str) -> str:
+    """Left: held-out loss by layer per variant (``means[v] = {'logit': [L+1], 'tuned': [L+1]}``; dashed:
+    logit lens, solid: tuned lens). Right: each variant minus tied by layer with 95% intervals
+    (``diffs[v] = (logit CIs [L+1], tuned CIs [L+1])``)."""
+    fig = Figure(figsize=(11, 4.2))
+    left, right = fig.subplots(1, 2)
+    for i, (label, m) in enumerate(means.items()):
+        x = np.arange(len(m["tuned"]))
+        left.plot(x, m["logit"], color=_color(label, i), ls="--", marker="o", ms=3, label=f"{label} logit lens")
+        left.plot(x, m["tuned"], color=_color(label, i), ls="-", marker="s", ms=3, label=f"{label} tuned lens")
+    layers = max((len(m["tuned"]) for m in means.values()), default=1)
+    for ax in (left, right):
+        ax.set_xticks(range(layers))
+    left.set_xlabel("layer (0 = embedding output; last = the model)")
+    left.set_ylabel("held-out loss (nats/token)")
+    left.set_title("lens by layer, mean over seeds", fontsize=9)
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    for i, (label, (logit, tuned)) in enumerate(diffs.items()):
+        for k, (cis, style) in enumerate(((logit, "--"), (tuned, "-"))):
+            x = np.arange(len(cis)) + (0.08 * (2 * k - 1))
+            err = np.array([_err(c) for c in cis]).T
+            right.errorbar(x, [c["mean"] for c in cis], yerr=err, color=_color(label, i), ls=style, marker="o",
+                           ms=3, capsize=3, label=f"{label} - tied, {'logit' if k == 0 else 'tuned'}")
+    right.axhline(0, color="gray", lw=0.8)
+    right.set_xlabel("layer")
+    right.set_ylabel("loss minus tied (nats/token)")
+    right.set_title("paired difference to tied, 95% CI over seeds x scored documents", fontsize=9)
+    right.legend(fontsize=7)
+    right.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def bin_intervals(series: dict[str, list[dict]], path: str, *, ylabel: str, title: str) -> str:
+    """Per-bin intervals, one line per label: ``series[label] = [ci dict per bin]`` (bin 0 first)."""
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.subplots()
+    for i, (label, cis) in enumerate(series.items()):
+        x = np.arange(len(cis)) + 0.06 * i
+        err = np.array([_err(c) for c in cis]).T
+        ax.errorbar(x, [c["mean"] for c in cis], yerr=err, color=_color(label, i), marker="o", ms=4, capsize=3,
+                    label=label)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xlabel("equal-token-mass frequency bin of the target token (0 = rarest)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)

@@ -21,9 +21,13 @@ import json
 from typing import Any, Sequence
 
 from tieflax import storage
-from tieflax.run.layout import HF_FILES_DIR, SURGERY_FILE as SURGERY_REPORT, TOKENIZER_FILE
+from tieflax.run.layout import HF_FILES_DIR, IMPORT_SOURCE_FILE, SURGERY_FILE as SURGERY_REPORT, TOKENIZER_FILE
 
 HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layouts of checkpoints"
+FULL_DISK_FIX = "free space on that disk, or write to another one (nothing half-written is left)"
+# A stop removes what the command wrote; the destination is published whole or not at all.
+ON_INTERRUPT = ("the lock is released and nothing half-written is left: the destination holds what it held before (or the finished "
+                "result, if the stop came as it finished); rerun the same command")
 # What every surgery leaves behind: the new workdir holds parameters only (``initial_params/``), so training
 # there starts a new run from them; `tieflax train` says so when it starts.
 RESET_BY_SURGERY = ("the step (training restarts at 0), the optimizer state (moments start from zero), the "
@@ -88,7 +92,7 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
 
     from tieflax.config import validate_config
     from tieflax.run.destinations import check_destination as check_safe_destination
-    from tieflax.run.destinations import check_empty_or_replaceable, copy_file, writing_new_workdir
+    from tieflax.run.destinations import check_empty_or_replaceable, copy_file, real, writing_new_workdir
 
     workdir, hf_dir = storage.resolve(workdir), storage.resolve(hf_dir)
     check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
@@ -107,6 +111,8 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
         params = params_from_state(weights, mc)
         ckpt.save_initial_params(partial, config, params)
         copied = _copy_files(hf_dir, storage.join(partial, HF_FILES_DIR), SIDE_FILES)
+        # Where the run came from: `convert --to-hf` refuses to write over it (surgery copies the record).
+        storage.write_text(storage.join(partial, IMPORT_SOURCE_FILE), json.dumps({"hf_dir": real(hf_dir)}))
     return dict(action="from-hf", source=hf_dir, workdir=workdir,
                 family=mc.family, tied=mc.tie_embeddings, params=count_params(abstract_params(mc), mc),
                 tokenizer=config.data.tokenizer.path or None, carried_files=copied)
@@ -115,27 +121,17 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
 def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
               overwrite: bool = False) -> dict:
     """The workdir's latest parameters -> an HF folder; returns a report. ``out`` (local, gs:// or s3://)
-    may hold an earlier or interrupted export, which is replaced whole; anything else there (a tieflax
-    run, other files) is refused unless ``overwrite`` (locally; a prefix cannot be replaced whole).
+    must be new or empty; with ``overwrite`` what it holds is replaced whole (locally by a rename, on a
+    bucket only an earlier export: a prefix holding other files cannot be replaced whole). Never the
+    Hugging Face folder the run was imported from (``imported_from.json``), even with ``overwrite``.
     Every file goes through ``tieflax.storage``, inside ``writing_hf_folder``."""
     from tieflax.run import checkpoints as ckpt
     from tieflax.config import model_config
-    from tieflax.interop.hf import SIDE_FILES, not_written_by_export, save_hf_checkpoint, writing_hf_folder
+    from tieflax.interop.hf import SIDE_FILES, save_hf_checkpoint, writing_hf_folder
     from tieflax.interop.hf_tokenizer import export_tokenizer_side
-    from tieflax.run.destinations import check_destination as check_safe_destination
-    from tieflax.run.layout import WorkdirError, is_run
 
     workdir, out = storage.resolve(workdir), storage.resolve(out)
-    check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
-    if not overwrite and is_run(out):
-        raise WorkdirError(f"--out {out} holds a tieflax run: export to a new folder (or pass --overwrite to "
-                           "replace it whole, on a local disk)")
-    other = not_written_by_export(out)
-    if other and (storage.is_remote(out) or not overwrite):
-        raise WorkdirError(f"--out {out} holds {other[0]!r}, which an export does not write: export to a new "
-                           "folder" + (" or prefix (a prefix cannot be replaced whole: there is no rename)"
-                                       if storage.is_remote(out) else ", or pass --overwrite to replace it whole"))
-
+    check_export_destination(workdir, out, overwrite=overwrite)
     config, params, step = ckpt.load_latest_params(workdir)
     mc = model_config(config)
     with writing_hf_folder(out) as target:
@@ -146,6 +142,62 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
             carried += export_tokenizer_side(target, config)   # special tokens and ids: lm-eval, generate need them
     return dict(action="to-hf", workdir=workdir, step=step, out=out,
                 family=mc.family, tied=mc.tie_embeddings, files=[storage.name(p) for p in written] + carried)
+
+
+def import_source(workdir: str) -> str | None:
+    """The Hugging Face folder ``workdir`` was imported from (``imported_from.json``), or None."""
+    from tieflax.run.layout import IMPORT_SOURCE_FILE
+
+    record = storage.join(workdir, IMPORT_SOURCE_FILE)
+    if not storage.is_file(record):
+        return None
+    try:
+        return json.loads(storage.read_text(record))["hf_dir"]
+    except (ValueError, KeyError, TypeError):
+        from tieflax.run.layout import WorkdirError
+
+        raise WorkdirError(f"{record} is damaged (it names the Hugging Face folder this run was imported "
+                           "from, which an export must not overwrite): restore it from the import, or delete "
+                           "it if that folder no longer matters") from None
+
+
+def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> None:
+    """Before anything is read: ``out`` is not, does not hold and does not lie inside the run or the
+    Hugging Face folder the run was imported from (even with ``overwrite``); without ``overwrite`` it is
+    new or empty; on a bucket it holds nothing but an earlier export (an interrupted one, behind its
+    incomplete marker, is cleared without ``overwrite``)."""
+    from tieflax.interop.hf import not_written_by_export
+    from tieflax.run.destinations import check_destination as check_safe_destination
+    from tieflax.run.destinations import inside, real
+    from tieflax.run.layout import INCOMPLETE_MARKER, IMPORT_SOURCE_FILE, LOCK_FILE, WorkdirError, is_run
+
+    source = import_source(workdir)
+    if source:
+        src, dest = real(source), real(out)
+        what = ("is" if dest == src else "holds" if inside(src, dest) else "lies inside" if inside(dest, src)
+                else None)
+        if what:
+            harm = "add files to" if what == "lies inside" else "replace"
+            raise WorkdirError(f"--out {out} {what} the Hugging Face folder {src} that the run {workdir} comes "
+                               f"from ({IMPORT_SOURCE_FILE}): an export there would {harm} the model it started "
+                               "from; export to a new folder" + (" (--overwrite does not change this)"
+                                                                 if overwrite else ""))
+    check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
+    if not storage.is_remote(out) and storage.exists(out) and not storage.is_dir(out):
+        raise WorkdirError(f"--out {out} is a file, not a folder: export to a new folder")
+    if not overwrite and is_run(out):
+        raise WorkdirError(f"--out {out} holds a tieflax run: export to a new folder (or pass --overwrite to "
+                           "replace it whole, on a local disk)")
+    other = not_written_by_export(out)
+    if other and (storage.is_remote(out) or not overwrite):
+        raise WorkdirError(f"--out {out} holds {other[0]!r}, which an export does not write: export to a new "
+                           "folder" + (" or prefix (a prefix cannot be replaced whole: there is no rename)"
+                                       if storage.is_remote(out) else ", or pass --overwrite to replace it whole"))
+    held = [n for n in storage.listdir(out) if n != LOCK_FILE]
+    if held and not overwrite and not (storage.is_remote(out) and INCOMPLETE_MARKER in held):
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise WorkdirError(f"--out {out} is not empty ({shown}): pass --overwrite to replace what it holds "
+                           "whole, or export to a new folder")
 
 
 def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:
@@ -211,7 +263,7 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     report = dict(action=action, workdir=workdir, step=step, out=out, **report)
     with writing_new_workdir(out, overwrite=overwrite) as partial:
         ckpt.save_initial_params(partial, config, params)
-        for name in (TOKENIZER_FILE, HF_FILES_DIR):
+        for name in (TOKENIZER_FILE, HF_FILES_DIR, IMPORT_SOURCE_FILE):
             src = storage.join(workdir, name)
             if storage.is_file(src):
                 storage.write_bytes(storage.join(partial, name), storage.read_bytes(src))
@@ -270,4 +322,4 @@ def _copy_files(src_dir: str, dst_dir: str, names: Sequence[str]) -> list[str]:
     return found
 
 
-__all__ = ["import_hf", "export_hf", "untie_workdir", "tie_workdir", "scan_workdir"]
+__all__ = ["import_hf", "export_hf", "check_export_destination", "import_source", "untie_workdir", "tie_workdir", "scan_workdir"]

@@ -6,6 +6,8 @@ The run's latest checkpoint (or ``--step N``) is scored on its mesh through ``ti
 files), exactly as ``lm_eval --output_path DIR --log_samples`` would; DIR may be local, gs:// or s3://
 (written through ``tieflax.storage``). Tasks come from lm-eval's registry
 or from YAML files under ``--include-path DIR`` (offline: set HF_DATASETS_OFFLINE=1 and use local data).
+Under several processes (``launch/local_multiprocess.sh 2 4 tieflax evaluate ...``, a pod) process 0 runs
+lm-eval and the others compute their share of each batch: the results equal one process's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import argparse
 
 HELP = "lm-evaluation-harness tasks (MMLU, HellaSwag, local YAMLs) on a run's checkpoint"
+FULL_DISK_FIX = "free space on that disk, or choose another --output"
+ON_INTERRUPT = ("no scores are kept (--output gets lm-eval's files only once every task has run): rerun the "
+                "same command")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tieflax import distributed  # noqa: PLC0415
+
+    # Several processes (launch/: TIEFLAX_COORDINATOR ...): lm-eval runs on process 0, which alone prints
+    # and writes; the others compute their share of its batches on the run's mesh (tieflax.eval.harness).
+    distributed.initialize()
+    from tieflax.eval.decode import EvalError  # noqa: PLC0415
     from tieflax.eval.tasks import evaluate_workdir  # noqa: PLC0415
 
+    if args.log_samples and not args.output:
+        raise EvalError("--log-samples keeps lm-eval's per-sample records in --output: add --output DIR")
     evaluate_workdir(args.workdir, tasks=args.tasks.split(","), include_path=args.include_path,
                      num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
                      token_budget=args.token_budget, log_samples=args.log_samples, output=args.output,

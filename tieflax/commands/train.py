@@ -12,7 +12,8 @@ in ``config_history/`` (``tieflax.run.identity``), never by rewriting config.jso
 
 Multi-process launches (``launch/``) set ``TIEFLAX_COORDINATOR`` / ``TIEFLAX_NUM_PROCESSES`` /
 ``TIEFLAX_PROCESS_ID`` or ``TIEFLAX_DISTRIBUTED=1``; every process runs this same command. SIGTERM
-finishes the current step, saves a checkpoint and exits 0.
+finishes the current step, saves a checkpoint and exits 0; a first Ctrl-C (SIGINT) does the same and exits
+130; a second one stops at once and says which steps are lost.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import argparse
 import os
 
 HELP = "train a model (resumes from the workdir's latest checkpoint)"
+FULL_DISK_FIX = ("free space on that disk, or point --workdir at another one; rerun the same command to "
+                 "resume from the last checkpoint")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-change", action="append", default=[], metavar="FIELD[,FIELD]",
                         help="continue this run with these result fields changed on purpose (e.g. "
                              "train.num_steps, train.learning_rate, data): recorded in config_history/")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print only the final line (and resume/preemption/failure lines): "
+                             "--config.train.console=quiet")
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
@@ -53,6 +59,25 @@ def load_run_config(config_path, workdir: str, overrides):
     return config
 
 
+def second_stop_line(workdir: str, at_step: int) -> str:
+    """What a second Ctrl-C lost, read after the stop (the save in flight then has ended or failed)."""
+    from tieflax.run.checkpoints import latest_step  # noqa: PLC0415
+
+    try:
+        saved = latest_step(workdir)
+    except Exception:  # noqa: BLE001 (the line must come out even if the checkpoints cannot be listed)
+        saved = None
+    head = f"stopped at once by a second SIGINT at step {at_step}: "
+    if saved is not None and saved >= at_step:
+        return head + f"nothing is lost (checkpoint {saved} is saved); rerun the same command to continue"
+    if saved is None:
+        return head + ("no checkpoint was saved, so its steps are lost; rerun the same command to start again "
+                       "(from initial_params/ if the run has them)")
+    lost = f"step {at_step} is" if at_step == saved + 1 else f"steps {saved + 1}-{at_step} are"
+    return head + (f"{lost} lost (the last checkpoint is step {saved}); rerun the same command to resume from "
+                   f"step {saved}")
+
+
 def run(args: argparse.Namespace) -> int:
     from tieflax import distributed  # noqa: PLC0415
 
@@ -63,12 +88,24 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.strict_json import dumps as strict_json  # noqa: PLC0415
     from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
+    from tieflax.errors import Interrupted  # noqa: PLC0415
     from tieflax.train import ProcessesStopped  # noqa: PLC0415
 
+    from tieflax.run.checkpoints import _quiet_abandoned_reads  # noqa: PLC0415
+
+    # A failed save or write (a full disk) leaves orbax's and tensorstore's pending writes to end on a
+    # closed event loop: their "Event loop is closed" tracebacks would bury the one line that says why.
+    _quiet_abandoned_reads()
     config = load_run_config(args.config, args.workdir, args.overrides)
+    if args.quiet:
+        config.train.console = "quiet"
     try:
         allow = tuple(f.strip() for item in args.allow_change for f in item.split(",") if f.strip())
         result = train_and_evaluate(config, args.workdir, allow_change=allow)
+    except Interrupted as e:
+        if getattr(e, "at_step", None) is None:
+            raise
+        raise Interrupted(e.signum, second_stop_line(args.workdir, e.at_step)) from None
     except ProcessesStopped as e:
         # Every process stops with this line; orbax's save thread of a healthy process still waits for the
         # failed one at its commit barrier, and joining it at exit would hang: leave without it.

@@ -22,11 +22,12 @@ without talking, and adding documents at the end never moves earlier ones.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
+import re
 import sys
 import time
 from typing import Callable
@@ -40,6 +41,7 @@ from tieflax.data import tokenizer as tokenizer_lib
 from tieflax.data.cache import token_dtype
 from tieflax.data.config import DataError, validate_data_config
 from tieflax.data.sources import expand_paths, iter_documents
+from tieflax.data.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,7 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
         storage.check_writable(out)
     except storage.StorageError as e:
         raise DataError(str(e)) from None
+    check_store_folder(out)
     if storage.is_file(st.manifest_path(out)):
         manifest = st.read_manifest(out)
         say(f"{out} is already a finished token store (digest {manifest['digest'][:16]}); nothing to do")
@@ -177,6 +180,23 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
         return manifest
 
 
+# What a token store's folder holds (store.py, this module), and the temporary names of its writes.
+STORE_NAMES = frozenset({"manifest.json", "build.json", "inputs.json", "tokenizer.json", "parts", "ledger",
+                         *st.SPLITS, "lock.json"})
+_STORE_TEMPORARY = re.compile(r"lock-\d+-of-\d+\.json|\..+\.tmp|\.tieflax-write-probe-\d+")
+
+
+def check_store_folder(out: str) -> None:
+    """Before any work: ``out`` is new, empty or a token store (finished or not); a file, or a folder
+    holding anything a store does not (a run, a corpus, other files), is refused naming it."""
+    if not storage.is_remote(out) and storage.exists(out) and not storage.is_dir(out):
+        raise DataError(f"--out {out} is a file, not a folder: give the token store a folder of its own")
+    other = [n for n in storage.listdir(out) if n not in STORE_NAMES and not _STORE_TEMPORARY.fullmatch(n)]
+    if other:
+        raise DataError(f"--out {out} holds {other[0]!r}, which a token store does not: give the store a new or "
+                        "empty folder of its own (or the folder of the store this command started)")
+
+
 def _store_tokenizer(c, out: str, say):
     """The store's tokenizer: the given one (a store started with another is refused) or a trained one."""
     from tokenizers import Tokenizer  # noqa: PLC0415
@@ -196,8 +216,13 @@ def _store_tokenizer(c, out: str, say):
         say(f"training a {c.tokenizer.vocab_size}-token byte-level BPE on the train documents")
         texts = (d.text for k, d in enumerate(iter_documents(c))
                  if not is_val(np.array([k]), c.split_seed, c.val_fraction)[0])
+        cut: dict = {}
         tok = tokenizer_lib.train_bpe(texts, vocab_size=c.tokenizer.vocab_size, eos_token=c.tokenizer.eos_token,
-                                      min_frequency=c.tokenizer.min_frequency)
+                                      min_frequency=c.tokenizer.min_frequency, stats=cut)
+        if cut.get("runs_cut"):
+            say(f"cut {cut['runs_cut']} runs of over {cut['max_piece_chars']} characters without a space (or of "
+                "spaces) into pieces for the BPE's training (a minified file or a blob would stall it); the "
+                "documents are tokenised whole")
     if existing is None and not storage.create_new(path, tok.to_str().encode()):
         if Tokenizer.from_str(storage.read_text(path)).to_str() != tok.to_str():  # another shard's
             raise DataError(f"token store {out}: another prepare saved a different tokenizer.json; "
@@ -215,6 +240,11 @@ def source_description(c) -> dict:
 def _check_settings(c, out: str, tok, shard_bytes: int) -> dict:
     """``build.json``: fixed by the first prepare of ``out``; a resume with other settings is refused."""
     vocab = tokenizer_lib.tokenizer_vocab_size(tok)
+    # How the tokenizer was made: a given file (its digest below is what counts) or trained here, whose
+    # settings a resumed build must share (it reuses the store's tokenizer.json and would ignore them).
+    made = ({"given": "data.tokenizer.path"} if c.tokenizer.path else
+            {"trained": "byte-level BPE", "vocab_size": c.tokenizer.vocab_size,
+             "min_frequency": c.tokenizer.min_frequency, "max_piece_chars": tokenizer_lib.MAX_PIECE_CHARS})
     settings = {
         "format": st.FORMAT, "data": source_description(c),
         "tokenizer_digest": tokenizer_lib.tokenizer_digest(tok), "vocab_size": vocab,
@@ -222,15 +252,26 @@ def _check_settings(c, out: str, tok, shard_bytes: int) -> dict:
         "bos_id": tokenizer_lib.bos_id_of(tok, c.tokenizer.bos_token),
         "dtype": token_dtype(vocab).name, "shard_bytes": shard_bytes,
         "split": {"rule": SPLIT_RULE, "val_fraction": c.val_fraction, "split_seed": c.split_seed},
+        "tokenizer": {**made, "eos_token": c.tokenizer.eos_token, "bos_token": c.tokenizer.bos_token},
     }
     path = storage.join(out, "build.json")
     if not storage.create_new(path, json.dumps(settings, indent=1).encode()):
         started = json.loads(storage.read_text(path))
-        differ = sorted(k for k in set(settings) | set(started) if settings.get(k) != started.get(k))
+        if "tokenizer" not in started:  # a store started before the tokenizer settings were recorded
+            settings = {k: v for k, v in settings.items() if k != "tokenizer"}
+        differ = _differences(started, settings)
         if differ:
-            raise DataError(f"token store {out} was started with other settings ({', '.join(differ)} "
-                            "differ): rerun with the same config, or use another --out")
+            raise DataError(f"token store {out} was started with other settings ({'; '.join(differ)}): rerun "
+                            "with the settings it was started with, or use another --out")
     return settings
+
+
+def _differences(started, now, prefix: str = "") -> list[str]:
+    """``'field: saved -> new'`` for every leaf that differs (nested dicts followed, keys sorted)."""
+    if isinstance(started, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(started) | set(now), key=str)
+                for d in _differences(started.get(k), now.get(k), f"{prefix}{k}.")]
+    return [] if started == now else [f"{prefix.rstrip('.')}: {started!r} -> {now!r}"]
 
 
 def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[int, int], shard_bytes: int,
@@ -239,7 +280,6 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
     tokens it tokenised and the workers' CPU seconds (``tokens``, ``worker_cpu_s``)."""
     i, n = shard
     done = set(st.finished_parts(out))
-    ctx = multiprocessing.get_context("spawn")  # no fork after tensorstore's and rayon's threads
     pending: set = set()
     stats = {"parts": 0, "tokens": 0, "cpu": 0.0, "t0": time.perf_counter(), "last": 0.0, "skipped": 0}
 
@@ -259,9 +299,9 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
             say(f"tokenised {stats['parts']} input shards ({stats['skipped']} done before), "
                 f"{stats['tokens'] / 1e6:.2f}M tokens, {rate / 1e6:.2f}M tokens/s")
 
-    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                initargs=(tok.to_str(), out, c.val_fraction, c.split_seed,
-                                          settings["dtype"])) as pool:
+    # Workers die with this process (a kill -9 leaves none behind) and are killed when the block fails.
+    with worker_pool(workers, _init_worker, (tok.to_str(), out, c.val_fraction, c.split_seed,
+                                             settings["dtype"])) as pool:
         _start_workers(pool, workers)
         k = first = docs = 0
         texts: list[str] = []
@@ -332,11 +372,13 @@ def finalize(out: str, settings: dict, *, say=lambda text: None) -> dict:
     counts = np.zeros(vocab, np.int64)
     arrays = {}  # name -> (the opened array, sha256 of its contents)
     for split in st.SPLITS:
-        arrays.update(_write_split(out, split, splits[split], parts, eos, bos, dtype,
-                                   counts if split == "train" else None))
+        with _writing(out, split):
+            arrays.update(_write_split(out, split, splits[split], parts, eos, bos, dtype,
+                                       counts if split == "train" else None))
         say(f"wrote {split}: {splits[split]['tokens']:,} tokens, {splits[split]['documents']:,} documents")
-    arr = st.create_array(storage.join(out, "train", "token_counts"), vocab, "int64")
-    arr[:].write(counts).result()
+    with _writing(out, "train/token_counts"):
+        arr = st.create_array(storage.join(out, "train", "token_counts"), vocab, "int64")
+        arr[:].write(counts).result()
     arrays["train/token_counts"] = arr, hashlib.sha256(st.le_bytes(counts)).hexdigest()
     digest = hashlib.sha256(json.dumps({k: settings[k] for k in ("tokenizer_digest", "eos_id", "bos_id",
                                                                   "dtype", "split")}, sort_keys=True).encode())
@@ -360,6 +402,26 @@ def finalize(out: str, settings: dict, *, say=lambda text: None) -> dict:
         return st.read_manifest(out)  # another finalize committed first; same parts, same content
     say(f"committed {out} (digest {manifest['digest'][:16]})")
     return manifest
+
+
+@contextlib.contextmanager
+def _writing(out: str, name: str):
+    """tensorstore's failed writes under ``out/name`` as the OS error they are (a full disk: ENOSPC, naming
+    the file, which the console shows as one line with the fix), or a DataError naming the array."""
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, DataError):
+            raise
+        text = str(e)
+        code = re.search(r"os_error_code='(\d+)'", text)
+        where = re.search(r'local file "([^"]+)"', text)
+        path = where.group(1) if where else storage.join(out, *name.split("/"))
+        if code:
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
+        raise DataError(f"token store {out}: writing {name} failed ({text.splitlines()[0][:300]}): check the disk "
+                        "or the bucket, then rerun tieflax prepare (finalize writes the arrays again from the "
+                        "kept parts)") from None
 
 
 def _write_split(out: str, split: str, info: dict, parts: list[dict], eos: int, bos: int | None,

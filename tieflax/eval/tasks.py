@@ -6,17 +6,70 @@ logs a failed write instead of raising, so its tracker writes into a local tempo
 are then copied whole through ``tieflax.storage`` to the output (local, gs:// or s3://).
 
     results = evaluate_workdir("runs/x", tasks=["arc_easy"], limit=100, output="runs/x/lm_eval")
+
+During training (``config.train.eval_tasks``), ``TrainingTasks`` scores the tasks on the live parameters
+(no checkpoint is read): one ``TieflaxLM`` on the training mesh for the whole run, its parameters swapped
+in at each scoring, so each task's shapes compile once. Its scalars go to the metrics and trackers; the
+results and per-sample records are kept in ``<workdir>/lm_eval/step_<n>/`` (``write_scores``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
 import os
 import tempfile
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from tieflax import storage
 from tieflax.eval.decode import EvalError
+
+
+def check_task_files(include_path: str) -> None:
+    """``--include-path`` is a local folder whose task YAMLs all parse (lm-eval skips one that does not,
+    silently, and then calls its task unknown): else one line naming the file, the line and the error."""
+    import yaml  # noqa: PLC0415
+    from lm_eval.tasks._yaml_loader import load_yaml  # noqa: PLC0415
+
+    if storage.is_remote(include_path):
+        raise EvalError(f"--include-path {include_path!r}: lm-eval reads task YAMLs from a local folder only; "
+                        "copy them to a local folder")
+    if not storage.is_dir(include_path):
+        raise EvalError(f"--include-path {include_path!r} is not a folder; point it at a folder of task YAMLs")
+    for path in storage.walk_files(include_path):
+        if not path.endswith(".yaml") or {"__pycache__", ".ipynb_checkpoints"} & set(path.split(os.sep)):
+            continue
+        try:
+            load_yaml(path, resolve_func=False, recursive=True)
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = " ".join(x for x in (e.context, e.problem) if x)
+            raise EvalError(f"task file {path}{where}: not valid YAML ({what}): fix the file") from None
+        except yaml.YAMLError as e:
+            raise EvalError(f"task file {path}: not valid YAML ({e}): fix the file") from None
+        except (OSError, ValueError) as e:   # a missing or circular `include:`
+            if "Expected YAML dict" in str(e):
+                continue   # not a task file (lm-eval skips it too)
+            raise EvalError(f"task file {path}: {e}: fix its include") from None
+
+
+def check_options(*, limit=None, batch_size=None, token_budget=None, num_fewshot=None, step=None) -> None:
+    """The numbers ``tieflax evaluate`` passes on, before any work: one line naming the flag if not."""
+    import math  # noqa: PLC0415
+
+    if limit is not None:
+        if not (math.isfinite(limit) and limit > 0):
+            raise EvalError(f"--limit {limit:g}: give the items per task (a whole number >= 1) or a fraction of "
+                            "them (0 < f < 1)")
+        if limit >= 1 and limit != int(limit):
+            raise EvalError(f"--limit {limit:g}: above 1 it counts items, a whole number (below 1 it is a fraction)")
+    for flag, value, least in (("--batch-size", batch_size, 1), ("--token-budget", token_budget, 1),
+                               ("--num-fewshot", num_fewshot, 0), ("--step", step, 0)):
+        if value is not None and value < least:
+            raise EvalError(f"{flag} {value}: use {least} or more")
 
 
 def task_manager(tasks: Sequence[str], include_path: Optional[str]):
@@ -27,11 +80,7 @@ def task_manager(tasks: Sequence[str], include_path: Optional[str]):
     from lm_eval.tasks import TaskManager  # noqa: PLC0415
 
     if include_path is not None:
-        if storage.is_remote(include_path):
-            raise EvalError(f"--include-path {include_path!r}: lm-eval reads task YAMLs from a local folder only; "
-                            "copy them to a local folder")
-        if not storage.is_dir(include_path):
-            raise EvalError(f"--include-path {include_path!r} is not a folder; point it at a folder of task YAMLs")
+        check_task_files(include_path)
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in set(local.all_tasks) for t in tasks):
             return local
@@ -52,14 +101,34 @@ def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Option
     tasks = [t.strip() for t in tasks if t.strip()]
     if not tasks:
         raise EvalError("--tasks is empty; name at least one lm-eval task, e.g. --tasks arc_easy")
+    import jax  # noqa: PLC0415
+
+    from tieflax import distributed  # noqa: PLC0415
     from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
 
-    output = output_folder(output)   # a bad path or bucket fails before the checkpoint loads
+    lead = jax.process_index() == 0   # lm-eval runs here; the other processes follow its batches
+    error = None
+    try:
+        if lead:
+            check_options(limit=limit, batch_size=batch_size, token_budget=token_budget, num_fewshot=num_fewshot,
+                          step=step)
+            if include_path is not None:
+                check_task_files(include_path)
+            output = output_folder(output)   # a bad path or bucket fails before the checkpoint loads
+    except EvalError as e:
+        error = str(e)
+    error = distributed.first_failure(error, "evaluate-options")   # every process stops, or none
+    if error is not None:
+        raise EvalError(error)
     # The run first: a workdir without a checkpoint fails before lm-eval indexes its tasks.
     lm = TieflaxLM.from_workdir(workdir, step=step, batch_size=batch_size, token_budget=token_budget, seed=seed)
-    manager = task_manager(tasks, include_path)
-    return run_tasks(lm, tasks, manager, model_args={"pretrained": workdir}, num_fewshot=num_fewshot,
-                     limit=limit, log_samples=log_samples, output=output, show=show)
+    if not lead:
+        lm.follow()
+        return {}
+    with lm.leading():
+        manager = task_manager(tasks, include_path)
+        return run_tasks(lm, tasks, manager, model_args={"pretrained": workdir}, num_fewshot=num_fewshot,
+                         limit=limit, log_samples=log_samples, output=output, show=show)
 
 
 def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict] = None, batch_size=None,
@@ -77,9 +146,15 @@ def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict
     output = output_folder(output)
     with tempfile.TemporaryDirectory(prefix="tieflax-lm-eval-") as local:
         tracker = EvaluationTracker(output_path=local) if output else None
-        results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
-                                          batch_size=batch_size, num_fewshot=num_fewshot, limit=limit,
-                                          log_samples=log_samples, evaluation_tracker=tracker, task_manager=manager)
+        import jinja2  # noqa: PLC0415
+
+        try:
+            results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
+                                              batch_size=batch_size, num_fewshot=num_fewshot, limit=limit,
+                                              log_samples=log_samples, evaluation_tracker=tracker,
+                                              task_manager=manager)
+        except jinja2.TemplateError as e:
+            raise EvalError(template_failure(e, manager)) from None
         if tracker is not None:
             samples = results.pop("samples") if log_samples else None
             tracker.save_results_aggregated(results=results, samples=samples)
@@ -94,12 +169,52 @@ def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict
     return results
 
 
+def template_failure(e: Exception, manager) -> str:
+    """One line for a task template that does not render: the task, its YAML file and line, the error and
+    the document's fields (lm-eval raises jinja's error from deep in its request building)."""
+    import re  # noqa: PLC0415
+
+    template = doc = task = None
+    tb = e.__traceback__
+    while tb is not None:   # the innermost frames know the template and the task rendering it
+        names = tb.tb_frame.f_locals
+        if isinstance(names.get("template"), str):
+            template, doc = names["template"], names.get("doc")
+        config = getattr(names.get("self"), "config", None)
+        if isinstance(getattr(config, "task", None), str):
+            task = config.task
+        tb = tb.tb_next
+    entry = manager.task_index.get(task) if task and manager is not None else None
+    path = str(entry.yaml_path) if entry is not None and entry.yaml_path else None
+    line = None
+    if path and template:
+        undefined = re.findall(r"'(\w+)' is undefined|has no attribute '(\w+)'", str(e))
+        needles = [template.strip().splitlines()[0]] if template.strip() else []
+        needles += [n for pair in undefined for n in pair if n]
+        lines = storage.read_text(path).splitlines()   # a local task file (--include-path or lm-eval's own)
+        line = next((i + 1 for needle in needles for i, text in enumerate(lines) if needle in text), None)
+    where = ", ".join(x for x in (f"task {task}" if task else None, path, f"line {line}" if line else None) if x)
+    fields = f" (the documents' fields: {', '.join(map(str, doc))})" if isinstance(doc, dict) else ""
+    shown = f" {template!r}" if template else ""
+    return f"{where or 'a task'}: the template{shown} does not render: {getattr(e, 'message', None) or e}{fields}"
+
+
 def output_folder(output: Optional[str]) -> Optional[str]:
     """``--output`` resolved (``gs:/b`` and other schemes refused) and, on a bucket, checked writable."""
     if output is None:
         return None
     output = storage.resolve(output)
     storage.check_writable(output)
+    if not storage.is_remote(output):
+        there = output
+        while not storage.exists(there) and storage.parent(there) != there:
+            there = storage.parent(there)
+        if not storage.is_dir(there):
+            raise EvalError(f"--output {output} " + ("is a file" if there == output else f"cannot be a folder: {there} "
+                            "is a file") + ": lm-eval writes a folder of result files; choose a folder")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise EvalError(f"--output {output}: {there} is not writable by this user; choose a folder you can "
+                            "write")
     return output
 
 
@@ -114,3 +229,123 @@ def copy_outputs(local: str, output: str) -> list[str]:
         written.append(storage.join(output, *os.path.relpath(f, local).split(os.sep)))
         storage.write_bytes(written[-1], storage.read_bytes(f))
     return written
+
+
+def write_scores(results: dict, out_dir: str) -> list[str]:
+    """lm-eval's ``results`` (with ``samples``) as ``out_dir/results.json`` and one
+    ``samples_<task>.jsonl`` per leaf task, through the path layer; -> the paths written."""
+    written = []
+    for leaf, samples in (results.get("samples") or {}).items():
+        text = "".join(json.dumps(s, default=str, ensure_ascii=False) + "\n" for s in samples)
+        written.append(storage.join(out_dir, f"samples_{leaf}.jsonl"))
+        storage.write_text(written[-1], text)
+    written.append(storage.join(out_dir, "results.json"))
+    storage.write_text(written[-1], json.dumps({k: results[k] for k in ("results", "group_subtasks", "n-shot",
+                                                                         "versions") if k in results},
+                                               default=str, indent=1))
+    return written
+
+
+def scalars(results: dict) -> dict[str, float]:
+    """``{"<task>/<metric>": value}`` of every task and group in lm-eval's ``results`` (lm-eval's
+    ``"acc,none"`` becomes ``acc``, a filter other than ``none`` is appended: ``exact_match_strict-match``);
+    values that are not finite numbers (an ``N/A`` stderr) are left out."""
+    out = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            if "," not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            metric, _, filt = key.partition(",")
+            if math.isfinite(float(value)):
+                out[f"{task}/{metric if filt == 'none' else f'{metric}_{filt}'}"] = float(value)
+    return out
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """lm-eval's request-building bar and the datasets library's bars off (training prints its own lines:
+    carriage-return bars would garble a log file)."""
+    import datasets  # noqa: PLC0415
+    import lm_eval.api.task as lm_task  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    was_enabled = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    saved = getattr(lm_task, "tqdm", None)
+    if saved is not None:
+        lm_task.tqdm = lambda *a, **k: tqdm(*a, **{**k, "disable": True})
+    try:
+        yield
+    finally:
+        if saved is not None:
+            lm_task.tqdm = saved
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+class TrainingTasks:
+    """``config.train.eval_tasks`` scored on the parameters a run trains (module docstring).
+
+    Built before the first step: lm-eval missing or an unknown task fails then, in one line, not after
+    hours of training. ``score(params, step)`` -> the scalars; process 0 also writes the run's copy.
+    """
+
+    def __init__(self, config, model_config, tokenizer, mesh, workdir: str, *, write: bool = True):
+        import jax  # noqa: PLC0415
+
+        from tieflax import distributed  # noqa: PLC0415
+
+        t = config.train
+        self.tasks = [str(x).strip() for x in t.eval_tasks]
+        self.lead = jax.process_index() == 0   # lm-eval runs here; the others follow (tieflax.eval.requests)
+        if tokenizer is None:
+            raise EvalError("config.train.eval_tasks needs the run's tokenizer, and this run trains on "
+                            "pre-tokenised data without one: set data.tokenizer.path, or score checkpoints "
+                            "with `tieflax evaluate` where the tokenizer is")
+        try:
+            import lm_eval  # noqa: F401, PLC0415
+        except ImportError:
+            raise EvalError("config.train.eval_tasks needs lm-evaluation-harness: pip install -e '.[eval]' (or set "
+                            "config.train.eval_tasks=())") from None
+        from tieflax.data.tokenizer import bos_id_of, eos_id_of  # noqa: PLC0415
+        from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
+
+        self.manager, error = None, None
+        if self.lead:
+            try:
+                self.manager = task_manager(self.tasks, t.eval_tasks_include_path or None)
+            except EvalError as e:
+                error = str(e)
+        error = distributed.first_failure(error, "eval-tasks")   # an unknown task stops every process
+        if error is not None:
+            raise EvalError(error)
+        self.limit = float(t.eval_tasks_limit) or None
+        self.num_fewshot = None if t.eval_tasks_num_fewshot < 0 else int(t.eval_tasks_num_fewshot)
+        self.workdir, self.write = storage.resolve(workdir), write
+        max_length = int(t.seq_len)
+        if model_config.position == "learned":
+            max_length = min(max_length, model_config.max_seq_len)
+        eos = eos_id_of(tokenizer, config.data.tokenizer.eos_token)
+        self.lm = TieflaxLM(model_config, None, tokenizer, eos_id=eos,
+                            prefix_id=bos_id_of(tokenizer, config.data.tokenizer.bos_token),
+                            max_length=max_length, batch_size=int(t.eval_tasks_batch_size) or None,
+                            token_budget=int(t.eval_tasks_token_budget), mesh=mesh, progress=False)
+
+    def score(self, params: Any, step: int) -> dict[str, float]:
+        from tieflax.run import layout  # noqa: PLC0415
+
+        self.lm.params = params
+        self.lm.seed = 0   # as `tieflax evaluate` starts: the same generations for the same parameters
+        try:
+            if not self.lead:
+                self.lm.follow()
+                return {}
+            with _no_progress_bars(), self.lm.leading():
+                results = run_tasks(self.lm, self.tasks, self.manager, num_fewshot=self.num_fewshot,
+                                    limit=self.limit, log_samples=True)
+        finally:
+            self.lm.params = None   # the training step donates these buffers
+        if self.write:
+            write_scores(results, layout.path(self.workdir, layout.LM_EVAL_DIR,
+                                              layout.LM_EVAL_STEP_DIR.format(step=int(step))))
+        return scalars(results)

@@ -419,6 +419,23 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
     return None, None
 
 
+SAVE_DEADLINE_ENV = "TIEFLAX_CHECKPOINT_DEADLINE_S"
+
+
+def save_deadline_seconds() -> float:
+    """How long the end of one asynchronous save may be waited for: ``TIEFLAX_CHECKPOINT_DEADLINE_S``,
+    else 1800 s (and never less than the storage deadline)."""
+    text = os.environ.get(SAVE_DEADLINE_ENV, "").strip()
+    try:
+        value = float(text) if text else 1800.0
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise CheckpointError(f"{SAVE_DEADLINE_ENV}={text!r}: give the seconds one checkpoint save may take, "
+                              "e.g. 1800")
+    return max(value, storage.deadline_seconds())
+
+
 class SaveWatch:
     """Starts asynchronous saves and surfaces a failed one at the first step after orbax reports it ended
     (and at the latest when the next save would start), as a CheckpointError whose
@@ -432,11 +449,17 @@ class SaveWatch:
 
     def start(self, step: int, state: Any, loader) -> None:
         self._raise_if_failed(wait=True)  # orbax waits for the previous save anyway
-        try:
-            save(self.manager, step, state, loader)
-        except Exception as e:  # noqa: BLE001
-            raise self._error(step, e) from e
+        # A bucket that stops answering would hold orbax's start of a save (gcsfs, tensorstore) forever:
+        # past the storage deadline the process says so in one line and exits 1 (the step not committed).
+        with storage.watchdog(self._where(), f"save checkpoint {step} to"):
+            try:
+                save(self.manager, step, state, loader)
+            except Exception as e:  # noqa: BLE001
+                raise self._error(step, e) from e
         self.pending = step
+
+    def _where(self) -> str:
+        return str(getattr(self.manager, "directory", "")) or "checkpoints"
 
     def check(self, step: int) -> None:
         """Cheap: only asks orbax whether the pending save has ended, and if so whether it failed."""
@@ -472,10 +495,13 @@ class SaveWatch:
         if self.pending is None:
             return
         step, self.pending = self.pending, None
-        try:
-            self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            raise self._error(step, e) from e
+        # The rest of a save (its arrays, its commit marker) may take long on a large model, but not
+        # forever: TIEFLAX_CHECKPOINT_DEADLINE_S (default 30 min), then one line and exit 1.
+        with storage.watchdog(self._where(), f"finish checkpoint {step} in", save_deadline_seconds()):
+            try:
+                self.manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                raise self._error(step, e) from e
 
     def abandon(self) -> None:
         """After a failure every process agreed on: the pending save is not waited for (on the healthy

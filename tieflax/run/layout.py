@@ -13,14 +13,20 @@ A run directory (``--workdir``, local or ``gs://bucket/runs/NAME``) holds::
     initial_params/          parameters a fresh run starts from (imports and surgery write them)
     surgery.json             what a surgery kept, discarded and reset
     hf_files/                tokenizer and generation files carried from an imported Hugging Face folder
+    imported_from.json       the Hugging Face folder an import read (written by ``convert --from-hf``,
+                             copied by surgery): ``convert --to-hf`` never writes over it
     metrics/<session>-<seq>.jsonl   metric rows, one immutable segment per log period
     metrics.jsonl            the metrics of runs written before segments (still read)
     tensorboard/             TensorBoard event files
+    wandb_run.json           the Weights & Biases run this run logs to (id, project, ...): a resume continues it
+    wandb/                   W&B's local files of that run (offline runs: ``wandb sync wandb/offline-run-*``)
+    profile/                 JAX profiler traces of ``train.profile_steps`` (plugins/profile/<time>/*.xplane.pb)
     tieflax.lock             while a command writes here (a lease object on gs:// and s3://)
     tieflax.incomplete       on gs:// / s3://: an import or surgery is writing this prefix
     analysis/                what the study and ``tieflax analyze`` measured on this run (step_<n>.json,
                              compare.json, tasks.json, plots)
     lm_eval/                 lm-eval's own results and samples of the study's benchmark tasks
+    lm_eval/step_<n>/        results.json and samples_<task>.jsonl of ``train.eval_tasks`` scored at step n
     sweep_result.json        a sweep run's final loss and the result fields it was trained with
 
 Nothing here imports JAX or orbax: every module may ask this one for a name, and only ``tieflax.run``
@@ -42,13 +48,18 @@ UNREADABLE_DIR = "checkpoints_unreadable"
 INITIAL_PARAMS_DIR = "initial_params"
 SURGERY_FILE = "surgery.json"
 HF_FILES_DIR = "hf_files"
+IMPORT_SOURCE_FILE = "imported_from.json"
 METRICS_DIR = "metrics"
 LEGACY_METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_RUN_FILE = "wandb_run.json"
+WANDB_DIR = "wandb"
+PROFILE_DIR = "profile"
 LOCK_FILE = "tieflax.lock"
 INCOMPLETE_MARKER = "tieflax.incomplete"
 ANALYSIS_DIR = "analysis"
 LM_EVAL_DIR = "lm_eval"
+LM_EVAL_STEP_DIR = "step_{step}"  # under LM_EVAL_DIR: tasks scored during training at that step
 SWEEP_RESULT_FILE = "sweep_result.json"
 PARTIAL_TAG = ".partial-"  # local imports are written into <parent>/.<name>.partial-<pid>, then renamed
 

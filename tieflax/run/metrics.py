@@ -11,24 +11,22 @@ Object stores have no append, so the log is a folder of segments, each written w
 ``read_metrics`` reads them back as one stream (later rows win for a repeated step: a resumed run repeats
 the steps since its last checkpoint). A run written before segments (one ``metrics.jsonl``) still reads.
 
-TensorBoard events are written by tensorboardX to a local folder; on a remote workdir the event file is
-copied whole to ``<workdir>/tensorboard/`` at every flush, so a TensorBoard pointed at the bucket follows
-the run while it trains. Watch a run with ``tensorboard --logdir WORKDIR``.
+Every row also goes to the run's trackers (``tieflax.run.trackers``: TensorBoard, Weights & Biases) as
+``<split>/<name>`` scalars; each tracker is flushed with the segment. Watch a run with
+``tensorboard --logdir WORKDIR``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
-from typing import Mapping
+from typing import Mapping, Optional, Sequence
 
 from tieflax import storage
 from tieflax.errors import UserError
 from tieflax.run import layout
-from tieflax.run.layout import LEGACY_METRICS_FILE, METRICS_DIR, TENSORBOARD_DIR
+from tieflax.run.layout import LEGACY_METRICS_FILE, METRICS_DIR
 
 
 class MetricsFileError(UserError, ValueError):
@@ -36,73 +34,73 @@ class MetricsFileError(UserError, ValueError):
 
 
 class MetricWriter:
-    """Buffers rows and writes them as one new segment per ``flush`` (each log period), plus TensorBoard.
+    """Buffers rows and writes them as one new segment per ``flush`` (each log period), plus the trackers.
 
     ``enabled=False`` (every process but 0) makes every method a no-op. ``path`` is the segment folder.
+    ``trackers``: opened trackers (``tieflax.run.trackers.open_trackers``); None = TensorBoard alone when
+    ``tensorboard`` (the writer closes them).
     """
 
-    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+                 trackers: Optional[Sequence] = None):
         self.enabled = enabled
         self.workdir = storage.resolve(workdir)
         self.path = layout.path(self.workdir, METRICS_DIR)
         self._session = f"{time.time_ns():020d}"
         self._seq = 0
         self._rows: list[str] = []
-        self._tb = None
-        self._tb_local = None
+        self.trackers: list = []
         if not enabled:
             return
-        if tensorboard:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional at import time)
+        if trackers is None and tensorboard:
+            from tieflax.run.trackers import TensorBoard  # noqa: PLC0415
 
-            tb_dir = storage.join(self.workdir, TENSORBOARD_DIR)
-            if storage.is_remote(tb_dir):  # written here, copied whole to the bucket at each flush
-                self._tb_local = tempfile.TemporaryDirectory(prefix="tieflax-tb-")
-                tb_dir = self._tb_local.name
-            self._tb = SummaryWriter(tb_dir)
+            trackers = [TensorBoard(self.workdir)]
+        self.trackers = list(trackers or ())
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
-        """One row of scalars (kept until ``flush``); names become TensorBoard tags ``<split>/<name>``."""
+        """One row of scalars (kept until ``flush``); the trackers get them as ``<split>/<name>``."""
         if not self.enabled:
             return
         row = {"step": int(step), "split": split}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
         self._rows.append(json.dumps(row, allow_nan=False))
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(float(v)):
-                    self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+        scalars = {f"{split}/{k}": v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+        for tracker in self.trackers:
+            tracker.log(int(step), scalars)
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
-        if self.enabled and self._tb is not None:
-            self._tb.add_text(tag, text, step)
+        if self.enabled:
+            for tracker in self.trackers:
+                tracker.text(tag, text, step)
 
     def flush(self) -> None:
-        """Writes the rows since the last flush as one new segment, and brings TensorBoard up to date."""
+        """Writes the rows since the last flush as one new segment, and brings the trackers up to date."""
         if not self.enabled:
             return
         if self._rows:
             name = f"{self._session}-{self._seq:06d}.jsonl"
             storage.write_text(storage.join(self.path, name), "\n".join(self._rows) + "\n")
             self._rows, self._seq = [], self._seq + 1
-        if self._tb is not None:
-            self._tb.flush()
-            if self._tb_local is not None:
-                for local in storage.walk_files(self._tb_local.name):
-                    rel = os.path.relpath(local, self._tb_local.name)
-                    storage.upload_file(local, storage.join(self.workdir, TENSORBOARD_DIR, *rel.split(os.sep)))
+        for tracker in self.trackers:
+            tracker.flush()
 
     def close(self) -> None:
-        """Flushes what is left and closes TensorBoard; a failed final write is raised after closing."""
+        """Flushes what is left and closes every tracker; a failed final write is raised after closing."""
+        first = None
         try:
             self.flush()
-        finally:
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
-            if self._tb_local is not None:
-                self._tb_local.cleanup()
-                self._tb_local = None
+        except Exception as e:  # noqa: BLE001 (every tracker is still closed; the first failure raised)
+            first = e
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.close()
+            except Exception as e:  # noqa: BLE001
+                first = first or e
+        if first is not None:
+            raise first
 
 
 def _jsonable(v):

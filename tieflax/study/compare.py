@@ -15,6 +15,14 @@ given seed every variant sees the same batches in the same order and draws its i
   decay on the embedding matrices), ``*_rsqrt_logits`` (logits x 1/sqrt(d)), ``*_head_bias`` (a
   logit bias) and ``*_embed_sgd`` (embedding matrices trained by SGD with momentum instead of Adam:
   ``config.train.embedding_optimizer``; its rate ``embedding_sgd_lr`` is not tuned here).
+- ``tied_input_grad_scaled``: the intervention of Lopardo et al. (arXiv 2603.26663): ``tied`` with the
+  lookup path's gradient into the tied matrix multiplied by ``compare.input_grad_scale``
+  (``config.train.tied_input_grad_scale``), so the report shows whether the unembedding bias, the path
+  ratio, the lens and the loss move as the paper says.
+
+After training, the study compares every tied matrix with the untied runs' two matrices
+(:func:`alignment_study`: the unembedding bias); the report opens with the literature table
+(``tieflax.study.literature``).
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ ABLATIONS = {  # name -> (tied?, config changes): one mechanism switched on top 
     "tied_embed_sgd": (True, {"train.embedding_optimizer": "sgd"}),
     "untied_embed_sgd": (False, {"train.embedding_optimizer": "sgd"}),
 }
-VARIANTS = ("tied", "untied", *MATCHED, *ABLATIONS)
+INTERVENTIONS = ("tied_input_grad_scaled",)  # tied, lookup-path gradient x compare.input_grad_scale
+VARIANTS = ("tied", "untied", *MATCHED, *ABLATIONS, *INTERVENTIONS)
 DEFAULT_VARIANTS = ("tied", "untied", "untied_matched")
 MATCH_STRATEGIES = ("embed_dim", "width", "depth")
 
@@ -63,6 +72,11 @@ def default_compare_config() -> ml_collections.ConfigDict:
     c.n_bins = 8                 # equal-token-mass frequency bins (rarest first)
     c.max_rows = 1024            # row sample for the spectral anisotropy measures (0 = every row)
     c.bootstrap = 2000           # bootstrap replicates per interval
+    # The literature measures (tieflax.study.literature): the tuned lens's fit, the neighbours compared.
+    c.lens_fit_tokens = 8192     # held-out positions the tuned lens's translators fit on (0 = no lens)
+    c.lens_score_tokens = 8192   # held-out tokens it scores, whole documents (0 = the whole second half)
+    c.knn = 10                   # k of the nearest-neighbour overlap (unembedding bias)
+    c.input_grad_scale = 5.0     # the factor of the 'tied_input_grad_scaled' variant (> 0)
     # Benchmark tasks (tieflax.study.tasks): lm-eval task names scored on each run's final checkpoint.
     c.tasks = ()                 # () = off; e.g. ('arc_easy', 'hellaswag') (the `eval` extra)
     c.task_include_path = ""     # a folder of extra task YAMLs ("" = lm-eval's registry only)
@@ -90,6 +104,14 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         raise ConfigValueError(f"config.compare.analysis_points = {cc.analysis_points}: must be >= 1")
     if cc.grad_batches < 1:
         raise ConfigValueError(f"config.compare.grad_batches = {cc.grad_batches}: must be >= 1")
+    if isinstance(cc.input_grad_scale, bool) or not isinstance(cc.input_grad_scale, (int, float)) \
+            or not cc.input_grad_scale > 0:
+        raise ConfigValueError(f"config.compare.input_grad_scale = {cc.input_grad_scale!r}: must be a number > 0 "
+                               "(the factor on the tied matrix's lookup-path gradient), e.g. 5.0")
+    if cc.lens_fit_tokens < 0 or cc.lens_score_tokens < 0 or cc.knn < 1:
+        raise ConfigValueError(f"config.compare.lens_fit_tokens = {cc.lens_fit_tokens} and lens_score_tokens = "
+                               f"{cc.lens_score_tokens} must be >= 0 (0 = no lens / every document of the "
+                               f"scoring half), config.compare.knn = {cc.knn} >= 1")
     from tieflax.study.tasks import check_settings
 
     check_settings(cc)
@@ -187,7 +209,7 @@ def variant_configs(config: ml_collections.ConfigDict) -> tuple[dict[str, ml_col
     for name in cc.variants:
         cfg = copy.deepcopy(config)
         cfg.model.embed_dim = 0
-        tied = ABLATIONS[name][0] if name in ABLATIONS else name == "tied"
+        tied = ABLATIONS[name][0] if name in ABLATIONS else name in ("tied", *INTERVENTIONS)
         cfg.model.tie_embeddings = tied
         if tied:
             cfg.model.head_init, cfg.model.head_init_std = "normal", 0.0  # meaningless when tied (validated)
@@ -199,6 +221,8 @@ def variant_configs(config: ml_collections.ConfigDict) -> tuple[dict[str, ml_col
         for key, value in ABLATIONS.get(name, (None, {}))[1].items():
             section, field = key.split(".")
             cfg[section][field] = value
+        if name == "tied_input_grad_scaled":
+            cfg.train.tied_input_grad_scale = float(cc.input_grad_scale)
         model_config(cfg)  # validate now, naming the field
         out[name] = cfg
     return out, infos
@@ -256,10 +280,12 @@ def study_data(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collectio
     loader = make_loader(prepared, "val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                          seed=config.seed, shuffle=False, num_epochs=1)
     batches = []
+    whole = True
     for batch in loader:
-        batches.append({k: np.asarray(v) for k, v in dict(batch).items()})
         if cc.val_batches and len(batches) >= cc.val_batches:
+            whole = False  # a batch was left out: not the whole split
             break
+        batches.append({k: np.asarray(v) for k, v in dict(batch).items()})
     if not batches:
         raise ConfigValueError("the validation split is empty: raise config.data.val_fraction")
     opener = prepared.bos_id if getattr(prepared, "bos_id", None) is not None else prepared.eos_id
@@ -271,14 +297,16 @@ def study_data(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collectio
     return dict(val_batches=batches, doc_ids=doc_ids, n_docs=n_docs,
                 grad_batches=[cut(b) for b in batches[:cc.grad_batches]],
                 counts=np.asarray(prepared.token_counts), data_dir=str(prepared.data_dir),
-                train_tokens=int(np.asarray(prepared.token_counts).sum()), info=info)
+                train_tokens=int(np.asarray(prepared.token_counts).sum()), info=info, whole_split=whole)
 
 
 def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collections.ConfigDict, data: dict,
-                with_arrays: bool = False) -> dict:
+                with_arrays: bool = False, keep: dict | None = None) -> dict:
     """Measures a finished run's last checkpoint against its initial parameters (recomputed from the seed
     exactly as the trainer draws them). Writes ``run_dir/analysis/compare.json``; a rerun reuses it when
-    it describes the same step."""
+    it describes the same step and holds every measure (one written before the lens and the frequency-bin
+    losses is measured again). ``keep``: filled with the run's embedding matrices (``final``, ``init``:
+    ``{'input', 'output'}`` host arrays) when they are loaded here, for :func:`alignment_study`."""
     from tieflax.study.evidence import measure_run
     from tieflax.study.analyze import analysis_loss_options, checkpoint_steps, load_params_at
     from tieflax.config import model_config
@@ -287,17 +315,91 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     steps = checkpoint_steps(run_dir)
     if storage.is_file(path):
         saved = jsonable.loads(storage.read_text(path))
-        if saved.get("step") == steps[-1] and ("arrays" in saved) >= with_arrays:
+        current = "doc_bin_loss" in saved.get("val", {}) and ("lens" in saved or not cc.lens_fit_tokens)
+        if saved.get("step") == steps[-1] and ("arrays" in saved) >= with_arrays and current:
             return saved
     mc = model_config(config)
     _, params, last = load_params_at(run_dir, steps[-1])
-    result = measure_run(mc, params, _initial_params(mc, config), data["counts"],
+    init = _initial_params(mc, config)
+    if keep is not None:
+        keep.update(final=_embedding_rows(params), init=_embedding_rows(init))
+    result = measure_run(mc, params, init, data["counts"],
                          val_batches=data["val_batches"], doc_ids=data["doc_ids"], n_docs=data["n_docs"],
                          grad_batches=data["grad_batches"], loss_options=analysis_loss_options(config),
-                         n_bins=cc.n_bins, max_rows=cc.max_rows or None, with_arrays=with_arrays)
+                         n_bins=cc.n_bins, max_rows=cc.max_rows or None, with_arrays=with_arrays,
+                         lens_fit_tokens=cc.lens_fit_tokens, lens_score_tokens=cc.lens_score_tokens)
     result.update(step=int(last), data_dir=data["data_dir"])
     storage.write_text(path, jsonable.dumps(result))
     return jsonable.loads(jsonable.dumps(result))  # as a rerun reads it back (plain floats and lists)
+
+
+def _embedding_rows(params: dict) -> dict:
+    """``{'input', 'output'}`` embedding matrices of a parameter tree as host float32 arrays (one array
+    twice when tied)."""
+    import numpy as np
+
+    from tieflax.model.transformer import embedding_matrices
+
+    return {k: np.asarray(getattr(v, "value", v), np.float32) for k, v in embedding_matrices(params).items()}
+
+
+def alignment_study(planned: list, cc, counts, kept: dict, log=print) -> dict:
+    """The unembedding bias (Lopardo et al., arXiv 2603.26663) of every tied variant, seed by seed.
+
+    For each tied-variant run (seed s) against the ``untied`` runs: how alike its matrix is to an untied
+    input embedding and to an untied head (:func:`tieflax.analysis.literature.alignment`: linear CKA and
+    the k-nearest-neighbour overlap over the rows of tokens seen in training), final and at init, against
+    ``cross``: the untied run of the next seed (no init in common, the comparison the table judges) and
+    ``same``: the untied run of the same seed (its input embedding starts as the very matrix the tied run
+    starts from: the init pair shares every row). ``kept[(variant, seed)]``: matrices ``analyze_run``
+    already loaded; others are read from the run's last checkpoint. Returns
+    ``{variant: {seed: {'same': {'final', 'init'}, 'cross': {'final', 'init', 'untied_seed'}}}}``.
+    """
+    import numpy as np
+
+    from tieflax.analysis.literature import alignment_of, representation
+    from tieflax.config import model_config
+    from tieflax.study.analyze import checkpoint_steps, load_params_at
+
+    runs = {(name, int(seed)): (cfg, run_dir) for seed, name, cfg, run_dir in planned}
+    seeds = [int(s) for s in cc.seeds]
+    tied_variants = [v for v in dict.fromkeys(n for _, n, _, _ in planned)
+                     if v != "untied" and runs[(v, seeds[0])][0].model.tie_embeddings]
+    if "untied" not in {n for _, n, _, _ in planned} or not tied_variants:
+        return {}
+
+    def matrices(key):
+        if not kept.get(key):
+            cfg, run_dir = runs[key]
+            mc = model_config(cfg)
+            _, params, _ = load_params_at(run_dir, checkpoint_steps(run_dir)[-1])
+            kept[key] = dict(final=_embedding_rows(params), init=_embedding_rows(_initial_params(mc, cfg)))
+        return kept[key]
+
+    rows = np.flatnonzero(np.asarray(counts) > 0)
+    reps: dict = {}
+
+    def rep(key, state, side):  # each matrix's centring and neighbours once
+        if (key, state, side) not in reps:
+            reps[(key, state, side)] = representation(matrices(key)[state][side], rows, cc.knn, cc.max_rows or None)
+        return reps[(key, state, side)]
+
+    out: dict = {}
+    for variant in tied_variants:
+        out[variant] = {}
+        for i, seed in enumerate(seeds):
+            entry = {}
+            partners = [("same", seed)] + ([("cross", seeds[(i + 1) % len(seeds)])] if len(seeds) > 1 else [])
+            for kind, useed in partners:
+                entry[kind] = {state: alignment_of(rep((variant, seed), state, "input"),
+                                                   rep(("untied", useed), state, "input"),
+                                                   rep(("untied", useed), state, "output"))
+                               for state in ("final", "init")}
+                entry[kind]["untied_seed"] = useed
+            out[variant][str(seed)] = entry
+        for key in [k for k in reps if k[0][0] == variant]:
+            del reps[key]  # a tied variant's matrices are compared once
+    return out
 
 
 def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -344,6 +446,7 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
     from tieflax.study.report import write_report
     from tieflax.study.resume import StudyMismatch, check_run_matches
     from tieflax.config import model_config
+    from tieflax.run.console import for_study
     from tieflax.run.metrics import read_metrics
     from tieflax.train import train_and_evaluate
 
@@ -353,6 +456,7 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
     storage.makedirs(workdir)
     tokenizer = shared_tokenizer(config, workdir)
     runs, data = [], None
+    kept: dict = {}  # (variant, seed) -> embedding matrices, for the unembedding-bias comparison
     total = len(variants) * len(cc.seeds)
     t_start = time.perf_counter()
     planned = []
@@ -367,6 +471,7 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
             t = cfg.train
             t.checkpoint_every = max(1, t.num_steps // cc.analysis_points)
             t.keep_checkpoints = cc.analysis_points + 1
+            t.console = for_study(t.console)  # the study prints one line per run (README): no interval lines
             planned.append((seed, name, cfg, storage.join(workdir, name, f"seed_{seed}")))
     # Before training anything: every run already in the workdir must match the config it would get now.
     # Process 0 checks (and removes, when asked); one collective gives every process its verdict.
@@ -397,7 +502,8 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
         analysis = None
         if is_main:
             data = data or study_data(cfg, run_dir, cc)
-            analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0])
+            keep = kept.setdefault((name, int(seed)), {}) if name == "untied" or cfg.model.tie_embeddings else None
+            analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0], keep=keep)
         scores = None
         if is_main and cc.tasks:
             from tieflax.study.tasks import score_run
@@ -411,10 +517,12 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
                          tasks=scores,
                          train=cfg.train.to_dict(), params=param_counts(model_config(cfg)),
                          seconds=dict(train=t1 - t0, analysis=time.perf_counter() - t1)))
+    alignment = alignment_study(planned, cc, data["counts"], kept) if is_main and data else {}
+    kept.clear()
     summary = dict(config=json.loads(config.to_json_best_effort()), compare=cc.to_dict(), match=match,
-                   runs=runs, wall_seconds=time.perf_counter() - t_start,
+                   runs=runs, alignment=alignment, wall_seconds=time.perf_counter() - t_start,
                    data=dict(train_tokens=data["train_tokens"], n_docs=data["n_docs"],
                              val_tokens=int(sum(sum(r["analysis"]["val"]["doc_tokens"]) for r in runs[:1])),
-                             data_dir=data["data_dir"]) if data else {})
+                             data_dir=data["data_dir"], whole_split=data["whole_split"]) if data else {})
     summary["report"] = write_report(summary, workdir) if is_main else None
     return summary

@@ -12,6 +12,12 @@
 - ``gradient``: lookup and head gradients averaged over K held-out batches, their interference raw and
   Adam-preconditioned, a row-shuffled control, and magnitude-aware updated fractions; at the end and at
   init. For an untied model the same numbers are the control: what the two paths would do to one matrix.
+- ``val.doc_bin_loss`` / ``val.doc_bin_tokens`` [D][B]: the same held-out loss split by the equal-token-mass
+  bin of the target token (rare-token gains, Leviathan arXiv 2601.22040).
+- ``lens``: held-out loss when the residual stream after each layer is read out through the final norm
+  and the model's own head, plain (logit lens) and through an affine translator per layer (tuned lens,
+  fit in closed form on the first half of the held-out documents, scored on the second):
+  :func:`lens_measures`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tieflax.analysis import measures
+from tieflax.analysis import literature, measures
 from tieflax.analysis.gradients import split_embedding_gradients
 
 
@@ -61,21 +67,29 @@ def _val_fn(model_config, loss_options: tuple):
 
 
 def validation(model_config, params: dict, batches: list[dict], doc_ids: list[np.ndarray], n_docs: int,
-               loss_options: dict, init_params: dict | None = None, init_batches: int = 2) -> dict:
-    """Per-document summed loss over ``batches`` (the whole validation split) and contextual anisotropy."""
+               loss_options: dict, init_params: dict | None = None, init_batches: int = 2,
+               token_bins: np.ndarray | None = None, n_bins: int = 0) -> dict:
+    """Per-document summed loss over ``batches`` (the whole validation split) and contextual anisotropy;
+    with ``token_bins`` [V] (each token's frequency bin) also per (document, bin of the target token)."""
     fn = _val_fn(model_config, tuple(sorted(loss_options.items())))
     doc_loss = np.zeros(n_docs)
     doc_tokens = np.zeros(n_docs)
+    bin_loss, bin_tokens = np.zeros((n_docs, n_bins)), np.zeros((n_docs, n_bins))
     usum, sq, n = 0.0, 0.0, 0.0
     for batch, ids in zip(batches, doc_ids):
         loss, u, s, k = fn(params, batch)
         keep = np.asarray(batch["targets"]) >= 0
         doc_loss += np.bincount(ids[keep], weights=np.asarray(loss, np.float64)[keep], minlength=n_docs)
         doc_tokens += np.bincount(ids[keep], minlength=n_docs)
+        if token_bins is not None:
+            bl, bt = literature.bin_sums(loss, batch["targets"], ids, token_bins, n_docs, n_bins)
+            bin_loss, bin_tokens = bin_loss + bl, bin_tokens + bt
         usum, sq, n = usum + np.asarray(u, np.float64), sq + float(s), n + float(k)
     out = dict(doc_loss=doc_loss.tolist(), doc_tokens=doc_tokens.tolist(),
                loss=float(doc_loss.sum() / doc_tokens.sum()),
                context_cos=measures.mean_cosine_from_sum(usum, sq, int(n)))
+    if token_bins is not None:
+        out.update(doc_bin_loss=bin_loss.tolist(), doc_bin_tokens=bin_tokens.tolist())
     if init_params is not None:
         usum, sq, n = 0.0, 0.0, 0.0
         for batch in batches[:init_batches]:
@@ -83,6 +97,128 @@ def validation(model_config, params: dict, batches: list[dict], doc_ids: list[np
             usum, sq, n = usum + np.asarray(u, np.float64), sq + float(s), n + float(k)
         out["context_cos_init"] = measures.mean_cosine_from_sum(usum, sq, int(n))
     return out
+
+
+# ----------------------------------------------------------------------------------------- lenses
+def _residuals(module, tokens, positions=None, segment_ids=None):
+    """(inside ``TransformerLM.apply``) the residual stream before the first block and after each block,
+    stacked [L + 1, B, T, d] (compute dtype): ``hidden_states`` without the final norm, every layer kept."""
+    c = module.config
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    if segment_ids is None:
+        segment_ids = jnp.zeros(tokens.shape, jnp.int32)
+    x = module.embed(tokens)
+    if c.position == "learned":
+        x = x + jnp.take(module.position_embedding, positions, axis=0).astype(x.dtype)
+    xs = [x]
+    for block in module.blocks:
+        x = block(x, positions, segment_ids)
+        xs.append(x)
+    return jnp.stack(xs)
+
+
+def _readout(module, x, targets, loss_options: dict):
+    """(inside ``TransformerLM.apply``) per-token loss [B, T] of a residual stream read through the final
+    norm and the model's own head (its logit scale, soft-cap and bias)."""
+    from tieflax.model.transformer import head_loss_kwargs
+    from tieflax.ops.cross_entropy import cross_entropy
+
+    loss, _ = cross_entropy(module.final_norm(x), module.lm_head.weight(), targets,
+                            bias=module.head_bias_or_none(), **head_loss_kwargs(module.config), **loss_options)
+    return loss
+
+
+@functools.lru_cache(maxsize=16)
+def _lens_fns(model_config, loss_options: tuple):
+    """(residuals(params, batch) -> [L+1, B, T, d] f32, readout(params, x [B, T, d], targets) -> per-token
+    loss [B, T], 0 where ignored), jitted once per config: every layer and both lenses reuse one readout."""
+    from tieflax.model import TransformerLM
+
+    model = TransformerLM(model_config)
+    options = dict(loss_options)
+
+    def residuals(params, batch):
+        xs = model.apply({"params": params}, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                         method=_residuals)
+        return xs.astype(jnp.float32)
+
+    def readout(params, x, targets):
+        loss = model.apply({"params": params}, x.astype(jnp.dtype(model_config.dtype)), targets, options,
+                           method=_readout)
+        return jnp.where(targets >= 0, loss, 0.0)
+
+    return jax.jit(residuals), jax.jit(readout)
+
+
+def lens_measures(model_config, params: dict, batches: list[dict], doc_ids: list[np.ndarray], n_docs: int,
+                  final_doc_loss, loss_options: dict, fit_tokens: int = 8192, score_tokens: int = 0,
+                  doc_tokens=None) -> dict:
+    """Logit lens and tuned lens by layer on the held-out split, per document.
+
+    The documents are split in two halves in split order: the first fits, per layer l < L, the affine
+    translator of the residual stream after l blocks onto the final residual stream
+    (:func:`tieflax.analysis.literature.fit_translator`, least squares on at most ``fit_tokens`` of its
+    positions, the first ones); the second half is scored, whole documents in split order until
+    ``score_tokens`` scored tokens (0: every document of the half; ``doc_tokens`` [D]: the validation's
+    scored tokens per document, which the cap counts). Layer 0 is the embedding output (before any block),
+    layer L the model itself (``final_doc_loss``: the validation's per-document loss).
+
+    Returns ``layers`` (L), ``fit_docs`` / ``score_docs`` (their counts), ``fit_tokens`` (positions fitted),
+    ``doc_tokens`` [D] (scored tokens; 0 on the fitting half), ``logit`` and ``tuned`` [L+1][D] summed loss
+    per document and layer; or ``missing`` (why nothing was measured) with too few documents or
+    positions, or a scanned model.
+    """
+    if model_config.scan_layers:
+        return dict(missing="scanned layers (model.scan_layers): the lens reads the blocks one by one")
+    if n_docs < 2:
+        return dict(missing=f"{n_docs} held-out document: the tuned lens fits on one half of the documents "
+                            "and scores the other")
+    residuals, readout = _lens_fns(model_config, tuple(sorted(loss_options.items())))
+    n_layers, d = model_config.n_layers, model_config.d_model
+    first_scored = n_docs - n_docs // 2          # documents [0, first_scored) fit, the rest are scored
+    xs, ys = [], []
+    have = 0
+    for batch, ids in zip(batches, doc_ids):
+        sel = (np.asarray(batch["targets"]) >= 0) & (ids < first_scored)
+        if have >= fit_tokens:
+            break
+        if not sel.any():
+            continue
+        r = np.asarray(residuals(params, batch))[:, sel]            # [L+1, n, d]
+        xs.append(r[:-1])
+        ys.append(r[-1])
+        have += sel.sum()
+    if have < d + 1:
+        return dict(missing=f"{have} positions in the fitting half of the documents: too few to fit a {d}-input "
+                            "affine translator")
+    x = np.concatenate(xs, axis=1)[:, :fit_tokens]
+    y = np.concatenate(ys, axis=0)[:fit_tokens]
+    fits = [literature.fit_translator(x[i], y) for i in range(n_layers)]
+    last_scored = n_docs  # documents [first_scored, last_scored) are scored
+    if score_tokens and doc_tokens is not None:
+        reached = np.cumsum(np.asarray(doc_tokens, np.float64)[first_scored:]) >= score_tokens
+        last_scored = first_scored + (int(np.argmax(reached)) + 1 if reached.any() else n_docs - first_scored)
+    a = [jnp.asarray(f[0], jnp.float32) for f in fits]
+    b = [jnp.asarray(f[1], jnp.float32) for f in fits]
+    sums = np.zeros((2, n_layers, n_docs))
+    tokens = np.zeros(n_docs)
+    for batch, ids in zip(batches, doc_ids):
+        sel = (np.asarray(batch["targets"]) >= 0) & (ids >= first_scored) & (ids < last_scored)
+        if not sel.any():
+            continue
+        xs = residuals(params, batch)
+        for layer in range(n_layers):
+            for k, x in enumerate((xs[layer], xs[layer] @ a[layer] + b[layer])):   # logit lens, tuned lens
+                loss = np.asarray(readout(params, x, batch["targets"]), np.float64)
+                sums[k, layer] += np.bincount(ids[sel], weights=loss[sel], minlength=n_docs)
+        tokens += np.bincount(ids[sel], minlength=n_docs)
+    scored = (np.arange(n_docs) >= first_scored) & (np.arange(n_docs) < last_scored)
+    final = np.where(scored, np.asarray(final_doc_loss, np.float64), 0.0)
+    logit = [*sums[0].tolist(), final.tolist()]
+    tuned = [*sums[1].tolist(), final.tolist()]
+    return dict(layers=n_layers, fit_docs=int(first_scored), score_docs=int(last_scored - first_scored),
+                fit_tokens=int(len(y)), doc_tokens=tokens.tolist(), logit=logit, tuned=tuned)
 
 
 # -------------------------------------------------------------------------------------- matrices
@@ -130,12 +266,20 @@ def gradient_measures(model_config, params: dict, batches: list[dict], counts, n
 
 def measure_run(model_config, params: dict, init_params: dict, counts, *, val_batches: list[dict],
                 doc_ids: list[np.ndarray], n_docs: int, grad_batches: list[dict], loss_options: dict,
-                n_bins: int = 8, max_rows: int | None = 1024, with_arrays: bool = False) -> dict:
-    """Every measurement of one run (see the module docstring). ``counts``: [V] train unigram counts."""
+                n_bins: int = 8, max_rows: int | None = 1024, with_arrays: bool = False,
+                lens_fit_tokens: int = 8192, lens_score_tokens: int = 0) -> dict:
+    """Every measurement of one run (see the module docstring). ``counts``: [V] train unigram counts.
+    ``lens_fit_tokens``: held-out positions the tuned lens fits on (0: no lens); ``lens_score_tokens``:
+    about how many it scores (whole documents; 0: the whole second half of the documents)."""
     counts = np.asarray(counts)
     eval_options = dict(loss_options, z_loss=0.0, label_smoothing=0.0)
     out = dict(tied="lm_head" not in params)
-    out["val"] = validation(model_config, params, val_batches, doc_ids, n_docs, eval_options, init_params)
+    out["val"] = validation(model_config, params, val_batches, doc_ids, n_docs, eval_options, init_params,
+                            token_bins=measures.mass_bins(counts, n_bins), n_bins=n_bins)
+    if lens_fit_tokens:
+        out["lens"] = lens_measures(model_config, params, val_batches, doc_ids, n_docs, out["val"]["doc_loss"],
+                                    eval_options, fit_tokens=lens_fit_tokens, score_tokens=lens_score_tokens,
+                                    doc_tokens=out["val"]["doc_tokens"])
     final, init = _matrices(params), _matrices(init_params)
     sides = ("input",) if out["tied"] else ("input", "output")
     out["matrices"] = {s: matrix_measures(final[s], init[s], counts, n_bins, max_rows) for s in sides}

@@ -19,6 +19,7 @@ from tieflax import strict_json as jsonable
 from tieflax.analysis import plots
 from tieflax.analysis import stats as st
 from tieflax.strict_json import to_jsonable
+from tieflax.study import literature
 
 REPORT = "report.md"
 SUMMARY = "summary.json"
@@ -289,9 +290,11 @@ def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[s
         lines = []
         for c in comps:
             ci = dict(c, n=c["n_seeds"])
-            lines.append(f"{names.get(c['variant'], c['variant'])}: {c['mean']:+.4f} [{c['lo']:+.4f}, {c['hi']:+.4f}] "
-                         f"(seeds only [{c['seed_lo']:+.4f}, {c['seed_hi']:+.4f}], documents only "
-                         f"[{c['doc_lo']:+.4f}, {c['doc_hi']:+.4f}]; {c['n_seeds']} seeds x {c['n_docs']} documents): "
+            joint = st.fmt_interval(c["lo"], c["hi"])
+            lines.append(f"{names.get(c['variant'], c['variant'])}: {c['mean']:+.4f} "
+                         + (joint if math.isfinite(c["lo"]) else f"({c['missing']})")
+                         + f" (seeds only {st.fmt_interval(c['seed_lo'], c['seed_hi'])}, documents only "
+                         f"{st.fmt_interval(c['doc_lo'], c['doc_hi'])}; {c['n_seeds']} seeds x {c['n_docs']} documents): "
                          f"{st.verdict(ci, 'tied is better', 'untied is better')}")
         out.append("**Untied reaches lower loss at matched non-embedding parameters; small models prefer tying "
                    "at matched totals.** Validation loss on the full held-out split, variant minus tied (nats "
@@ -322,6 +325,9 @@ def caveats(summary: dict) -> str:
     epochs = tokens / data["train_tokens"] if data.get("train_tokens") else NAN
     n = len(summary["compare"]["seeds"])
     return "\n".join([
+        *(["- **Too little data.** With 1 seed no interval over seeds exists (and with 1 held-out document none "
+           "over documents): such lines give the mean and say what is missing, and no verdict."] if n < 2 or
+          (data.get("n_docs") or 2) < 2 else []),
         f"- **Seeds.** {n} seed(s) per variant. A percentile bootstrap over {n} seeds has few distinct "
         "resamples and under-covers; intervals over seeds are a floor on the uncertainty, not a ceiling.",
         f"- **Budget.** {tokens:,} training tokens per run ({epochs:.2f} epochs of the train split"
@@ -402,6 +408,7 @@ def make_plots(groups: dict[str, list[dict]], out_dir: str, summary: dict | None
         paths["updated_by_bin"] = plots.profile_lines(
             {v: (x0, u, None) for v, u in upd.items() if len(u)}, storage.join(out_dir, "updated_by_bin.png"),
             ylabel="fraction of rows", title="rows whose gradient reaches 1% of a looked-up row's, by bin")
+    paths.update(literature.make_plots(summary or {}, groups, out_dir))
     return paths
 
 
@@ -411,11 +418,15 @@ def _setup_section(summary: dict, groups: dict[str, list[dict]]) -> str:
     t, d = cfg["train"], cfg["data"]
     data = summary.get("data") or {}
     tokens = t["num_steps"] * t["global_batch_size"] * t["seq_len"]
+    whole = data.get("whole_split", not summary.get("compare", {}).get("val_batches"))
+    where = ("evaluation on the whole validation split" if whole else
+             f"evaluation on the first {summary['compare']['val_batches']} validation batches "
+             "(`compare.val_batches`), not the whole split")
     lines = [
         f"- Data: `{d['source']}` corpus, vocabulary {cfg['model']['vocab_size']:,}; one tokenizer and token "
-        f"cache for every run. Train split {data.get('train_tokens', 0):,} tokens; evaluation on the whole "
-        f"validation split ({data.get('val_tokens', 0):,} scored tokens in {data.get('n_docs', 0)} held-out "
-        "documents), not on a few batches.",
+        f"cache for every run. Train split {data.get('train_tokens', 0):,} tokens; {where} "
+        f"({data.get('val_tokens', 0):,} scored tokens in {data.get('n_docs', 0)} held-out "
+        "document" + ("" if data.get("n_docs", 0) == 1 else "s") + ")" + (", not on a few batches." if whole else "."),
         f"- Budget per run: {t['num_steps']:,} steps x {t['global_batch_size']} sequences x {t['seq_len']} tokens "
         f"= {tokens:,} training tokens; learning rate {t['learning_rate']}, warmup {t['warmup_steps']}, "
         f"weight decay {t['weight_decay']} (embeddings decayed: {t['decay_embeddings']}).",
@@ -445,6 +456,9 @@ CAPTIONS = {
     "anisotropy": "Anisotropy of unit rows per matrix (bars: final with 95% CI; x: init).",
     "gradient_interference": "Interference of the two gradient paths per variant, with the row-shuffled control.",
     "updated_by_bin": "Magnitude-aware 'updated' fraction by bin (tied: the head reaches every row, but how hard).",
+    "input_path_ratio": "Head over lookup gradient norm into the tied matrix over training, every seed.",
+    "lens_by_layer": "Logit and tuned lens by layer (left), and each variant minus tied with 95% CI (right).",
+    "rare_token_gains": "Loss difference to tied by frequency bin of the target token (95% CI).",
 }
 
 
@@ -456,19 +470,38 @@ def _tasks_part(summary: dict) -> list[str]:
     return ["## Benchmark tasks", "", text, ""] if text else []
 
 
+def literature_part(summary: dict, groups: dict) -> list[str]:
+    """The "From the literature" table (``tieflax.study.literature``) with its note."""
+    rows = literature.literature_rows(summary, groups)
+    if not rows:
+        return []
+    note = ("Verdicts: *holds here* / *contradicted here* when the 95% interval lies on the paper's / the other "
+            "side of the reference (0; for the rare-token row the rarest bins' share of the tokens), *not "
+            "resolved* when it includes it, *too little data* when no interval exists (fewer than 2 seeds or "
+            "documents to resample; the row says which). Details, controls and plots: \"The literature claims, "
+            "measured\" below.")
+    if "tied_input_grad_scaled" not in groups:
+        note += (" The intervention row (the input path's gradient scaled during training) appears when the "
+                 "`tied_input_grad_scaled` variant is trained: `configs/experiments/tie_literature.py`.")
+    return ["## From the literature", "", literature.literature_table(rows, _table), "", note, ""]
+
+
 def render(summary: dict, plot_paths: dict[str, str]) -> str:
     groups = _by_variant(summary["runs"])
+    lit_detail = literature.section(summary, groups, _table, loss_comparisons(summary, groups))
     parts = [
         "# Tied vs untied embeddings: comparison report", "",
         f"Produced by `tieflax compare` in {summary.get('wall_seconds', NAN) / 60:.1f} minutes. Every interval "
         "is a paired percentile bootstrap 95% interval; a verdict says whether it excludes 0, nothing else. "
         f"Frequency bins hold equal shares of the training tokens ({summary['compare']['n_bins']} bins, rarest "
         "first); padding rows are excluded everywhere. Definitions: `tieflax/analysis/measures.py`.", "",
+        *literature_part(summary, groups),
         "## Setup", "", _setup_section(summary, groups), "",
         "## Results", "", results_table(groups), "",
         *_tasks_part(summary),
         "## The claims, checked against these numbers", "",
         *[f"- {c}" for c in claims(groups, summary)], "",
+        *(["## The literature claims, measured", "", lit_detail, ""] if lit_detail else []),
         "## Geometry (final checkpoint against init and a row-shuffled control)", "",
         "The row-shuffled control permutes which row belongs to which token: measures that depend on token "
         "frequency (rho, bin ratios, unigram-weighted cosine, movement by bin) fall to their null there, while "
@@ -503,6 +536,7 @@ def write_report(summary: dict, out_dir: str) -> str:
 
         summary["tasks"] = to_jsonable(compare_tasks(summary["runs"],
                                                      summary.get("compare", {}).get("bootstrap", st.N_BOOT)))
+    summary["literature"] = literature.summary_rows(literature.literature_rows(summary, _by_variant(summary["runs"])))
     storage.write_text(storage.join(out_dir, SUMMARY), jsonable.dumps(summary))
     plot_paths = make_plots(_by_variant(summary["runs"]), out_dir, summary)
     text = render(summary, plot_paths)

@@ -106,8 +106,10 @@ def _run_dir(workdir, r, lr) -> str:
 
 
 def _train(cfg, run_dir) -> dict:
+    from tieflax.run.console import for_study
     from tieflax.train import train_and_evaluate
 
+    cfg.train.console = for_study(cfg.train.console)  # the sweep prints one line per run
     return train_and_evaluate(cfg, run_dir)
 
 
@@ -278,7 +280,7 @@ def crossover(tied: list[dict], other: list[dict], x_key: str = "total", n_boot:
     seeds = sorted(set.intersection(*[set(t[s]["losses"]) & set(o[s]["losses"]) for s in sizes])) if sizes else []
     if len(sizes) < 2 or not seeds:
         nan = float("nan")
-        return dict(sizes=sizes, mean_diff=[], x=[], crossing=None, share=nan, lo=nan, hi=nan)
+        return dict(sizes=sizes, mean_diff=[], x=[], crossing=None, share=nan, lo=nan, hi=nan, n_seeds=len(seeds))
     diff = np.array([[o[s]["losses"][k] - t[s]["losses"][k] for s in sizes] for k in seeds])  # [S, sizes]
     x = np.log10([t[s][x_key] for s in sizes])
 
@@ -348,6 +350,8 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
             where = f"at about 10^{c['crossing']:.2f} {x_key.replace('_', '-')} parameters"
         unc = (f"{100 * c['share']:.0f}% of seed-bootstrap replicates cross in range"
                + (f", between 10^{c['lo']:.2f} and 10^{c['hi']:.2f}" if math.isfinite(c["lo"]) else ""))
+        if c["n_seeds"] < 2:  # one seed resamples to itself: no uncertainty to state, no verdict
+            unc = st.too_little(c["n_seeds"], "seed")
         lines.append(f"- `{v}` minus `tied` {what}: per size {diffs} (negative favours untied). Crossing: {where}; "
                      f"{unc}.")
     if summary.get("tasks"):

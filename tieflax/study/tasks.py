@@ -18,7 +18,6 @@ and seed by seed (``stats.two_level_bootstrap`` with unit weights: seeds and ite
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Optional
 
 import numpy as np
@@ -115,7 +114,7 @@ def score_run(run_dir: str, cc, *, log: Callable[[str], None] = print) -> dict:
     import datasets  # noqa: PLC0415
 
     from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
-    from tieflax.eval.tasks import run_tasks, task_manager  # noqa: PLC0415
+    from tieflax.eval.tasks import run_tasks, task_manager, write_scores  # noqa: PLC0415
 
     datasets.disable_progress_bars()   # compare prints its own progress, not one bar per dataset split
 
@@ -125,13 +124,7 @@ def score_run(run_dir: str, cc, *, log: Callable[[str], None] = print) -> dict:
                         model_args={"pretrained": run_dir},
                         num_fewshot=None if want["num_fewshot"] < 0 else want["num_fewshot"],
                         limit=want["limit"] or None, log_samples=True)
-    out_dir = layout.path(run_dir, LM_EVAL_DIR)
-    for leaf, samples in results["samples"].items():
-        text = "".join(json.dumps(s, default=str, ensure_ascii=False) + "\n" for s in samples)
-        storage.write_text(storage.join(out_dir, f"samples_{leaf}.jsonl"), text)
-    storage.write_text(storage.join(out_dir, "results.json"),
-                       json.dumps({k: results[k] for k in ("results", "group_subtasks", "n-shot", "versions")
-                                   if k in results}, default=str, indent=1))
+    write_scores(results, layout.path(run_dir, LM_EVAL_DIR))
     scored = dict(step=step, settings=want, tasks={t: items_of(results, t) for t in want["tasks"]})
     storage.write_text(path, jsonable.dumps(scored))
     return scored
@@ -181,12 +174,14 @@ def compare_tasks(runs: list[dict], n_boot: int = st.N_BOOT) -> dict:
         a = {v: np.stack([values[(v, s)] for s in seeds]) for v in variants}   # [S, N] per variant
         ones, zeros = np.ones(len(keys)), np.zeros((len(seeds), len(keys)))
         entry = dict(metric=scored[0]["tasks"]["tasks"][task]["metric"], n_items=len(keys), seeds=seeds,
-                     variants={v: st.two_level_bootstrap(a[v], zeros, ones, n_boot=n_boot) for v in variants},
+                     variants={v: st.two_level_bootstrap(a[v], zeros, ones, n_boot=n_boot, units=("seed", "item"))
+                               for v in variants},
                      minus_tied={})
         if "tied" in a:
             for v in variants:
                 if v != "tied":
-                    entry["minus_tied"][v] = st.two_level_bootstrap(a[v], a["tied"], ones, n_boot=n_boot)
+                    entry["minus_tied"][v] = st.two_level_bootstrap(a[v], a["tied"], ones, n_boot=n_boot,
+                                                                    units=("seed", "item"))
         out[task] = entry
     return out
 
@@ -195,8 +190,12 @@ def tasks_section(tasks: dict, table: Callable[[list[str], list[list[str]]], str
     """The report's markdown for ``compare_tasks``'s result (None when no task was scored)."""
     if not tasks:
         return None
-    cell = lambda ci: f"{ci['mean']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"  # noqa: E731
-    diff = lambda ci: f"{ci['mean']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]"  # noqa: E731
+    def cell(ci: dict, sign: str = "") -> str:  # no interval (1 seed or 1 item): the mean and what is missing
+        if st.excludes_zero(ci) is None:
+            return f"{ci['mean']:{sign}.3f} ({st.missing(ci)})"
+        return f"{ci['mean']:{sign}.3f} [{ci['lo']:{sign}.3f}, {ci['hi']:{sign}.3f}]"
+
+    diff = lambda ci: cell(ci, "+")  # noqa: E731
     parts = ["Each run's final checkpoint scored through the tieflax lm-eval backend. Accuracy: the mean of "
              "the task's per-item main metric over seeds x items; the difference to `tied` is paired by item "
              "(lm-eval's doc id, prompt hash checked equal) and seed; both intervals are 95% bootstrap "

@@ -1,0 +1,184 @@
+"""Bounded time, one line: a bucket that stops answering stops a command within the storage deadline
+(``TIEFLAX_STORAGE_DEADLINE_S``) with one line naming the object, exit 1; rerun once it answers again, the
+command resumes (the same store digest).
+
+Each test runs its own emulator (``tests/object_store.py``), frozen with SIGSTOP (a server that accepts
+connections and never answers: the worst case, a stalled network) and thawed with SIGCONT (its objects
+kept), so the session's shared server is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from object_store import GcsServer
+from tieflax import storage
+from tieflax.lease import RELEASE_SECONDS
+
+DEADLINE = 6
+
+
+@pytest.fixture
+def own_gcs(monkeypatch):
+    server = GcsServer()
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    storage._BUCKETS.clear()  # stores opened against another server
+    try:
+        yield server
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+        storage._BUCKETS.clear()
+
+
+def _env(server, **extra) -> dict:
+    return {**os.environ, **server.env, storage.DEADLINE_ENV: str(DEADLINE), "JAX_PLATFORMS": "cpu", **extra}
+
+
+def test_a_call_to_a_bucket_that_never_answers_stops_at_the_deadline_in_one_line(own_gcs, monkeypatch):
+    bucket = own_gcs.new_bucket()
+    storage.write_text(f"{bucket}/a.txt", "x")
+    monkeypatch.setenv(storage.DEADLINE_ENV, "2")
+    os.kill(own_gcs.process.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(storage.StorageError) as e:
+        storage.read_text(f"{bucket}/a.txt")
+    took = time.monotonic() - t0
+    assert 1.5 < took < 4, took
+    assert str(e.value).startswith(f"cannot read {bucket}/a.txt: no answer from {bucket} within 2 s; check the "
+                                   "network"), e.value
+    assert "\n" not in str(e.value)
+    os.kill(own_gcs.process.pid, signal.SIGCONT)
+    assert storage.read_text(f"{bucket}/a.txt") == "x"  # the same process carries on once it answers
+    monkeypatch.setenv(storage.DEADLINE_ENV, "soon")
+    with pytest.raises(storage.StorageError, match="TIEFLAX_STORAGE_DEADLINE_S='soon': give the deadline"):
+        storage.read_text(f"{bucket}/a.txt")
+
+
+def test_eval_of_a_gs_workdir_without_credentials_offline_stops_in_one_line(tmp_path):
+    """No credentials and no metadata server: tensorstore's request waited forever (> 120 s)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORSTORE_GCS", "STORAGE_EMULATOR",
+                                                                     "GOOGLE_"))}
+    env.update({storage.DEADLINE_ENV: "3", "HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tieflax.cli", "eval", "--workdir", "gs://tieflax-absent-1/run"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("tieflax")]
+    assert proc.returncode == 1 and took < 60, (proc.returncode, took, proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    # Offline (the test machine): no answer within the deadline. With a network, Cloud Storage's 401.
+    assert lines[0].startswith("tieflax eval: cannot read gs://tieflax-absent-1/run/config.json: "), lines
+    assert ("no answer from gs://tieflax-absent-1 within 3 s; no credentials are configured" in lines[0]
+            or "no credentials found" in lines[0]), lines
+
+
+def _prepare(server, out: str, corpus: str, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tieflax.cli", "prepare", "--config", "configs/experiments/tiny.py", "--out", out,
+         "--config.data.source=files", f"--config.data.files.paths={corpus}/*.txt",
+         "--config.data.tokenizer.vocab_size=300", "--config.model.vocab_size=300",
+         "--config.data.val_fraction=0.3", "--shard-mb=0.004", "--workers=2"],
+        env=_env(server, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_gs_prepare_whose_bucket_stops_answering_stops_in_one_line_and_resumes(own_gcs, tmp_path):
+    from tieflax.data.sources import load_documents
+    from tieflax.data import default_data_config
+
+    c = default_data_config()
+    c.source = "python_stdlib"
+    c.python_stdlib.max_files = 30
+    for i, d in enumerate(load_documents(c)):
+        (tmp_path / f"{i:03d}.txt").write_text(d.text[:3000])
+    corpus = str(tmp_path)
+    out = own_gcs.new_bucket() + "/corpus"
+    proc = _prepare(own_gcs, out, corpus)
+    t_stop = None
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < 120:
+        ledger = [o for o in own_gcs.objects(out.rsplit("/", 1)[0], "corpus/ledger/")]
+        if len(ledger) >= 3:
+            os.kill(own_gcs.process.pid, signal.SIGSTOP)  # the bucket stops answering mid-way
+            t_stop = time.monotonic()
+            break
+        time.sleep(0.05)
+    assert t_stop is not None, ("the prepare ended before 3 shards were done", proc.communicate())
+    _, err = proc.communicate(timeout=10 * DEADLINE)
+    took = time.monotonic() - t_stop
+    os.kill(own_gcs.process.pid, signal.SIGCONT)
+    said = [line for line in err.splitlines() if line.startswith("tieflax prepare: cannot")]
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and len(said) == 1, err
+    assert f"no answer from {out.rsplit('/', 1)[0]} within {DEADLINE} s" in said[0], said
+    assert said[0].endswith("(work done so far is kept; TIEFLAX_STORAGE_DEADLINE_S sets the deadline)")
+    print(f"stopped {took:.1f} s after the bucket stopped answering (deadline {DEADLINE} s): {said[0]}")
+    assert took < DEADLINE + RELEASE_SECONDS + 5, took  # the worker's deadline, then the lease's release
+    # Rerun with the bucket answering: it resumes from the ledger, to the digest of a build that never stopped.
+    again = _prepare(own_gcs, out, corpus)
+    _, err2 = again.communicate(timeout=300)
+    assert again.returncode == 0, err2
+    assert "done before" in err2 and "(0 done before)" not in err2.split("tokenised")[-1], err2
+    whole = own_gcs.new_bucket() + "/corpus"
+    ref = _prepare(own_gcs, whole, corpus)
+    _, err3 = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err3
+    from tieflax.data import store as st
+    assert st.read_manifest(out)["digest"] == st.read_manifest(whole)["digest"]
+
+
+TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32", "--config.model.n_layers=1",
+         "--config.model.n_heads=2", "--config.model.d_ff=64", "--config.model.max_seq_len=32",
+         "--config.train.seq_len=32", "--config.train.global_batch_size=8", "--config.train.num_steps=120",
+         "--config.train.log_every=10", "--config.train.checkpoint_every=20", "--config.train.eval_every=1000"]
+
+
+def _train(server, workdir: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *TRAIN],
+                            env=_env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(own_gcs):
+    import json
+
+    bucket = own_gcs.new_bucket()
+    proc = _train(own_gcs, bucket + "/run")
+    t_stop = None
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < 240:
+        if any(o.endswith("commit_success.txt") for o in own_gcs.objects(bucket, "run/checkpoints/")):
+            os.kill(own_gcs.process.pid, signal.SIGSTOP)  # after the first checkpoint, the bucket goes quiet
+            t_stop = time.monotonic()
+            break
+        time.sleep(0.1)
+    assert t_stop is not None, ("the run ended before its first checkpoint", proc.communicate())
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t_stop
+    os.kill(own_gcs.process.pid, signal.SIGCONT)
+    said = [line for line in err.splitlines() if line.startswith("tieflax")]
+    print(f"stopped {took:.1f} s after the bucket stopped answering (deadline {DEADLINE} s): {said}")
+    assert proc.returncode == 1 and "Traceback" not in err and len(said) == 1, err
+    assert f"no answer from {bucket} within " in said[0], said
+    assert took < 2 * DEADLINE + RELEASE_SECONDS + 10, took
+    committed = sorted({o.split("/")[2] for o in own_gcs.objects(bucket, "run/checkpoints/")
+                        if o.endswith("commit_success.txt")}, key=int)
+    assert committed and committed[-1] != "120", committed
+    # The rerun resumes from the last committed checkpoint and ends where a run that never stopped ends.
+    again = _train(own_gcs, bucket + "/run")
+    out, err2 = again.communicate(timeout=300)
+    assert again.returncode == 0, err2
+    ref = _train(own_gcs, own_gcs.new_bucket() + "/run")
+    out_ref, err3 = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err3
+    resumed, whole = json.loads(out.strip().splitlines()[-1]), json.loads(out_ref.strip().splitlines()[-1])
+    assert resumed["step"] == whole["step"] == 120
+    assert resumed["final_val_loss"] == whole["final_val_loss"], (resumed, whole)
+    assert resumed["final_train_loss"] == whole["final_train_loss"], (resumed, whole)

@@ -1,0 +1,468 @@
+"""The study's answer to this year's papers: the "From the literature" table at the top of the report.
+
+Each row is a claim, its source (arXiv id), the paired measure it is judged on, the value with its 95%
+interval and a verdict drawn from the interval alone:
+
+- *holds here*: the interval lies on the side the paper predicts;
+- *contradicted here*: it lies on the other side;
+- *not resolved*: it includes the reference value (0, or the share of tokens for the rare-token row);
+- *too little data*: no interval can be formed (fewer than 2 resampling units at a level the interval
+  resamples: "1 seed: no interval over seeds"), and the row says what is missing.
+
+Claims (Lopardo, Harish, Arnett, Gupta, arXiv 2603.26663; Leviathan, arXiv 2601.22040; the tuned lens is
+Belrose et al., arXiv 2303.08112):
+
+1. **Unembedding bias**: a tied matrix is more like an untied model's head than like its input
+   embedding: linear CKA and 10-nearest-neighbour overlap, "like the head - like the input", the untied
+   run of another seed (``summary['alignment']``; :func:`tieflax.study.compare.alignment_study`).
+2. **The output path drives the tied matrix early**: log(||g_head|| / ||g_lookup||) over the first 10%
+   of the steps, from the trainer's logged gradient norms (:func:`tieflax.analysis.literature.path_ratio`).
+3. **Tied early layers contribute less to the residual stream**: the drop in tuned-lens loss over the
+   first half of the layers, tied minus untied (``analysis['lens']``).
+4. **Scaling the input path's gradient reduces the bias** (only when ``tied_input_grad_scaled`` ran): the
+   row-1 measure, ``tied_input_grad_scaled`` minus ``tied``.
+5. **Untying's gains concentrate in rare tokens**: the share of the untied - tied loss difference that the
+   rarest half of the equal-mass frequency bins carries, minus their share of the scored tokens.
+
+Everything here reads only the summary ``run_compare`` writes, so ``--report-only`` redraws it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tieflax import storage
+from tieflax.analysis import literature as lit
+from tieflax.analysis import plots
+from tieflax.analysis import stats as st
+
+NAN = float("nan")
+HOLDS, CONTRA, OPEN, LITTLE = "holds here", "contradicted here", "not resolved", "too little data"
+BIAS = "2603.26663"
+LEVIATHAN = "2601.22040"
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _runs(groups: dict, variant: str) -> dict[int, dict]:
+    return {r["seed"]: r for r in groups.get(variant, []) if r.get("analysis")}
+
+
+def _n_boot(summary: dict) -> int:
+    return summary.get("compare", {}).get("bootstrap", st.N_BOOT)
+
+
+def judge(ci: dict, predicted: str, ref: float = 0.0) -> str:
+    """The verdict of an interval against ``ref``: ``predicted`` is the side the paper predicts
+    ('above' or 'below'); no interval is "too little data"."""
+    lo, hi = ci.get("lo", NAN), ci.get("hi", NAN)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return LITTLE
+    if lo > ref:
+        return HOLDS if predicted == "above" else CONTRA
+    if hi < ref:
+        return HOLDS if predicted == "below" else CONTRA
+    return OPEN
+
+
+def cell(ci: dict, digits: int = 3, transform=None, short: bool = False) -> str:
+    """``mean [lo, hi]`` (``transform`` applied to each), or the mean and what is missing (``short``:
+    "no interval", for table cells under a sentence that says why); never NaN."""
+    f = transform or (lambda x: x)
+    mean = ci.get("mean", NAN)
+    why = "no interval" if short else (st.missing(ci) or "not measured")
+    if not math.isfinite(mean):
+        return f"n/a ({why})"
+    lo, hi = ci.get("lo", NAN), ci.get("hi", NAN)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{f(mean):+.{digits}f} ({why})"
+    return f"{f(mean):+.{digits}f} [{f(lo):+.{digits}f}, {f(hi):+.{digits}f}]"
+
+
+def _seed_ci(values: dict[int, float], n_boot: int) -> dict:
+    return st.bootstrap_ci([values[s] for s in sorted(values)], n_boot=n_boot)
+
+
+def _clean(x):
+    """NaN -> None, recursively: what summary.json's literature rows carry."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+# ------------------------------------------------------------------------------------ 1. the bias
+def bias_values(summary: dict, variant: str = "tied", kind: str = "cross", state: str = "final",
+                key: str = "cka_diff") -> dict[int, float]:
+    """``{seed: alignment[variant][seed][kind][state][key]}`` (``kind``: 'cross' or 'same')."""
+    out = {}
+    for seed, entry in ((summary.get("alignment") or {}).get(variant) or {}).items():
+        value = (entry.get(kind) or {}).get(state, {}).get(key)
+        if value is not None and math.isfinite(value):
+            out[int(seed)] = float(value)
+    return out
+
+
+def bias_ci(summary: dict, variant: str = "tied", kind: str = "cross", state: str = "final",
+            key: str = "cka_diff") -> dict:
+    ci = _seed_ci(bias_values(summary, variant, kind, state, key), _n_boot(summary))
+    if kind == "cross" and len(summary.get("compare", {}).get("seeds", [])) < 2:
+        ci["missing"] = "1 seed: no untied run of another seed to compare with, and no interval over seeds"
+    return ci
+
+
+def bias_effect(summary: dict, variant: str, key: str = "cka_diff") -> dict:
+    """``variant`` minus ``tied`` of the bias measure, paired by seed (both against the same untied run)."""
+    a, b = bias_values(summary, variant, key=key), bias_values(summary, "tied", key=key)
+    return st.bootstrap_ci([a[s] - b[s] for s in sorted(set(a) & set(b))], n_boot=_n_boot(summary))
+
+
+# ---------------------------------------------------------------------------------- 2. the paths
+def path_values(groups: dict, variant: str, part: str = "early") -> dict[int, float]:
+    out = {}
+    for r in groups.get(variant, []):
+        p = lit.path_ratio(r.get("metrics") or [], int(r["train"]["num_steps"]))
+        if math.isfinite(p[part]):
+            out[r["seed"]] = p[part]
+    return out
+
+
+def path_ci(summary: dict, groups: dict, variant: str = "tied", part: str = "early") -> dict:
+    return _seed_ci(path_values(groups, variant, part), _n_boot(summary))
+
+
+def path_effect(summary: dict, groups: dict, variant: str, part: str = "early") -> dict:
+    a, b = path_values(groups, variant, part), path_values(groups, "tied", part)
+    return st.bootstrap_ci([a[s] - b[s] for s in sorted(set(a) & set(b))], n_boot=_n_boot(summary))
+
+
+# ----------------------------------------------------------------------------------- 3. the lens
+def _lens(r: dict) -> dict | None:
+    lens = r["analysis"].get("lens")
+    return lens if lens and "missing" not in lens else None
+
+
+def lens_missing(groups: dict) -> str:
+    for rs in groups.values():
+        for r in rs:
+            lens = r.get("analysis", {}).get("lens") if r.get("analysis") else None
+            if lens is None:
+                return "not measured (config.compare.lens_fit_tokens = 0, or an analysis from before the lens)"
+            if "missing" in lens:
+                return lens["missing"]
+    return ""
+
+
+def early_layer(n_layers: int) -> int:
+    """The layer after the first half of the blocks (at least 1)."""
+    return max(1, n_layers // 2)
+
+
+def _lens_arrays(groups: dict, variant: str, seeds: list[int], fn) -> np.ndarray:
+    return np.array([fn(_lens(_runs(groups, variant)[s])) for s in seeds], np.float64)
+
+
+def lens_compare(summary: dict, groups: dict, variant: str, base: str = "tied") -> dict | None:
+    """``variant`` minus ``base``, paired by seed and scored document: per layer, the logit- and the
+    tuned-lens loss (``logit`` / ``tuned``: lists over layers 0..L of two-level intervals) and ``early``:
+    the drop of the tuned-lens loss over the first half of the layers. None when either lacks a lens."""
+    a, b = _runs(groups, variant), _runs(groups, base)
+    seeds = sorted(s for s in set(a) & set(b) if _lens(a[s]) and _lens(b[s]))
+    if not seeds:
+        return None
+    first = _lens(a[seeds[0]])
+    tokens = np.asarray(first["doc_tokens"], np.float64)
+    keep = tokens > 0
+    n_layers = first["layers"]
+    if _lens(b[seeds[0]])["layers"] != n_layers:
+        return None  # another depth: layer by layer is not a pairing
+    boot = dict(n_boot=_n_boot(summary))
+    out = dict(seeds=seeds, layers=n_layers, docs=int(keep.sum()), early_layer=early_layer(n_layers))
+    for kind in ("logit", "tuned"):
+        out[kind] = [st.two_level_bootstrap(_lens_arrays(groups, variant, seeds, lambda L, i=i, k=kind: L[k][i])[:, keep],
+                                            _lens_arrays(groups, base, seeds, lambda L, i=i, k=kind: L[k][i])[:, keep],
+                                            tokens[keep], **boot)
+                     for i in range(n_layers + 1)]
+    drop = lambda L: lit.layer_contribution(L["tuned"], 0, out["early_layer"])  # noqa: E731
+    out["early"] = st.two_level_bootstrap(_lens_arrays(groups, variant, seeds, drop)[:, keep],
+                                          _lens_arrays(groups, base, seeds, drop)[:, keep], tokens[keep], **boot)
+    return out
+
+
+def lens_means(groups: dict, variant: str) -> dict | None:
+    """Token-weighted mean loss per layer over the variant's seeds: ``{'logit': [L+1], 'tuned': [L+1]}``."""
+    lenses = [_lens(r) for r in _runs(groups, variant).values() if _lens(r)]
+    if not lenses:
+        return None
+    tokens = sum(np.sum(L["doc_tokens"]) for L in lenses)
+    return {k: (np.sum([np.sum(L[k], axis=1) for L in lenses], axis=0) / tokens).tolist() for k in ("logit", "tuned")}
+
+
+# ------------------------------------------------------------------------------------ 5. rare tokens
+def rare_compare(summary: dict, groups: dict, variant: str, base: str = "tied") -> dict | None:
+    """Per equal-mass bin of the target token: ``variant`` minus ``base`` loss (two-level intervals), and
+    ``share``: the share of the whole difference the rarest half of the bins carries, minus their share of
+    the scored tokens (> 0: the difference concentrates in rare tokens); ``total``: the whole difference."""
+    a, b = _runs(groups, variant), _runs(groups, base)
+    seeds = sorted(s for s in set(a) & set(b) if "doc_bin_loss" in a[s]["analysis"]["val"]
+                   and "doc_bin_loss" in b[s]["analysis"]["val"])
+    if not seeds:
+        return None
+    la = np.array([a[s]["analysis"]["val"]["doc_bin_loss"] for s in seeds], np.float64)   # [S, D, B]
+    lb = np.array([b[s]["analysis"]["val"]["doc_bin_loss"] for s in seeds], np.float64)
+    tokens = np.asarray(a[seeds[0]]["analysis"]["val"]["doc_bin_tokens"], np.float64)    # [D, B]
+    keep = tokens.sum(1) > 0
+    la, lb, tokens = la[:, keep], lb[:, keep], tokens[keep]
+    n_bins = tokens.shape[1]
+    boot = dict(n_boot=_n_boot(summary))
+    bins = []
+    for k in range(n_bins):
+        docs = tokens[:, k] > 0
+        bins.append(st.two_level_bootstrap(la[:, docs, k], lb[:, docs, k], tokens[docs, k], **boot) if docs.any()
+                    else dict(mean=NAN, lo=NAN, hi=NAN, missing="no scored token in this bin"))
+    rare = slice(0, n_bins // 2)
+    diff = la - lb
+    share = st.two_level_ratio(diff[:, :, rare].sum(2), diff.sum(2),
+                               minus=(tokens[:, rare].sum(1), tokens.sum(1)), **boot)
+    share["token_share"] = float(tokens[:, rare].sum() / tokens.sum())
+    share["diff_share"] = share["mean"] + share["token_share"] if math.isfinite(share["mean"]) else NAN
+    total = st.two_level_bootstrap(diff.sum(2), np.zeros_like(diff.sum(2)), tokens.sum(1), **boot)
+    return dict(seeds=seeds, bins=bins, share=share, total=total, n_bins=n_bins,
+                bin_tokens=tokens.sum(0).tolist())
+
+
+# ------------------------------------------------------------------------------------------ the rows
+def _row(claim: str, source: str, measure: str, ci: dict, verdict: str, value: str, **extra) -> dict:
+    note = (st.missing(ci) or "no interval") if verdict == LITTLE else ""
+    if note and " (" in value:
+        value = value.split(" (")[0] + " (no interval)"  # what is missing is said once, in the verdict
+    return dict(claim=claim, source=f"arXiv {source}", measure=measure, value=value, mean=ci.get("mean", NAN),
+                lo=ci.get("lo", NAN), hi=ci.get("hi", NAN), verdict=verdict, missing=note,
+                n_seeds=ci.get("n", ci.get("n_seeds", 0)), **extra)
+
+
+def literature_rows(summary: dict, groups: dict) -> list[dict]:
+    """The table's rows (plain values; NaN where a number is undefined, the table never shows it)."""
+    rows = []
+    tied, untied = "tied" in groups, "untied" in groups
+    if tied and untied:
+        for key, label in (("cka_diff", "linear CKA"), ("knn_diff", f"{summary['compare'].get('knn', 10)}-NN overlap")):
+            ci = bias_ci(summary, "tied", key=key)
+            rows.append(_row("A tied matrix is more like an untied model's head than its input embedding "
+                             "(unembedding bias)", BIAS,
+                             f"{label}: like the untied head - like the untied input embedding, tied W (final) "
+                             "against the untied run of the next seed (no shared init)",
+                             ci, judge(ci, "above"), cell(ci)))
+    if tied:
+        ci = path_ci(summary, groups, "tied", "early")
+        rows.append(_row("The output path's gradient dominates the tied matrix early in training", BIAS,
+                         "ln(||g_head|| / ||g_lookup||) over the first 10% of steps (logged norms), tied; "
+                         "the ratio is exp of this", ci, judge(ci, "above"), cell(ci)))
+    if tied and untied:
+        comp = lens_compare(summary, groups, "tied", "untied")
+        if comp is None:
+            ci = dict(mean=NAN, lo=NAN, hi=NAN, missing=lens_missing(groups) or "no paired lens")
+            layer = "L/2"
+        else:
+            ci, layer = comp["early"], str(comp["early_layer"])
+        rows.append(_row("Tied early layers contribute less to the residual stream (tuned lens)", BIAS,
+                         f"tuned-lens loss drop from layer 0 to layer {layer} (nats/token), tied - untied; "
+                         "held-out documents, least-squares translators", ci, judge(ci, "below"), cell(ci, 4)))
+    if tied and "tied_input_grad_scaled" in groups:
+        scale = summary["compare"].get("input_grad_scale", NAN)
+        ci = bias_effect(summary, "tied_input_grad_scaled", "cka_diff")
+        rows.append(_row("Scaling the input path's gradient during training reduces the unembedding bias", BIAS,
+                         f"CKA like the head - like the input, tied_input_grad_scaled (lookup gradient x {scale:g}) "
+                         "- tied, same untied runs", ci, judge(ci, "below"), cell(ci)))
+    if tied and untied:
+        comp = rare_compare(summary, groups, "untied", "tied")
+        if comp is None:
+            ci, verdict = dict(mean=NAN, lo=NAN, hi=NAN, missing="no per-bin losses (an analysis from before them)"), LITTLE
+        else:
+            ci = comp["share"]
+            verdict = judge(ci, "above")
+            total = judge(comp["total"], "below")
+            if verdict in (HOLDS, CONTRA) and total != HOLDS:
+                verdict = OPEN if total != LITTLE else LITTLE  # no resolved gain of untying to share out
+        rows.append(_row("Untying's gains concentrate in rare tokens", LEVIATHAN,
+                         "share of the untied - tied loss difference carried by the rarest half of the "
+                         "equal-mass frequency bins, minus their share of the scored tokens", ci, verdict, cell(ci)))
+    return rows
+
+
+def literature_table(rows: list[dict], table) -> str:
+    body = [[r["claim"], r["source"], r["measure"], r["value"],
+             r["verdict"] + (f" ({r['missing']})" if r["missing"] else "")] for r in rows]
+    return table(["claim", "source", "measure", "value [95% CI]", "verdict"], body)
+
+
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """The rows as summary.json carries them (no NaN: undefined numbers are null)."""
+    return _clean(rows)
+
+
+# --------------------------------------------------------------------------------------- the section
+def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> str:
+    """The literature section's detail: every number behind the table, with its controls.
+    ``loss_comps``: the report's two-level loss differences to ``tied`` (for the intervention's loss)."""
+    parts = []
+    n_boot = _n_boot(summary)
+    knn = summary["compare"].get("knn", 10)
+    tied_variants = list((summary.get("alignment") or {}))
+    if tied_variants:
+        rows = []
+        for v in tied_variants:
+            for kind, label in (("cross", "untied of the next seed"), ("same", "untied of the same seed")):
+                for state in ("final", "init"):
+                    cis = {k: bias_ci(summary, v, kind, state, k) for k in
+                           ("cka_output", "cka_input", "cka_diff", "knn_output", "knn_input", "knn_diff")}
+                    if not math.isfinite(cis["cka_diff"]["mean"]):
+                        continue
+                    rows.append([f"{v} vs {label}, {state}"] + [cell(cis[k], short=True) for k in cis])
+        chance = next((e.get("cross", e.get("same", {})).get("final", {}).get("knn_chance")
+                       for e in summary["alignment"][tied_variants[0]].values()), None)
+        parts += [
+            "**Unembedding bias.** How alike each tied matrix is to an untied run's input embedding (W_in) and head "
+            f"(W_out), over the rows of tokens seen in training: linear CKA and the share of each row's {knn} nearest "
+            "neighbours (cosine) the two matrices agree on"
+            + (f" (two unrelated matrices: about {chance:.4f})" if chance else "") + "; 95% intervals over seeds. "
+            "What the init pairs share: a tied run and the untied run of the *same* seed draw the embedding from "
+            "the same key, so at init the tied matrix *is* the untied W_in (CKA and overlap 1) and is unrelated to "
+            "the untied head; against the untied run of the *next* seed nothing is shared at init (both "
+            "differences near 0). The table judges the next-seed comparison.", "",
+            table(["pair", "CKA with W_out", "CKA with W_in", "CKA: head - input", f"{knn}-NN with W_out",
+                   f"{knn}-NN with W_in", f"{knn}-NN: head - input"], rows), ""]
+    lines = []
+    for v in [v for v in groups if v in ("tied", "tied_input_grad_scaled") or v.startswith("tied")]:
+        if not path_values(groups, v):
+            continue
+        early, late = path_ci(summary, groups, v, "early"), path_ci(summary, groups, v, "late")
+        diff = st.bootstrap_ci([path_values(groups, v)[s] - path_values(groups, v, "late")[s]
+                                for s in sorted(path_values(groups, v))], n_boot=n_boot)
+        lines.append(f"`{v}`: early {cell(early)} (ratio {_exp(early)}), late {cell(late)} (ratio {_exp(late)}); "
+                     f"early - late {cell(diff)}: "
+                     f"{st.verdict(diff, 'the head path dominates more early than late', 'it dominates less early than late')}")
+    if lines:
+        parts += ["**Which path drives the tied matrix.** ln(||g_head|| / ||g_lookup||) of the two exact gradient "
+                  "contributions the trainer logs (`grad_norm/embed_head`, `grad_norm/embed_lookup`; for "
+                  "`tied_input_grad_scaled` the lookup path as scaled, what enters the matrix), mean over the "
+                  "logged rows of the first and of the last 10% of the steps, 95% interval over seeds "
+                  "(`input_path_ratio.png`: every seed over training):\n  - " + "\n  - ".join(lines), ""]
+    lens_rows = []
+    for v in groups:
+        if v == "tied":
+            continue
+        comp = lens_compare(summary, groups, v, "tied")
+        if comp is None:
+            continue
+        for i in range(comp["layers"] + 1):
+            lens_rows.append([f"{v} - tied, layer {i}" + (" (the model)" if i == comp["layers"] else ""),
+                              cell(comp["logit"][i], 4, short=True), cell(comp["tuned"][i], 4, short=True)])
+        lens_rows.append([f"{v} - tied, tuned-lens drop layer 0 -> {comp['early_layer']}", "",
+                          cell(comp["early"], 4, short=True)])
+    means = {v: lens_means(groups, v) for v in groups}
+    if lens_rows:
+        any_lens = next(_lens(r) for rs in groups.values() for r in rs if r.get("analysis") and _lens(r))
+        mean_rows = [[v, *(f"{x:.3f} / {y:.3f}" for x, y in zip(m["logit"], m["tuned"]))]
+                     for v, m in means.items() if m]
+        n_layers = any_lens["layers"]
+        parts += [
+            "**Lens by layer.** Held-out loss (nats/token) when the residual stream after each layer (0: the "
+            "embedding output, before any block) is read out through the final norm and the model's own head: "
+            "plain (logit lens) and through an affine translator per layer fit by least squares onto the final "
+            f"residual stream (a closed-form tuned lens, Belrose et al. arXiv 2303.08112, whose translators are "
+            f"trained on the KL instead): fit on the first {any_lens['fit_tokens']:,} positions of the first half "
+            f"of the held-out documents ({any_lens['fit_docs']}), scored on {any_lens['score_docs']} documents of "
+            "the second half. "
+            "Mean over seeds, logit / tuned:", "",
+            table(["variant", *[f"layer {i}" for i in range(n_layers + 1)]], mean_rows), "",
+            "Paired differences (seeds x scored documents, 95% intervals; `lens_by_layer.png`):", "",
+            table(["difference", "logit lens", "tuned lens"], lens_rows), ""]
+    elif lens_missing(groups):
+        parts += [f"**Lens by layer.** Not measured: {lens_missing(groups)}.", ""]
+    if "tied_input_grad_scaled" in groups and "tied" in groups:
+        v = "tied_input_grad_scaled"
+        scale = summary["compare"].get("input_grad_scale", NAN)
+        loss = next((dict(c, n=c["n_seeds"]) for c in loss_comps if c["variant"] == v), None)
+        comp = lens_compare(summary, groups, v, "tied")
+        items = [
+            f"unembedding bias (CKA head - input, next-seed untied): {cell(bias_effect(summary, v, 'cka_diff'))}; "
+            f"{knn}-NN: {cell(bias_effect(summary, v, 'knn_diff'))}",
+            f"path ratio ln(head / lookup), first 10% of steps: {cell(path_effect(summary, groups, v, 'early'))}; "
+            f"last 10%: {cell(path_effect(summary, groups, v, 'late'))}",
+            f"tuned-lens drop over the first layers: {cell(comp['early'], 4) if comp else 'not measured'}",
+            f"validation loss: {cell(loss, 4) if loss else 'not measured'}"]
+        verdicts = [st.verdict(bias_effect(summary, v, "cka_diff"), "the bias grew", "the bias shrank"),
+                    st.verdict(loss, "the loss rose", "the loss fell") if loss else ""]
+        parts += [f"**The intervention.** `{v}` (the lookup path's gradient into the tied matrix x {scale:g}, "
+                  "`train.tied_input_grad_scale`) minus `tied`, paired by seed:\n  - " + "\n  - ".join(items)
+                  + f"\n\n  Bias: {verdicts[0]}" + (f"; loss: {verdicts[1]}" if verdicts[1] else "") + ".", ""]
+    rare_lines = []
+    for v in groups:
+        if v == "tied":
+            continue
+        comp = rare_compare(summary, groups, v, "tied")
+        if comp is None:
+            continue
+        sh = comp["share"]
+        rare_lines.append(
+            [f"{v} - tied", *[cell(b, 4, short=True) for b in comp["bins"]],
+             f"{sh['diff_share']:.3f} of the difference vs {sh['token_share']:.3f} of the tokens: "
+             f"{cell(sh, short=True)}" if math.isfinite(sh.get("diff_share", NAN)) else cell(sh, short=True)])
+    if rare_lines:
+        nb = len(rare_lines[0]) - 2
+        parts += ["**Rare-token gains.** Held-out loss difference to `tied` (nats per scored token) by equal-token-"
+                  "mass bin of the *target* token (train frequency; bin 0 the rarest), and the share of the whole "
+                  "difference that the rarest half of the bins carries, minus their share of the scored tokens "
+                  "(> 0: the difference concentrates in rare tokens); 95% intervals over seeds x documents "
+                  "(`rare_token_gains.png`):", "",
+                  table(["difference", *[f"bin {k}" for k in range(nb)], "rarest half: share - token share"],
+                        rare_lines), ""]
+    seeds, docs = len(summary.get("compare", {}).get("seeds", [])), (summary.get("data") or {}).get("n_docs", 2)
+    why = "; ".join(m for m in (st.too_little(seeds, "seed"), st.too_little(docs, "document")) if m)
+    if parts and why:
+        parts.append(f"(\"no interval\" in these tables: {why}.)")
+    return "\n".join(parts)
+
+
+def _exp(ci: dict) -> str:
+    mean, lo, hi = ci.get("mean", NAN), ci.get("lo", NAN), ci.get("hi", NAN)
+    if not math.isfinite(mean):
+        return "n/a"
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{math.exp(mean):.2f}"
+    return f"{math.exp(mean):.2f} [{math.exp(lo):.2f}, {math.exp(hi):.2f}]"
+
+
+# ------------------------------------------------------------------------------------------- plots
+def make_plots(summary: dict, groups: dict, out_dir: str) -> dict[str, str]:
+    paths = {}
+    series = {}
+    for v in groups:
+        for r in groups[v]:
+            p = lit.path_ratio(r.get("metrics") or [], int(r["train"]["num_steps"]))
+            if p["steps"]:
+                series.setdefault(v, []).append((r["seed"], p["steps"], np.exp(p["log_ratio"]).tolist()))
+    if series:
+        paths["input_path_ratio"] = plots.seed_curves(
+            series, storage.join(out_dir, "input_path_ratio.png"), ylabel="||g_head|| / ||g_lookup|| (log scale)",
+            title="which path drives the tied matrix: head over lookup gradient norm, every seed", reference=1.0)
+    means = {v: m for v in groups if (m := lens_means(groups, v))}
+    diffs = {}
+    for v in groups:
+        if v != "tied" and (comp := lens_compare(summary, groups, v, "tied")):
+            diffs[v] = comp
+    if means:
+        paths["lens_by_layer"] = plots.lens_layers(
+            means, {v: (c["logit"], c["tuned"]) for v, c in diffs.items()}, storage.join(out_dir, "lens_by_layer.png"))
+    rare = {v: c for v in groups if v != "tied" and (c := rare_compare(summary, groups, v, "tied"))}
+    if rare:
+        paths["rare_token_gains"] = plots.bin_intervals(
+            {v: c["bins"] for v, c in rare.items()}, storage.join(out_dir, "rare_token_gains.png"),
+            ylabel="loss minus tied (nats/token)",
+            title="held-out loss minus tied by frequency bin of the target (0 = rarest), 95% CI over seeds x docs")
+    return paths
