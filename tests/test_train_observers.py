@@ -332,6 +332,8 @@ def test_on_a_bucket_the_profile_and_the_wandb_files_are_copied_and_the_run_id_k
     assert [f for f in storage.walk_files(storage.join(run, "profile")) if f.endswith(".xplane.pb")]
     ids = []
     for step in (1, 2):   # a start and a resume
+        if step == 2:  # W&B names a run's folder offline-run-<second>-<id>: a resume in the same second
+            time.sleep(1.1)  # would reuse the start's folder name, and there would be one folder to count
         tracker = WandB(run, default_config())
         tracker.log(step, {"train/loss": 1.0 / step})
         tracker.close()
