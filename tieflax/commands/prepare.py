@@ -4,7 +4,8 @@
     tieflax prepare --config configs/experiments/tie_vs_untie_pod.py --out gs://BUCKET/corpus \
         --config.data.source=files --config.data.files.paths='gs://BUCKET/text/*.jsonl' \
         --config.data.tokenizer.path=/path/to/llama3/tokenizer.json --workers 16
-    # several machines: each runs its share, then any one finalizes
+    # several machines: each runs its share, then any one finalizes (with the settings the shares
+    # recorded in build.json: no tokenising flag needs repeating; one given that differs is refused)
     tieflax prepare --config ... --out gs://BUCKET/corpus --shard 3/8
     tieflax prepare --config ... --out gs://BUCKET/corpus --finalize
 
@@ -30,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(one machine's share); finalize with --finalize when all are done")
     parser.add_argument("--finalize", action="store_true", help="only write the arrays and the manifest "
                         "from the finished shares")
-    parser.add_argument("--shard-mb", type=float, default=8.0, help="text per input shard (MiB): the unit "
-                        "of work and of resuming")
+    parser.add_argument("--shard-mb", type=float, default=None, help="text per input shard (MiB): the unit "
+                        "of work and of resuming (default 8; a resume or --finalize takes the store's)")
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
@@ -48,7 +49,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
     shard = parse_shard(args.shard)
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: use at least 1 (one tokenizer process per core)")
-    if not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
+    if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         raise DataError(f"--shard-mb {args.shard_mb:g}: give the MiB of text per input shard, a number > 0 "
                         "(default 8)")
     out = storage.resolve(args.out)
@@ -69,9 +70,16 @@ def run(args: argparse.Namespace) -> int:
 
     shard = check_arguments(args)
     config = load_config(args.config, args.overrides)
+    # The config keys set on the command line: a --finalize checks only these against the settings the
+    # shard builds recorded (build.json), so it needs none of the tokenising flags repeated.
+    flags = {item.removeprefix("--").removeprefix("config.").partition("=")[0] for item in args.overrides}
     manifest = build_store(config.data, args.out, workers=args.workers, shard=shard,
-                           finalize_only=args.finalize, shard_bytes=int(args.shard_mb * (1 << 20)),
-                           progress=print_progress, model_vocab_size=config.model.vocab_size)
+                           finalize_only=args.finalize,
+                           shard_bytes=None if args.shard_mb is None else int(args.shard_mb * (1 << 20)),
+                           progress=print_progress,
+                           model_vocab_size=(config.model.vocab_size if not args.finalize
+                                             or "model.vocab_size" in flags else None),
+                           flags=[k.removeprefix("data.") for k in flags if k.startswith("data.")])
     if manifest is not None:
         s = manifest["splits"]
         print(f"token store {args.out}: {s['train']['tokens']:,} train / {s['val']['tokens']:,} val tokens, "

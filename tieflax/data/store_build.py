@@ -30,7 +30,7 @@ import os
 import re
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import ml_collections
 import numpy as np
@@ -122,54 +122,75 @@ def _start_workers(pool: cf.ProcessPoolExecutor, workers: int) -> None:
 # ------------------------------------------------------------------------------------------- the build
 
 def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, shard: tuple[int, int] = (0, 1),
-                finalize_only: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                finalize_only: bool = False, shard_bytes: int | None = None,
                 progress: Callable[[str], None] | None = None, stats: dict | None = None,
-                model_vocab_size: int | None = None) -> dict | None:
+                model_vocab_size: int | None = None, flags: Iterable[str] | None = None) -> dict | None:
     """Builds (or resumes) the token store ``out`` from the data config ``c``.
 
     Returns the manifest, or None after a ``shard=(i, n)`` with ``n > 1`` (its share done; finalize
-    with ``finalize_only=True`` once every share is). A store with a manifest is returned as it is:
-    a finished store is never rewritten.
+    with ``finalize_only=True`` once every share is). A store with a manifest is returned as it is when
+    ``c`` asks for the settings it was built with (else refused naming each one): a finished store is
+    never rewritten. ``shard_bytes`` None: the store's recorded one (``DEFAULT_SHARD_BYTES`` for a new store).
+
+    ``finalize_only`` takes the settings the shard builds recorded (``build.json``); ``flags``, the data
+    config keys the user set (``tokenizer.vocab_size``, ``files.paths``...), are checked against them
+    (None: every field of ``c``). An ``out`` without ``build.json`` is refused; nothing is written then.
     """
-    validate_data_config(c)
-    if c.source == "tokens":
-        raise DataError("tieflax prepare tokenises text: set data.source to kjv, python_stdlib, files or "
-                        "hf (data.source = 'tokens' is what reads the store it makes).")
-    if c.max_val_documents:
-        raise DataError("data.max_val_documents is not used by tieflax prepare (the store holds out "
-                        "documents by hash); set it to 0 and lower data.val_fraction instead.")
     i, n = shard
     if not 0 <= i < n:
         raise DataError(f"--shard {i}/{n}: the index must lie in [0, {n}).")
     if workers < 1:
         raise DataError(f"--workers {workers}: use at least 1.")
+    if not finalize_only:   # a finalize reads the recorded settings, not the config's data section
+        _check_config(c)
     say = progress or (lambda text: None)
-    if c.source == "files":  # a glob that matches nothing fails now, not after training a tokenizer
-        paths = c.files.paths
-        expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
     try:
         out = storage.resolve(out)
-        storage.check_writable(out)
     except storage.StorageError as e:
         raise DataError(str(e)) from None
     check_store_folder(out)
-    if storage.is_file(st.manifest_path(out)):
+    started = _started_settings(out)
+    finished = storage.is_file(st.manifest_path(out))
+    if finalize_only:
+        if started is None:
+            raise DataError(f"--finalize: {out} holds no started token store (no build.json): run `tieflax prepare "
+                            f"--config ... --out {out} --shard I/N` on every host first (or, on one machine, "
+                            "without --finalize)")
+        settings = _finalize_settings(c, out, started, None if flags is None else set(flags), shard_bytes)
+        if model_vocab_size is not None and "vocab_size" in settings:
+            tokenizer_lib.check_vocab_size(settings["vocab_size"], model_vocab_size,
+                                           where="the tokenizer of tieflax prepare", allow_smaller_tokenizer=True)
+    elif finished:   # read-only: the store's tokenizer (or the given one), never a trained one
+        tok = _given_or_stored_tokenizer(c, out)
+        if tok is None:
+            raise DataError(f"token store {out} has a manifest.json but no tokenizer.json: it is damaged; delete "
+                            "it and prepare it again")
+        if shard_bytes is None and started is not None:
+            shard_bytes = started.get("shard_bytes", DEFAULT_SHARD_BYTES)
+        _refuse_other_settings(out, started or {}, _settings(c, tok, shard_bytes or DEFAULT_SHARD_BYTES))
+    if finished:
         manifest = st.read_manifest(out)
         say(f"{out} is already a finished token store (digest {manifest['digest'][:16]}); nothing to do")
         return manifest
+    if finalize_only:
+        _check_parts(out)   # before the lock: a refusal writes nothing
+    try:
+        storage.check_writable(out)
+    except storage.StorageError as e:
+        raise DataError(str(e)) from None
     storage.makedirs(out)
     with st.BuildLock(out, "lock.json" if n == 1 else f"lock-{i}-of-{n}.json"):
-        tok = _store_tokenizer(c, out, say)
-        if model_vocab_size is not None:
-            tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), model_vocab_size,
-                                           where="the tokenizer of tieflax prepare", allow_smaller_tokenizer=True)
-        settings = _check_settings(c, out, tok, shard_bytes)
         stats = {} if stats is None else stats
         if not finalize_only:
+            tok = _store_tokenizer(c, out, say)
+            if model_vocab_size is not None:
+                tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), model_vocab_size,
+                                               where="the tokenizer of tieflax prepare", allow_smaller_tokenizer=True)
+            settings = _check_settings(c, out, tok, shard_bytes)
             t0 = time.perf_counter()
             c0 = time.process_time()
             stats.update(_tokenise(c, out, tok, settings, workers=workers, shard=shard,
-                                   shard_bytes=shard_bytes, say=say))
+                                   shard_bytes=settings["shard_bytes"], say=say))
             stats["tokenise_s"] = time.perf_counter() - t0
             stats["main_cpu_s"] = time.process_time() - c0
         if n > 1 and not finalize_only:
@@ -178,6 +199,20 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
         manifest = finalize(out, settings, say=say)
         stats["finalize_s"] = time.perf_counter() - t0
         return manifest
+
+
+def _check_config(c) -> None:
+    """The data section a tokenising prepare reads: text, and a glob that matches (now, not after a BPE)."""
+    validate_data_config(c)
+    if c.source == "tokens":
+        raise DataError("tieflax prepare tokenises text: set data.source to kjv, python_stdlib, files or "
+                        "hf (data.source = 'tokens' is what reads the store it makes).")
+    if c.max_val_documents:
+        raise DataError("data.max_val_documents is not used by tieflax prepare (the store holds out "
+                        "documents by hash); set it to 0 and lower data.val_fraction instead.")
+    if c.source == "files":
+        paths = c.files.paths
+        expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
 
 
 # What a token store's folder holds (store.py, this module), and the temporary names of its writes.
@@ -197,8 +232,9 @@ def check_store_folder(out: str) -> None:
                         "empty folder of its own (or the folder of the store this command started)")
 
 
-def _store_tokenizer(c, out: str, say):
-    """The store's tokenizer: the given one (a store started with another is refused) or a trained one."""
+def _given_or_stored_tokenizer(c, out: str):
+    """Read-only: the given tokenizer (a store started with another is refused), else the store's copy,
+    else None (a BPE is still to be trained)."""
     from tokenizers import Tokenizer  # noqa: PLC0415
 
     path = storage.join(out, "tokenizer.json")
@@ -209,10 +245,18 @@ def _store_tokenizer(c, out: str, say):
         if existing is not None and Tokenizer.from_str(existing).to_str() != given.to_str():
             raise DataError(f"token store {out} was started with another tokenizer than "
                             f"data.tokenizer.path = {c.tokenizer.path!r}: use another --out, or delete it")
-        tok = given
-    elif existing is not None:
-        tok = Tokenizer.from_str(existing)
-    else:
+        return given
+    return None if existing is None else Tokenizer.from_str(existing)
+
+
+def _store_tokenizer(c, out: str, say):
+    """The store's tokenizer: the given one (a store started with another is refused) or a trained one."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    path = storage.join(out, "tokenizer.json")
+    existing = storage.is_file(path)
+    tok = _given_or_stored_tokenizer(c, out)
+    if tok is None:
         say(f"training a {c.tokenizer.vocab_size}-token byte-level BPE on the train documents")
         texts = (d.text for k, d in enumerate(iter_documents(c))
                  if not is_val(np.array([k]), c.split_seed, c.val_fraction)[0])
@@ -223,7 +267,7 @@ def _store_tokenizer(c, out: str, say):
             say(f"cut {cut['runs_cut']} runs of over {cut['max_piece_chars']} characters without a space (or of "
                 "spaces) into pieces for the BPE's training (a minified file or a blob would stall it); the "
                 "documents are tokenised whole")
-    if existing is None and not storage.create_new(path, tok.to_str().encode()):
+    if not existing and not storage.create_new(path, tok.to_str().encode()):
         if Tokenizer.from_str(storage.read_text(path)).to_str() != tok.to_str():  # another shard's
             raise DataError(f"token store {out}: another prepare saved a different tokenizer.json; "
                             "give every machine the same data.tokenizer.path")
@@ -237,15 +281,19 @@ def source_description(c) -> dict:
     return json.loads(json.dumps(desc, default=str))
 
 
-def _check_settings(c, out: str, tok, shard_bytes: int) -> dict:
-    """``build.json``: fixed by the first prepare of ``out``; a resume with other settings is refused."""
-    vocab = tokenizer_lib.tokenizer_vocab_size(tok)
-    # How the tokenizer was made: a given file (its digest below is what counts) or trained here, whose
-    # settings a resumed build must share (it reuses the store's tokenizer.json and would ignore them).
-    made = ({"given": "data.tokenizer.path"} if c.tokenizer.path else
+def _settings_tokenizer(c) -> dict:
+    """How the tokenizer was made: a given file (its digest in build.json is what counts) or trained here,
+    whose settings a resumed build must share (it reuses the store's tokenizer.json and would ignore them)."""
+    return ({"given": "data.tokenizer.path"} if c.tokenizer.path else
             {"trained": "byte-level BPE", "vocab_size": c.tokenizer.vocab_size,
              "min_frequency": c.tokenizer.min_frequency, "max_piece_chars": tokenizer_lib.MAX_PIECE_CHARS})
-    settings = {
+
+
+def _settings(c, tok, shard_bytes: int) -> dict:
+    """What ``build.json`` records of a build of ``c`` with the tokenizer ``tok``."""
+    vocab = tokenizer_lib.tokenizer_vocab_size(tok)
+    made = _settings_tokenizer(c)
+    return {
         "format": st.FORMAT, "data": source_description(c),
         "tokenizer_digest": tokenizer_lib.tokenizer_digest(tok), "vocab_size": vocab,
         "eos_id": tokenizer_lib.eos_id_of(tok, c.tokenizer.eos_token),
@@ -254,16 +302,109 @@ def _check_settings(c, out: str, tok, shard_bytes: int) -> dict:
         "split": {"rule": SPLIT_RULE, "val_fraction": c.val_fraction, "split_seed": c.split_seed},
         "tokenizer": {**made, "eos_token": c.tokenizer.eos_token, "bos_token": c.tokenizer.bos_token},
     }
+
+
+# What build.json records that a finished store's manifest also holds (a store finished before build.json).
+_MANIFEST_SETTINGS = ("format", "data", "tokenizer_digest", "vocab_size", "eos_id", "bos_id", "dtype", "split")
+
+
+def _started_settings(out: str) -> dict | None:
+    """Read-only: the settings ``out`` was started with (``build.json``; for a finished store without one,
+    what its manifest records), or None where no build was started."""
+    path = storage.join(out, "build.json")
+    if storage.is_file(path):
+        return json.loads(storage.read_text(path))
+    if storage.is_file(st.manifest_path(out)):
+        manifest = st.read_manifest(out)
+        return {k: manifest[k] for k in _MANIFEST_SETTINGS if k in manifest}
+    return None
+
+
+def _refuse_other_settings(out: str, started: dict, now: dict) -> None:
+    """One line naming every field of ``now`` that differs from ``started`` (fields that ``started``, an
+    older store's record, lacks are not compared)."""
+    differ = _differences(started, {k: v for k, v in now.items() if k in started})
+    if differ:
+        raise DataError(f"token store {out} was started with other settings ({'; '.join(differ)}): rerun "
+                        "with the settings it was started with, or use another --out")
+
+
+def _check_settings(c, out: str, tok, shard_bytes: int | None) -> dict:
+    """``build.json``: fixed by the first prepare of ``out``; a resume with other settings is refused.
+    ``shard_bytes`` None: the recorded one (a new store: ``DEFAULT_SHARD_BYTES``)."""
+    settings = _settings(c, tok, DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes)
     path = storage.join(out, "build.json")
     if not storage.create_new(path, json.dumps(settings, indent=1).encode()):
         started = json.loads(storage.read_text(path))
-        if "tokenizer" not in started:  # a store started before the tokenizer settings were recorded
-            settings = {k: v for k, v in settings.items() if k != "tokenizer"}
-        differ = _differences(started, settings)
-        if differ:
-            raise DataError(f"token store {out} was started with other settings ({'; '.join(differ)}): rerun "
-                            "with the settings it was started with, or use another --out")
+        if shard_bytes is None and "shard_bytes" in started:
+            settings["shard_bytes"] = started["shard_bytes"]
+        _refuse_other_settings(out, started, settings)
     return settings
+
+
+def _plain(value):
+    """A config value as build.json holds it (JSON: lists, not tuples; ConfigDicts as dicts)."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    return json.loads(json.dumps(value, default=str))
+
+
+def _finalize_settings(c, out: str, started: dict, flags: set[str] | None, shard_bytes: int | None) -> dict:
+    """A finalize writes what the shard builds recorded (``started``); each data config key in ``flags``
+    that the user set (None: all of ``c``) and ``shard_bytes`` (when given) must agree with it."""
+    now = json.loads(json.dumps(started))   # a copy, changed where the user set a flag
+    if flags is None:
+        tok = _given_or_stored_tokenizer(c, out)
+        if tok is None:
+            raise DataError(f"--finalize: token store {out} holds no tokenizer.json: run tieflax prepare (with "
+                            "each --shard i/N) before finalizing")
+        now = _settings(c, tok, started.get("shard_bytes", DEFAULT_SHARD_BYTES) if shard_bytes is None
+                        else shard_bytes)
+    else:
+        if "tokenizer" in flags or "tokenizer.path" in flags:
+            _given_or_stored_tokenizer(c, out)   # another tokenizer than the store's: refused naming it
+            if "tokenizer" in now and (bool(c.tokenizer.path) != ("given" in now["tokenizer"])):
+                made = _settings_tokenizer(c)   # given <-> trained: every field of how it was made differs
+                now["tokenizer"] = {**made, **{k: now["tokenizer"][k] for k in ("eos_token", "bos_token")
+                                               if k in now["tokenizer"]}}
+        for key in sorted(flags):
+            head, _, rest = key.partition(".")
+            if head == "source" and not rest and "data" in now:
+                now["data"]["source"] = c.source
+            elif head in ("python_stdlib", "files", "hf") and "data" in now:
+                if not rest:
+                    now["data"][head] = _plain(c[head])
+                    continue
+                *parents, leaf = rest.split(".")
+                node, value = now["data"].setdefault(head, {}), c[head]
+                for part in parents:
+                    node, value = node.setdefault(part, {}), value[part]
+                node[leaf] = _plain(value[leaf])
+            elif head in ("val_fraction", "split_seed") and not rest and "split" in now:
+                now["split"][head] = _plain(c[head])
+            elif head == "tokenizer" and rest in ("vocab_size", "min_frequency", "eos_token", "bos_token") \
+                    and "tokenizer" in now and (rest.endswith("_token") or "trained" in now["tokenizer"]):
+                now["tokenizer"][rest] = _plain(c.tokenizer[rest])   # a given tokenizer ignores the BPE's
+        if shard_bytes is not None and "shard_bytes" in now:
+            now["shard_bytes"] = shard_bytes
+    _refuse_other_settings(out, started, now)
+    return started
+
+
+def _check_parts(out: str) -> dict:
+    """Read-only, before a finalize: every input shard is tokenised. Returns ``inputs.json``."""
+    try:
+        inputs = json.loads(storage.read_text(storage.join(out, "inputs.json")))
+    except FileNotFoundError:
+        raise DataError(f"token store {out}: no input shard has been tokenised yet; run tieflax prepare "
+                        "(with each --shard i/N) before finalizing") from None
+    ledger = st.finished_parts(out)
+    missing = [k for k in range(inputs["input_shards"]) if k not in ledger]
+    if missing:
+        raise DataError(f"token store {out}: {len(missing)} of {inputs['input_shards']} input shards are not "
+                        f"tokenised yet (e.g. {missing[:4]}); run the remaining tieflax prepare --shard i/N "
+                        "before finalizing")
+    return inputs
 
 
 def _differences(started, now, prefix: str = "") -> list[str]:
@@ -348,17 +489,8 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
 
 def finalize(out: str, settings: dict, *, say=lambda text: None) -> dict:
     """Parts -> each split's stream, document offsets and counts; then ``manifest.json``, created once."""
-    try:
-        inputs = json.loads(storage.read_text(storage.join(out, "inputs.json")))
-    except FileNotFoundError:
-        raise DataError(f"token store {out}: no input shard has been tokenised yet; run tieflax prepare "
-                        "(with each --shard i/N) before finalizing") from None
+    inputs = _check_parts(out)
     ledger = st.finished_parts(out)
-    missing = [k for k in range(inputs["input_shards"]) if k not in ledger]
-    if missing:
-        raise DataError(f"token store {out}: {len(missing)} of {inputs['input_shards']} input shards are not "
-                        f"tokenised yet (e.g. {missing[:4]}); run the remaining tieflax prepare --shard i/N "
-                        "before finalizing")
     parts = [ledger[k] for k in range(inputs["input_shards"])]
     eos, bos, dtype, vocab = settings["eos_id"], settings["bos_id"], np.dtype(settings["dtype"]), settings["vocab_size"]
     splits = {}
