@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import contextlib
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -115,15 +116,28 @@ def _bpe_main() -> None:
     try:
         def texts():
             while True:
-                batch = inbox.recv()
+                batch = _receive(inbox)
                 if batch is None:
                     return
                 yield from batch
 
-        outbox.send(("ok", _train_bpe(texts(), **options)))
+        _send(outbox, ("ok", _train_bpe(texts(), **options)))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
         with contextlib.suppress(Exception):
-            outbox.send(("error", f"{type(e).__name__}: {e}"))
+            _send(outbox, ("error", f"{type(e).__name__}: {e}"))
+
+
+def _send(connection, obj) -> None:
+    """``connection.send(obj)`` through ``bytes``. ``Connection.send`` pickles into a ``BytesIO`` and sends
+    a memoryview of it: a signal handler's exception raised inside that call (Ctrl-C, SIGTERM) leaves the
+    view in the traceback, and on Python 3.12 the garbage collector then frees the ``BytesIO`` first and
+    the process dies of SIGSEGV ("deallocated BytesIO object has exported buffers") after its one line."""
+    connection.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(connection):
+    """The other end of :func:`_send` (``recv_bytes`` returns ``bytes``, no view of a ``BytesIO``)."""
+    return pickle.loads(connection.recv_bytes())
 
 
 def run_bpe_trainer(texts, **options) -> str:
@@ -157,17 +171,17 @@ def run_bpe_trainer(texts, **options) -> str:
                 batch.append(text)
                 size += len(text)
                 if size >= _BATCH_CHARS:
-                    outbox.send(batch)
+                    _send(outbox, batch)
                     batch, size = [], 0
-            outbox.send(batch)
-            outbox.send(None)
+            _send(outbox, batch)
+            _send(outbox, None)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the child stopped reading: its answer (an error) says why
         while not inbox.poll(0.2):
             if child.poll() is not None and not inbox.poll(0):
                 raise died()
         try:
-            kind, value = inbox.recv()
+            kind, value = _receive(inbox)
         except EOFError:
             raise died() from None
         if kind != "ok":
