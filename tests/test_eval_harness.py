@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate (the test extra)")
+pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate (the hf extra)")
 
 import flax.linen as nn  # noqa: E402
 
