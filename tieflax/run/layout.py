@@ -36,12 +36,12 @@ decides what a run folder holds.
 from __future__ import annotations
 
 from tieflax import storage
+from tieflax.data.tokenizer import TOKENIZER_FILE  # the tokenizer's file name is the data layer's
 from tieflax.errors import UserError
 
 CONFIG_FILE = "config.json"
 CONFIG_HISTORY_DIR = "config_history"
 DATA_RECORD_FILE = "data.json"
-TOKENIZER_FILE = "tokenizer.json"
 DATA_CACHE_DIR = "data_cache"
 CHECKPOINT_DIR = "checkpoints"
 UNREADABLE_DIR = "checkpoints_unreadable"
