@@ -105,6 +105,32 @@ def test_lens_of_identity_blocks_equals_the_model_at_every_layer():
     assert "1 held-out document" in one["missing"]
 
 
+def test_lens_of_a_scanned_model_is_the_lens_of_the_unrolled_one():
+    """The residual stream comes from the model (``TransformerLM.residual_stream``), scanned layers included."""
+    from tieflax.model import ModelConfig, TransformerLM
+    from tieflax.model.layout import stack_layers
+    from tieflax.study.evidence import lens_measures
+
+    mc = ModelConfig(family="llama", vocab_size=200, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16)
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (8, 16), 0, 200), np.int32)
+    params = jax.jit(TransformerLM(mc).init)(jax.random.key(0), tokens)["params"]
+    params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+    batches = [dict(inputs=tokens[:4], targets=np.roll(tokens[:4], -1, 1)),
+               dict(inputs=tokens[4:], targets=np.roll(tokens[4:], -1, 1))]
+    doc_ids = [np.repeat(np.arange(2), 2)[:, None] * np.ones((1, 16), np.int64),
+               np.repeat(np.arange(2, 4), 2)[:, None] * np.ones((1, 16), np.int64)]
+    final = [1.0] * 4
+    out = lens_measures(mc, params, batches, doc_ids, 4, final, {}, fit_tokens=64)
+    scanned = mc.replace(scan_layers=True)
+    stacked = stack_layers(params, scanned)
+    out_scanned = lens_measures(scanned, stacked, batches, doc_ids, 4, final, {}, fit_tokens=64)
+    assert "missing" not in out_scanned and out_scanned["layers"] == 2
+    assert out_scanned["doc_tokens"] == out["doc_tokens"] == [0, 0, 32, 32]
+    for kind in ("logit", "tuned"):
+        np.testing.assert_allclose(out_scanned[kind], out[kind], rtol=1e-5)
+        assert out[kind][0][2] != out[kind][1][2]  # the layers differ: a real stream, not identity blocks
+
+
 # --------------------------------------------------------------------------------------- rare tokens
 def test_bin_sums_and_a_difference_only_in_rare_tokens():
     losses = np.array([[1.0, 2.0, 3.0, 4.0]])

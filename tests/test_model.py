@@ -224,6 +224,34 @@ def test_untied_only_switches_are_rejected_when_tied():
         small(True, head_init="copy_embed")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_residual_stream_runs_from_the_embedding_to_before_the_final_norm(family):
+    """Entry 0 is the lookup (plus learned positions), entry l block l-1's output, and the final norm of the
+    last entry is ``hidden_states``; scanned layers give the same stream, in layer order."""
+    from tieflax.model.layout import stack_layers
+
+    config = small(False, n_layers=4, **FAMILIES[family])
+    params = init(config)
+    model, variables = TransformerLM(config), {"params": params}
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), TOKENS.shape)
+    segments = jnp.zeros(TOKENS.shape, jnp.int32)
+    xs = model.apply(variables, TOKENS, method="residual_stream")
+    chex.assert_shape(xs, (config.n_layers + 1, 2, 8, D))
+    embedded = model.apply(variables, TOKENS, method=lambda m, t: m.embed(t))
+    if config.position == "learned":
+        embedded = embedded + params["position_embedding"][:8]
+    np.testing.assert_array_equal(xs[0], embedded)
+    block_2 = model.apply(variables, xs[2], method=lambda m, x: m.blocks[2](x, positions, segments))
+    np.testing.assert_array_equal(xs[3], block_2)
+    hidden = model.apply(variables, TOKENS, method="hidden_states")
+    np.testing.assert_array_equal(model.apply(variables, xs[-1], method=lambda m, x: m.final_norm(x)), hidden)
+    assert not any(np.allclose(xs[i], xs[i + 1]) for i in range(config.n_layers))  # every block adds to it
+    scanned = config.replace(scan_layers=True)  # gemma2: 2 steps of a (local, global) pair
+    xs_scanned = TransformerLM(scanned).apply({"params": stack_layers(params, scanned)}, TOKENS,
+                                              method="residual_stream")
+    np.testing.assert_allclose(xs_scanned, xs, atol=2e-6, rtol=0)
+
+
 def test_surgery_roundtrip():
     params = init(small(True))
     untied = untie(params)

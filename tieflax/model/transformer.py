@@ -1,6 +1,6 @@
 """TransformerLM: a decoder-only LM whose head shares or splits the input embedding.
 
-Three ways to run it (``model.apply(variables, tokens, method=...)``):
+Ways to run it (``model.apply(variables, tokens, method=...)``):
 
 * ``__call__`` -> logits [B, T, V_pad]: dense, for evaluation and generation at small vocabularies.
 * ``features`` -> (hidden [B, T, d], head weight [V_pad, d], head bias [V_pad] or None): everything the
@@ -9,6 +9,8 @@ Three ways to run it (``model.apply(variables, tokens, method=...)``):
   ``tieflax.model.kv_cache``, driven by ``tieflax.eval.decode``).
 * ``loss`` -> (loss per token [B, T] fp32, aux): the fused, blockwise cross-entropy from ``features``;
   tied and untied models share this one code path.
+* ``residual_stream`` -> [n_layers + 1, B, T, d]: the residual stream after the embedding and after
+  every block, before the final norm (the lenses of ``tieflax.study.evidence``).
 
 With ``scan_layers`` the blocks run under ``nn.scan``: their parameters are stacked along a leading
 ``layers`` axis (``params['layers']['block_j']``; see ``tieflax.model.layout``) and the compiler sees one
@@ -43,19 +45,31 @@ class ScanStep(nn.Module):
 
     Block ``j`` of every step is layer ``step * layers_per_scan_step + j``, so it has that layer's
     attention kind. Each block is rematerialised on its own, as when unrolled.
-    (x [B, T, d], positions, segment_ids) -> (x, None), the carry and (no) per-step output of ``nn.scan``.
+    (x [B, T, d], positions, segment_ids) -> (x, None), the carry and (no) per-step output of ``nn.scan``;
+    ``residual_stream`` (the same blocks, the same carry) also outputs the stream after each block.
     """
 
     config: ModelConfig
     mesh: Optional[Mesh] = None  # passed to the attention kernel
 
-    @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
+    def setup(self):
         c = self.config
         block = remat_module(Block, c.remat, scanned=True, offload_inputs=c.offload_layer_inputs)
-        for j in range(c.layers_per_scan_step):
-            x = block(c, layer=j, mesh=self.mesh, name=f"block_{j}")(x, positions, segment_ids)
+        self.blocks = [block(c, layer=j, mesh=self.mesh, name=f"block_{j}")
+                       for j in range(c.layers_per_scan_step)]
+
+    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
+        for block in self.blocks:
+            x = block(x, positions, segment_ids)
         return x, None
+
+    def residual_stream(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, Array]:
+        """-> (x [B, T, d] after the step's last block, [layers_per_scan_step, B, T, d] after each block)."""
+        xs = []
+        for block in self.blocks:
+            x = block(x, positions, segment_ids)
+            xs.append(x)
+        return x, jnp.stack(xs)
 
 
 class TransformerLM(nn.Module):
@@ -83,7 +97,8 @@ class TransformerLM(nn.Module):
             self.layers = nn.scan(ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
                                   in_axes=(nn.broadcast, nn.broadcast),
                                   length=c.n_layers // c.layers_per_scan_step,
-                                  metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})(c, mesh=self.mesh)
+                                  metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
+                                  methods=("__call__", "residual_stream"))(c, mesh=self.mesh)
         else:
             block = remat_module(Block, c.remat, scanned=False, offload_inputs=c.offload_layer_inputs)
             self.blocks = [block(c, layer=i, mesh=self.mesh, name=f"block_{i}") for i in range(c.n_layers)]
@@ -95,6 +110,14 @@ class TransformerLM(nn.Module):
                 (c.padded_vocab,), dtype_of(c.param_dtype))
 
     # --------------------------------------------------------------------------------------------------
+    def _embed_inputs(self, tokens: Array, positions: Array) -> Array:
+        """tokens, positions [B, T] -> the residual stream before the first block [B, T, d]: the input
+        lookup, plus the learned position embedding if the model has one."""
+        x = self.embed(tokens)
+        if self.config.position == "learned":
+            x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
+        return nn.with_logical_constraint(x, BTD)
+
     def hidden_states(self, tokens: Array, positions: Optional[Array] = None,
                       segment_ids: Optional[Array] = None) -> Array:
         """tokens: [B, T] int32 -> final-normed hidden states [B, T, d] in the compute dtype.
@@ -102,21 +125,36 @@ class TransformerLM(nn.Module):
         positions [B, T] (default 0..T-1) feed RoPE / learned positions; segment_ids [B, T] (default all
         equal) keep attention inside one packed document.
         """
-        c = self.config
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        if segment_ids is None:
-            segment_ids = jnp.zeros(tokens.shape, jnp.int32)
-        x = self.embed(tokens)
-        if c.position == "learned":
-            x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
-        x = nn.with_logical_constraint(x, BTD)
-        if c.scan_layers:
+        positions, segment_ids = _default_ids(tokens, positions, segment_ids)
+        x = self._embed_inputs(tokens, positions)
+        if self.config.scan_layers:
             x, _ = self.layers(x, positions, segment_ids)
         else:
             for block in self.blocks:
                 x = block(x, positions, segment_ids)
         return self.final_norm(x)
+
+    def residual_stream(self, tokens: Array, positions: Optional[Array] = None,
+                        segment_ids: Optional[Array] = None) -> Array:
+        """tokens [B, T] -> the residual stream at every depth, [n_layers + 1, B, T, d] in the compute dtype.
+
+        Entry 0 is the embedding output (before any block: the lookup plus learned positions), entry l the
+        output of block l - 1; no final norm, so ``hidden_states`` is ``final_norm`` of entry ``n_layers``.
+        positions and segment_ids as in ``hidden_states``. Scanned layers: the scan outputs each block's
+        stream (layer ``step * layers_per_scan_step + j``), returned in layer order. For reading the layers
+        (lenses); training and evaluation use ``hidden_states``, which keeps no layer's output.
+        """
+        c = self.config
+        positions, segment_ids = _default_ids(tokens, positions, segment_ids)
+        x = self._embed_inputs(tokens, positions)
+        if c.scan_layers:
+            _, xs = self.layers.residual_stream(x, positions, segment_ids)  # [steps, per step, B, T, d]
+            return jnp.concatenate([x[None], xs.reshape(c.n_layers, *x.shape)])
+        xs = [x]
+        for block in self.blocks:
+            x = block(x, positions, segment_ids)
+            xs.append(x)
+        return jnp.stack(xs)
 
     def head_bias_or_none(self) -> Optional[Array]:
         return self.head_bias if self.config.head_bias else None
@@ -147,10 +185,7 @@ class TransformerLM(nn.Module):
             raise ValueError("decode runs per-layer parameters: unstack scanned ones first "
                              "(tieflax.model.layout.unstack_layers, config.replace(scan_layers=False))")
         cache = kv_cache.write_slots(cache, positions, valid)
-        x = self.embed(tokens)
-        if c.position == "learned":
-            x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
-        x = nn.with_logical_constraint(x, BTD)
+        x = self._embed_inputs(tokens, positions)
         layers = []
         for block, layer in zip(self.blocks, cache["layers"]):
             x, layer = block(x, positions, None, (layer, cache))
@@ -169,6 +204,16 @@ class TransformerLM(nn.Module):
         hidden, weight, bias = self.features(tokens, positions, segment_ids)
         return cross_entropy(hidden, weight, targets, bias=bias, mesh=self.mesh,
                              **head_loss_kwargs(self.config), **loss_options)
+
+
+def _default_ids(tokens: Array, positions: Optional[Array],
+                 segment_ids: Optional[Array]) -> tuple[Array, Array]:
+    """(positions, segment_ids) [B, T] int32 with the defaults filled in: 0..T-1 and one segment."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    if segment_ids is None:
+        segment_ids = jnp.zeros(tokens.shape, jnp.int32)
+    return positions, segment_ids
 
 
 def head_loss_kwargs(c: ModelConfig) -> dict:

@@ -100,24 +100,6 @@ def validation(model_config, params: dict, batches: list[dict], doc_ids: list[np
 
 
 # ----------------------------------------------------------------------------------------- lenses
-def _residuals(module, tokens, positions=None, segment_ids=None):
-    """(inside ``TransformerLM.apply``) the residual stream before the first block and after each block,
-    stacked [L + 1, B, T, d] (compute dtype): ``hidden_states`` without the final norm, every layer kept."""
-    c = module.config
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    if segment_ids is None:
-        segment_ids = jnp.zeros(tokens.shape, jnp.int32)
-    x = module.embed(tokens)
-    if c.position == "learned":
-        x = x + jnp.take(module.position_embedding, positions, axis=0).astype(x.dtype)
-    xs = [x]
-    for block in module.blocks:
-        x = block(x, positions, segment_ids)
-        xs.append(x)
-    return jnp.stack(xs)
-
-
 def _readout(module, x, targets, loss_options: dict):
     """(inside ``TransformerLM.apply``) per-token loss [B, T] of a residual stream read through the final
     norm and the model's own head (its logit scale, soft-cap and bias)."""
@@ -140,7 +122,7 @@ def _lens_fns(model_config, loss_options: tuple):
 
     def residuals(params, batch):
         xs = model.apply({"params": params}, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                         method=_residuals)
+                         method=TransformerLM.residual_stream)
         return xs.astype(jnp.float32)
 
     def readout(params, x, targets):
@@ -167,10 +149,8 @@ def lens_measures(model_config, params: dict, batches: list[dict], doc_ids: list
     Returns ``layers`` (L), ``fit_docs`` / ``score_docs`` (their counts), ``fit_tokens`` (positions fitted),
     ``doc_tokens`` [D] (scored tokens; 0 on the fitting half), ``logit`` and ``tuned`` [L+1][D] summed loss
     per document and layer; or ``missing`` (why nothing was measured) with too few documents or
-    positions, or a scanned model.
+    positions. The residual stream is ``TransformerLM.residual_stream`` (scanned layers or unrolled).
     """
-    if model_config.scan_layers:
-        return dict(missing="scanned layers (model.scan_layers): the lens reads the blocks one by one")
     if n_docs < 2:
         return dict(missing=f"{n_docs} held-out document: the tuned lens fits on one half of the documents "
                             "and scores the other")
