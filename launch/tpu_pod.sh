@@ -108,10 +108,11 @@ esac
 LOG="~/tieflax-logs/${TAG}.log"
 COPY=""
 if [[ -n "$LOGS" ]]; then COPY="gcloud storage cp -q $LOG $LOGS/$TAG/host\$I.log >/dev/null 2>&1 || true"; fi
-# The job, then its exit status, in the log; a copier sends the log to the bucket while it runs and at the end.
+# The job, then its exit status, in the log; a copier sends the log to the bucket every 60 s while it runs
+# and at the end (it looks every second whether the job has ended, so the last copy comes at once).
 BODY="$INDEX; mkdir -p ~/tieflax-logs; ( $JOB; echo \"tieflax-pod: host \$I exit \$?\" ) > $LOG 2>&1"
 if [[ -n "$COPY" ]]; then
-  BODY="$INDEX; mkdir -p ~/tieflax-logs; ( ( $JOB; echo \"tieflax-pod: host \$I exit \$?\" ) > $LOG 2>&1 & job=\$!; while kill -0 \$job 2>/dev/null; do $COPY; sleep 60 & wait \$! || true; done; wait \$job || true; $COPY )"
+  BODY="$INDEX; mkdir -p ~/tieflax-logs; ( ( $JOB; echo \"tieflax-pod: host \$I exit \$?\" ) > $LOG 2>&1 & job=\$!; n=0; while kill -0 \$job 2>/dev/null; do if [ \$((n % 60)) -eq 0 ]; then $COPY; fi; n=\$((n + 1)); sleep 1; done; wait \$job || true; $COPY )"
 fi
 if [[ $ATTACH -eq 1 ]]; then
   REMOTE="$INDEX; mkdir -p ~/tieflax-logs; $JOB 2>&1 | tee $LOG"

@@ -51,9 +51,13 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         path = write_report(load_summary(args.workdir), args.workdir)
     else:
+        from tieflax import distributed
         from tieflax.study.compare import run_compare
         from tieflax.config import load_config
 
+        # A multi-process launch (TIEFLAX_DISTRIBUTED=1 from launch/tpu_pod.sh, or TIEFLAX_COORDINATOR...)
+        # joins one job, as `tieflax train` does; without this every host ran its own single-process study.
+        distributed.initialize()
         config = load_config(args.config, args.overrides)
         compilation_cache(args.workdir)
         summary = run_compare(config, args.workdir, log=lambda line: print(line, flush=True),

@@ -23,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.study.sweep import run_sweep
     from tieflax.commands.compare import compilation_cache
     from tieflax.config import load_config
+    from tieflax import distributed
 
+    distributed.initialize()  # a multi-process launch joins one job (as compare and train do)
     config = load_config(args.config, args.overrides)
     compilation_cache(args.workdir)
     summary = run_sweep(config, args.workdir, resume=args.resume, retrain_changed=args.retrain_changed,

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import sys
+import time
 from typing import Any
 
 import jax
@@ -183,13 +184,20 @@ def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.Che
     return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
 
 
-def read_manager(workdir: str) -> ocp.CheckpointManager:
+def read_manager(workdir: str, *, this_process_only: bool = False) -> ocp.CheckpointManager:
     """A manager for reading ``<workdir>/checkpoints`` (creates nothing). Readers go through the manager
     that wrote the checkpoints: it knows the layout (``_CHECKPOINT_METADATA`` sits at the step, not in
-    the item folder), so a healthy checkpoint reads without warnings."""
+    the item folder), so a healthy checkpoint reads without warnings. ``this_process_only``: a reader of
+    one process of a multi-process job (host arrays), which must not wait at orbax's barriers for the
+    others (compare's analysis on process 0 while process 1 trains the next run)."""
     # Not `read_only=True`: orbax warns "directory is read only" for every such manager. A manager that
     # never saves writes nothing either.
-    options = ocp.CheckpointManagerOptions(create=False)
+    alone = {}
+    if this_process_only and jax.process_count() > 1:
+        me = jax.process_index()
+        alone = dict(multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"tieflax-reader-{me}"))
+    options = ocp.CheckpointManagerOptions(create=False, **alone)
     storage.forget_listings(checkpoint_dir(workdir))
     return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
 
@@ -264,7 +272,7 @@ def _plain(tree: Any) -> Any:
 def latest_step(workdir: str) -> int | None:
     if not storage.is_dir(checkpoint_dir(workdir)):
         return None
-    with read_manager(workdir) as manager:
+    with read_manager(workdir, this_process_only=True) as manager:  # a listing: no barrier with the others
         return manager.latest_step()
 
 
@@ -312,7 +320,7 @@ def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collec
     step = latest if step is None else step
     if not storage.is_dir(storage.join(checkpoint_dir(workdir), str(step), "state")):
         raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; the latest is {latest}.")
-    with read_manager(workdir) as manager:
+    with read_manager(workdir, this_process_only=True) as manager:  # host arrays: no other process takes part
         params = _read_params(manager, step, None)
     return config, _plain(params), step
 
@@ -444,6 +452,7 @@ class SaveWatch:
     def __init__(self, manager: ocp.CheckpointManager):
         self.manager = manager
         self.pending: int | None = None
+        self._started = 0.0  # when the pending save started (monotonic)
         self._quiet = _QuietOrbaxSaveErrors()
         logging.getLogger("absl").addFilter(self._quiet)
 
@@ -457,6 +466,7 @@ class SaveWatch:
             except Exception as e:  # noqa: BLE001
                 raise self._error(step, e) from e
         self.pending = step
+        self._started = time.monotonic()
 
     def _where(self) -> str:
         return str(getattr(self.manager, "directory", "")) or "checkpoints"
@@ -484,6 +494,13 @@ class SaveWatch:
             step, self.pending = self.pending, None
             return self._error(step, failed)
         if not wait and self.manager.is_saving_in_progress():
+            # Multi-process training polls this, all processes together (never a blocking wait, which has
+            # the watchdog below): a save that has not ended within the checkpoint deadline is a failure
+            # every process agrees on, instead of polling a bucket that stopped answering forever.
+            seconds = save_deadline_seconds()
+            if storage.is_remote(self._where()) and time.monotonic() - self._started > seconds:
+                step, self.pending = self.pending, None
+                return CheckpointError(storage._no_answer(self._where(), f"finish checkpoint {step} in", seconds))
             return None
         try:
             self._raise_if_failed(wait=True)

@@ -33,9 +33,9 @@ def checkpoint_steps(workdir: str) -> list[int]:
 
     if not storage.is_dir(ckpt.checkpoint_dir(workdir)):
         return []
-    import orbax.checkpoint as ocp
-
-    with ocp.CheckpointManager(ckpt.checkpoint_dir(workdir), item_names=ckpt.ITEMS) as manager:
+    # This process's own reader: compare analyses on process 0 alone (a manager of every process would
+    # wait at orbax's barrier for the others, which are training the next run).
+    with ckpt.read_manager(workdir, this_process_only=True) as manager:
         return sorted(manager.all_steps())
 
 
