@@ -682,8 +682,19 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
                     with paused():
                         val = run_eval(eval_step, state["params"], prepared, config, mesh)
                     writer.write(step, val, split="val")
-                if at_log or preempted:
+                if (at_log or preempted) and jax.process_count() == 1:
                     writer.flush()  # one metrics segment per log period
+                elif at_log or preempted:
+                    # A bucket that stops answering fails process 0's metrics write (at the storage deadline)
+                    # while the others go on to the next collective and wait there (until JAX's heartbeat
+                    # timeout, then a crash): one agreement here stops every process at this log step, each
+                    # with the same line (tests/test_storage_deadline.py).
+                    try:
+                        writer.flush()
+                        lost = None
+                    except storage.StorageError as e:
+                        lost = e
+                    _raise_if_any_failed(lost, saves)
                 if tasks is not None and not preempted and (
                         step == t.num_steps or (t.eval_tasks_every and step % t.eval_tasks_every == 0)):
                     with paused():  # after the flush: a run killed while scoring has logged this step
