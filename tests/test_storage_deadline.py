@@ -258,3 +258,34 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     assert resumed["step"] == whole["step"] == 60
     assert resumed["final_val_loss"] == pytest.approx(whole["final_val_loss"], rel=1e-6), (resumed, whole)
     assert resumed["final_train_loss"] == pytest.approx(whole["final_train_loss"], rel=1e-6), (resumed, whole)
+
+
+def test_a_multi_process_save_still_running_past_the_checkpoint_deadline_is_a_failure(monkeypatch):
+    """Several processes poll their pending save together (never a blocking wait, so no watchdog): one
+    still running on a bucket past TIEFLAX_CHECKPOINT_DEADLINE_S is returned as a failure, which they then
+    agree on, instead of being polled forever."""
+    from tieflax.run import checkpoints as ckpt
+
+    class Saving:  # orbax's manager with a save that never ends
+        directory = "gs://b/run/checkpoints"
+
+        def is_saving_in_progress(self):
+            return True
+
+        def check_for_errors(self):
+            pass
+
+    monkeypatch.setenv(storage.DEADLINE_ENV, "1")
+    monkeypatch.setenv(ckpt.SAVE_DEADLINE_ENV, "2")
+    saves = ckpt.SaveWatch(Saving())
+    try:
+        saves.pending, saves._started = 40, time.monotonic()
+        assert saves.failure(wait=False) is None and saves.pending == 40  # within the deadline: still running
+        saves._started -= 3
+        error = saves.failure(wait=False)
+        assert isinstance(error, ckpt.CheckpointError) and saves.pending is None
+        assert str(error).startswith("cannot finish checkpoint 40 in gs://b/run/checkpoints: no answer from gs://b "
+                                     "within 2 s"), error
+    finally:
+        saves.abandon()
+        saves.close()

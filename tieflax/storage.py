@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import errno
 import os
 import re
 import tempfile
@@ -346,6 +347,31 @@ def create_new(path: str, data: bytes) -> bool:
     """
     if not is_remote(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.lexists(path):
+            return False
+        # Whole or not at all: the data goes to a temporary file, hard-linked to ``path`` (which fails when
+        # something is there). With O_EXCL alone a racing reader could see the file empty, half written
+        # (two `prepare --shard` processes storing one tokenizer.json: "EOF while parsing").
+        folder, name = os.path.split(os.path.abspath(path))
+        tmp_fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+        try:
+            try:
+                with os.fdopen(tmp_fd, "wb") as f:
+                    f.write(data)
+                os.chmod(tmp, 0o666 & ~_umask())
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    if e.errno is not None and e.filename in (None, tmp):  # a full disk: name the real file
+                        raise OSError(e.errno, e.strerror, path) from None
+                    raise
+            # a file system without hard links: create-only with O_EXCL, as before
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies, as open()
         except FileExistsError:
