@@ -28,6 +28,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listens_on(pid: int, port: int) -> bool:
+    """True when process ``pid`` holds the socket listening on 127.0.0.1:``port`` (Linux ``/proc``)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[1].rsplit(":", 1)[1] == f"{port:04X}" and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(fields[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
+def start_server(argv_for_port, health_path: str, attempts: int = 5) -> tuple[subprocess.Popen, int]:
+    """Starts ``argv_for_port(port)`` on a free port and waits until it answers ``health_path``; -> (process,
+    port). The port is free when chosen but not reserved: another test's server (the other xdist worker)
+    can take it first, and then this server exits and the answer comes from the other one, whose bucket
+    a test would freeze or fill by mistake. So the answering socket must be this process's own; else a
+    new port is tried."""
+    for _ in range(attempts):
+        port = free_port()
+        process = subprocess.Popen(argv_for_port(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(f"http://127.0.0.1:{port}{health_path}")
+        except TimeoutError:
+            process.kill()
+            process.wait(timeout=10)
+            raise
+        if process.poll() is None and _listens_on(process.pid, port):
+            return process, port
+        process.kill()
+        process.wait(timeout=10)
+    raise RuntimeError(f"no free port held by the server after {attempts} attempts: {argv_for_port(0)}")
+
+
 def wait_for(url: str, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
     while True:
@@ -47,16 +96,9 @@ class GcsServer:
 
     def __init__(self, *args: str):
         """``args``: the emulator's access rules (``--require-token T``, ``--deny-writes REGEX``)."""
-        self.port = free_port()
+        self.process, self.port = start_server(
+            lambda port: [sys.executable, os.path.join(HERE, "gcs_emulator.py"), "--port", str(port), *args], "/")
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_emulator.py"),
-                                         "--port", str(self.port), *args],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for(self.url + "/")
-        except TimeoutError:
-            self.process.kill()
-            raise
         self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
                     "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "GOOGLE_CLOUD_PROJECT": "test"}
         self._auth = {"Authorization": "Bearer test-token"}
@@ -97,15 +139,9 @@ class S3Server:
     (``tieflax.storage.kvstore_spec`` reads the same variable) at it, with test credentials."""
 
     def __init__(self):
-        self.port = free_port()
+        self.process, self.port = start_server(
+            lambda port: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], "/moto-api/")
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                         str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for(self.url + "/moto-api/")
-        except TimeoutError:
-            self.process.kill()
-            raise
         self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                     "AWS_DEFAULT_REGION": "us-east-1"}
 
