@@ -42,24 +42,52 @@ def _env(server, **extra) -> dict:
     return {**os.environ, **server.env, storage.DEADLINE_ENV: str(DEADLINE), "JAX_PLATFORMS": "cpu", **extra}
 
 
-def test_a_call_to_a_bucket_that_never_answers_stops_at_the_deadline_in_one_line(own_gcs, monkeypatch):
+_ONE_CALL = """
+import json, os, signal, sys, time
+from tieflax import storage
+bucket, server = sys.argv[1], int(sys.argv[2])
+storage.write_text(f"{bucket}/a.txt", "x")
+os.environ[storage.DEADLINE_ENV] = "2"
+os.kill(server, signal.SIGSTOP)
+t0 = time.monotonic()
+try:
+    storage.read_text(f"{bucket}/a.txt")
+    frozen = None
+except storage.StorageError as e:
+    frozen = str(e)
+took = time.monotonic() - t0
+os.kill(server, signal.SIGCONT)
+again = storage.read_text(f"{bucket}/a.txt")  # the same process carries on once it answers
+os.environ[storage.DEADLINE_ENV] = "soon"
+try:
+    storage.read_text(f"{bucket}/a.txt")
+    bad = None
+except storage.StorageError as e:
+    bad = str(e)
+print(json.dumps({"frozen": frozen, "took": took, "again": again, "bad": bad}))
+"""
+
+
+def test_a_call_to_a_bucket_that_never_answers_stops_at_the_deadline_in_one_line(own_gcs):
+    """In a process of its own, as a command meets it (run inside the test worker, after other test files,
+    the frozen read was once answered: see the closing comment)."""
+    import json  # noqa: PLC0415
+
     bucket = own_gcs.new_bucket()
-    storage.write_text(f"{bucket}/a.txt", "x")
-    monkeypatch.setenv(storage.DEADLINE_ENV, "2")
-    os.kill(own_gcs.process.pid, signal.SIGSTOP)
-    t0 = time.monotonic()
-    with pytest.raises(storage.StorageError) as e:
-        storage.read_text(f"{bucket}/a.txt")
-    took = time.monotonic() - t0
-    assert 1.5 < took < 4, took
-    assert str(e.value).startswith(f"cannot read {bucket}/a.txt: no answer from {bucket} within 2 s; check the "
-                                   "network"), e.value
-    assert "\n" not in str(e.value)
-    os.kill(own_gcs.process.pid, signal.SIGCONT)
-    assert storage.read_text(f"{bucket}/a.txt") == "x"  # the same process carries on once it answers
-    monkeypatch.setenv(storage.DEADLINE_ENV, "soon")
-    with pytest.raises(storage.StorageError, match="TIEFLAX_STORAGE_DEADLINE_S='soon': give the deadline"):
-        storage.read_text(f"{bucket}/a.txt")
+    proc = subprocess.run([sys.executable, "-c", _ONE_CALL, bucket, str(own_gcs.process.pid)], env=_env(own_gcs),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["frozen"] is not None, ("a read from a frozen server was answered", got)
+    assert 1.5 < got["took"] < 4, got
+    assert got["frozen"].startswith(f"cannot read {bucket}/a.txt: no answer from {bucket} within 2 s; check the "
+                                    "network"), got
+    assert "\n" not in got["frozen"]
+    assert got["again"] == "x"
+    assert got["bad"] and "TIEFLAX_STORAGE_DEADLINE_S='soon': give the deadline" in got["bad"], got
+    # Closing comment: in the clean clone's suite (two workers, this file after others in the same worker
+    # process) the in-process version of this test twice read the object back from the frozen server's
+    # bucket; alone it always raised. What state of the worker process does it is not known yet.
 
 
 def test_eval_of_a_gs_workdir_without_credentials_offline_stops_in_one_line(tmp_path):
