@@ -549,7 +549,7 @@ def watchdog(path: str, action: str, seconds: float | None = None):
         prefix = " ".join(["tieflax", *[a for a in sys.argv[1:2] if not a.startswith("-")]])  # as the console
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        os.write(2, f"{prefix}: {_no_answer(path, action, seconds)}\n".encode())
+        os.write(2, f"{prefix}: {no_answer(path, action, seconds)}\n".encode())
         os._exit(1)
 
     threading.Thread(target=expire, name="tieflax-storage-watchdog", daemon=True).start()
@@ -583,7 +583,7 @@ def _remote(path: str, action: str, fn):
     try:
         return fn()
     except _DeadlinePassed:
-        raise StorageError(_no_answer(path, action, seconds)) from None
+        raise StorageError(no_answer(path, action, seconds)) from None
     except StorageError:
         raise
     except FileNotFoundError:
@@ -598,7 +598,9 @@ def _remote(path: str, action: str, fn):
         _DEADLINE.at = outer
 
 
-def _no_answer(path: str, action: str, seconds: float) -> str:
+def no_answer(path: str, action: str, seconds: float) -> str:
+    """The one line of a remote ``action`` on ``path`` that got no answer within ``seconds``, with the fix
+    (also for callers that time a library's remote work themselves, such as checkpoint saves)."""
     scheme, bucket, _ = bucket_and_key(path)
     if scheme == "gs" and not _gcs_credentials_configured():
         fix = ("no credentials are configured (no GOOGLE_APPLICATION_CREDENTIALS, no "

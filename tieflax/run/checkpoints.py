@@ -500,7 +500,7 @@ class SaveWatch:
             seconds = save_deadline_seconds()
             if storage.is_remote(self._where()) and time.monotonic() - self._started > seconds:
                 step, self.pending = self.pending, None
-                return CheckpointError(storage._no_answer(self._where(), f"finish checkpoint {step} in", seconds))
+                return CheckpointError(storage.no_answer(self._where(), f"finish checkpoint {step} in", seconds))
             return None
         try:
             self._raise_if_failed(wait=True)
