@@ -202,7 +202,10 @@ def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(
     print(f"stopped {took:.1f} s after the bucket stopped answering (deadline {DEADLINE} s): {said}")
     assert proc.returncode == 1 and "Traceback" not in err and len(said) == 1, err
     assert f"no answer from {bucket} within " in said[0], said
-    assert took < 2 * DEADLINE + RELEASE_SECONDS + 10, took
+    # Whichever write meets the silence: a save running past the checkpoint deadline (2 x DEADLINE here), the
+    # last metrics segment's second try at the close (DEADLINE), the lease's release: the bound of the
+    # two-process test below (30.1 s was seen, a save of step 40 timed out at 12 s).
+    assert took < 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 15, took
     committed = sorted({o.split("/")[2] for o in own_gcs.objects(bucket, "run/checkpoints/")
                         if o.endswith("commit_success.txt")}, key=int)
     assert committed and committed[-1] != "120", committed
