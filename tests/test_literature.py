@@ -240,7 +240,8 @@ def test_scaled_gradient_matches_a_float64_reference_of_the_two_paths(monkeypatc
     untied view's gradient, summed in float64."""
     from tieflax.config import model_config
     from tieflax.model import TransformerLM
-    from tieflax.train import _untied_view, dense_loss
+    from tieflax.model.tie import untied_view
+    from tieflax.train import dense_loss
 
     scale = 3.0
     config, s, step, mesh = _step_setup(monkeypatch, scale=scale, capture=True)
@@ -252,7 +253,7 @@ def test_scaled_gradient_matches_a_float64_reference_of_the_two_paths(monkeypatc
 
     mc = model_config(config)
     untied = TransformerLM(mc.replace(tie_embeddings=False))
-    split = jax.jit(jax.grad(lambda p: dense_loss(untied, p, host)[0].sum() / host["targets"].size))(_untied_view(params))
+    split = jax.jit(jax.grad(lambda p: dense_loss(untied, p, host)[0].sum() / host["targets"].size))(untied_view(params))
     lookup, head32 = split["embed"]["embedding"], split["lm_head"]["embedding"]
     h = np.asarray(TransformerLM(mc).apply({"params": params}, host["inputs"], host["positions"],
                                           host["segment_ids"], method=TransformerLM.hidden_states),

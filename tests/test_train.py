@@ -22,7 +22,8 @@ from tieflax.run.identity import load_workdir_config
 from tieflax.config import model_config
 from tieflax.run.metrics import read_metrics
 from tieflax.model import ConfigError, TransformerLM
-from tieflax.train import TrainingError, _untied_view, dense_loss, evaluate, train_and_evaluate
+from tieflax.model.tie import untied_view
+from tieflax.train import TrainingError, dense_loss, evaluate, train_and_evaluate
 
 N = 20  # steps of the reference run; the interrupted run must reproduce its final parameters
 
@@ -100,7 +101,7 @@ def test_tied_gradient_is_the_sum_of_the_untied_views_gradients(data_dir):
              "positions": jnp.broadcast_to(jnp.arange(16), tokens.shape)}
     grad = jax.jit(jax.grad(mean_loss), static_argnums=1)
     g_tied = grad(params, TransformerLM(mc))
-    g_split = grad(_untied_view(params), TransformerLM(mc.replace(tie_embeddings=False)))
+    g_split = grad(untied_view(params), TransformerLM(mc.replace(tie_embeddings=False)))
     lookup, head = g_split["embed"]["embedding"], g_split["lm_head"]["embedding"]
     assert float(jnp.linalg.norm(lookup)) > 0 and float(jnp.linalg.norm(head)) > 0
     np.testing.assert_allclose(g_tied["embed"]["embedding"], lookup + head, rtol=1e-5, atol=1e-8)

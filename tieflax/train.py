@@ -13,10 +13,8 @@ The same code runs one CPU process or a pod: parameters, optimizer state and bat
 ``(data, fsdp, tensor)`` mesh by the logical-axis rules of ``tieflax.sharding``; the loss is the fused,
 vocabulary-parallel cross-entropy from the hidden states and the (tied or untied) head matrix.
 
-Tied models are differentiated *untied*: the step applies the untied model to ``{..., embed: W,
-lm_head: W}`` (the same values twice) and sums the two gradients. That is exactly the tied gradient
-(autodiff would add the same two terms) and costs no extra matmul, and it yields the lookup and head
-contributions separately for the ``grad_norm/embed_lookup`` and ``grad_norm/embed_head`` metrics.
+Tied models are differentiated *untied*, as ``tieflax.model.tie`` describes: the untied view of the
+parameters, the gradient twin of the model, and the fold of the two gradients back into the tied matrix.
 """
 
 from __future__ import annotations
@@ -55,6 +53,7 @@ from tieflax.run.trackers import check_installed, open_trackers
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.embedding import finish_logits
 from tieflax.model.params import param_report
+from tieflax.model.tie import fold_tied_gradient, gradient_twin, untied_view
 from tieflax.optim import make_optimizer
 from tieflax.errors import Interrupted, UserError
 
@@ -132,9 +131,8 @@ def _strip_boxes(tree: Any) -> Any:
 
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Setup:
     mc = model_config(config)
-    tied = mc.tie_embeddings
     model = TransformerLM(mc, mesh=mesh)
-    grad_model = TransformerLM(mc.replace(tie_embeddings=False), mesh=mesh) if tied else model
+    grad_model = gradient_twin(model)
     init_model = TransformerLM(mc)  # no mesh: init is a tiny forward pass, parameters are identical
     tx, schedule = make_optimizer(config.train)
 
@@ -155,15 +153,6 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Setup:
 
 
 # ================================================================================================ update
-
-def _untied_view(params: dict) -> dict:
-    """Tied params -> the untied tree with the same matrix twice (no copy: both leaves are one array)."""
-    embed = dict(params["embed"])
-    head = {"embedding": embed["embedding"]}
-    if "out_proj" in embed:  # decoupled width (model.embed_dim): the head's projection goes with the head
-        head["out_proj"] = embed.pop("out_proj")
-    return {**params, "embed": embed, "lm_head": head}
-
 
 def _loss_options(c: ml_collections.ConfigDict, *, train: bool) -> dict:
     return dict(z_loss=c.z_loss if train else 0.0, label_smoothing=c.label_smoothing if train else 0.0,
@@ -200,7 +189,7 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
 
     def step(state, batch):
         params = state["params"]
-        gparams = _untied_view(params) if tied else params
+        gparams = untied_view(params) if tied else params
         n_tokens = jnp.maximum((batch["targets"] >= 0).sum(), 1).astype(jnp.float32)
         if accum == 1:
             (loss, stats), grads = grad_fn(gparams, batch, n_tokens)
@@ -224,13 +213,8 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
 
         metrics = {}
         if tied:
-            g_lookup, g_head = grads["embed"]["embedding"], grads["lm_head"]["embedding"]
-            if c.get("tied_input_grad_scale", 1.0) != 1.0:  # the intervention; at 1.0 the step is today's
-                g_lookup = g_lookup * c.tied_input_grad_scale  # (and grad_norm/embed_lookup the scaled path)
-            g_head_tree = grads["lm_head"]
-            grads = {k: v for k, v in grads.items() if k != "lm_head"}
-            grads["embed"] = {**grads["embed"], "embedding": g_lookup + g_head,
-                              **{k: v for k, v in g_head_tree.items() if k != "embedding"}}
+            grads, parts = fold_tied_gradient(grads, input_grad_scale=c.get("tied_input_grad_scale", 1.0))
+            g_lookup, g_head = parts["lookup"], parts["head"]  # grad_norm/embed_lookup: the scaled path
             metrics["grad_norm/embed_lookup"] = optax.tree.norm(g_lookup)
             metrics["grad_norm/embed_head"] = optax.tree.norm(g_head)
             metrics["grad_norm/embed"] = optax.tree.norm(grads["embed"]["embedding"])
