@@ -51,7 +51,6 @@ from tieflax.run.metrics import MetricWriter, metric_files, read_metrics
 from tieflax.run.profiler import ProfileWindow
 from tieflax.run.trackers import check_installed, open_trackers
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
-from tieflax.model.embedding import finish_logits
 from tieflax.model.params import param_report
 from tieflax.model.tie import fold_tied_gradient, gradient_twin, untied_view
 from tieflax.optim import make_optimizer
@@ -170,16 +169,15 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
     c = config.train
     tied = s.model_config.tie_embeddings
     accum = c.grad_accum_steps
-    options = _loss_options(c, train=True)
+    if c.loss_impl == "dense":  # the baseline: full logits (tieflax.ops.reference.dense_cross_entropy)
+        method, options = TransformerLM.dense_loss, dict(z_loss=c.z_loss, label_smoothing=c.label_smoothing)
+    else:
+        method, options = TransformerLM.loss, _loss_options(c, train=True)
     mesh = s.mesh
 
     def micro_loss(gparams, mb, n_tokens):
-        if c.loss_impl == "dense":
-            loss, aux = dense_loss(s.grad_model, gparams, mb, z_loss=c.z_loss,
-                                   label_smoothing=c.label_smoothing)
-        else:
-            loss, aux = s.grad_model.apply({"params": gparams}, mb["inputs"], mb["targets"], mb["positions"],
-                                           mb["segment_ids"], method=TransformerLM.loss, **options)
+        loss, aux = s.grad_model.apply({"params": gparams}, mb["inputs"], mb["targets"], mb["positions"],
+                                       mb["segment_ids"], method=method, **options)
         valid = (mb["targets"] >= 0) & (mb["targets"] < s.model_config.vocab_size)
         stats = dict(z_loss=aux["z_loss"].sum(), correct=(aux["correct"] & valid).sum(),
                      invalid_labels=aux["invalid_label_count"])
@@ -241,35 +239,6 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
     batch_shardings = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
     return jax.jit(step, in_shardings=(s.state_shardings, batch_shardings),
                    out_shardings=(s.state_shardings, shd.replicated(mesh)), donate_argnums=(0,))
-
-
-def dense_loss(model: TransformerLM, params: dict, batch: dict, *, z_loss: float = 0.0,
-               label_smoothing: float = 0.0) -> tuple[jax.Array, dict]:
-    """The baseline the fused loss replaces: full fp32 logits [B, T, V_pad], then log-softmax.
-
-    Same semantics as the fused loss (head switches, padding rows masked, labels < 0 ignored, labels
-    >= V counted as invalid), for ``config.train.loss_impl='dense'`` and the train-step benchmark.
-    Returns (loss per token [B, T] fp32, aux with ``z_loss``, ``correct``, ``invalid_label_count``).
-    """
-    hidden, weight, bias = model.apply({"params": params}, batch["inputs"], batch["positions"],
-                                       batch["segment_ids"], method=TransformerLM.features)
-    c = model.config
-    logits = jnp.einsum("btd,vd->btv", hidden.astype(jnp.float32), weight.astype(jnp.float32))
-    logits = finish_logits(logits, c, bias)
-    v = jnp.arange(c.padded_vocab) < c.vocab_size
-    logits = jnp.where(v, logits, -1e30)
-    y = batch["targets"]
-    valid = (y >= 0) & (y < c.vocab_size)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    zy = jnp.take_along_axis(logits, jnp.where(valid, y, 0)[..., None], axis=-1)[..., 0]
-    ce = lse - (1 - label_smoothing) * zy
-    if label_smoothing:
-        ce = ce - label_smoothing / c.vocab_size * jnp.where(v, logits, 0.0).sum(-1)
-    zterm = z_loss * jnp.square(lse)
-    loss = jnp.where(valid, ce + zterm, 0.0)
-    aux = dict(z_loss=jnp.where(valid, zterm, 0.0), correct=valid & (zy >= logits.max(-1)),
-               invalid_label_count=jnp.sum(y >= c.vocab_size, dtype=jnp.int32))
-    return loss, aux
 
 
 # ================================================================================================ evals

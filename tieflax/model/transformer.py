@@ -36,6 +36,7 @@ from tieflax.model.layout import LAYERS_AXIS
 from tieflax.model.layers import BTD, Block, Norm, dtype_of
 from tieflax.model.remat import remat_module
 from tieflax.ops.cross_entropy import cross_entropy
+from tieflax.ops.reference import dense_cross_entropy
 
 Array = jax.Array
 
@@ -204,6 +205,16 @@ class TransformerLM(nn.Module):
         hidden, weight, bias = self.features(tokens, positions, segment_ids)
         return cross_entropy(hidden, weight, targets, bias=bias, mesh=self.mesh,
                              **head_loss_kwargs(self.config), **loss_options)
+
+    def dense_loss(self, tokens: Array, targets: Array, positions: Optional[Array] = None,
+                   segment_ids: Optional[Array] = None, *, z_loss: float = 0.0,
+                   label_smoothing: float = 0.0) -> tuple[Array, dict]:
+        """:meth:`loss` from full fp32 logits [B, T, V_pad] (``tieflax.ops.reference.dense_cross_entropy``):
+        the baseline the fused loss replaces (``config.train.loss_impl='dense'``) and the tests' dense loss.
+        Returns (loss per token [B, T] fp32, aux with ``z_loss``, ``correct``, ``invalid_label_count``)."""
+        hidden, weight, bias = self.features(tokens, positions, segment_ids)
+        return dense_cross_entropy(hidden, weight, targets, bias=bias, z_loss=z_loss,
+                                   label_smoothing=label_smoothing, with_aux=True, **head_loss_kwargs(self.config))
 
 
 def _default_ids(tokens: Array, positions: Optional[Array],

@@ -1,9 +1,9 @@
-"""Dense cross-entropy references, for tests and benchmarks only (they materialise [N, V] logits).
+"""Dense cross-entropy references (full [N, V] logits): tests, benchmarks and the dense baseline.
 
 - ``numpy_cross_entropy``: float64 NumPy oracle of the loss, aux and analytic gradients, with exactly the
   semantics of :func:`tieflax.ops.cross_entropy.cross_entropy`.
 - ``dense_cross_entropy``: the same loss in JAX on full logits, differentiated by autodiff (an independent
-  check of the oracle's gradient formula).
+  check of the oracle's gradient formula); also the trainer's ``loss_impl='dense'`` baseline.
 - ``naive_cross_entropy``: the usual optax loss on full logits; the baseline in benchmarks.
 """
 
@@ -59,21 +59,45 @@ def numpy_cross_entropy(hidden, weight, labels, *, valid_vocab, weights=None, z_
 
 
 def dense_cross_entropy(hidden, weight, labels, *, valid_vocab, weights=None, z_loss=0.0,
-                        label_smoothing=0.0, logit_scale=1.0, softcap=None, bias=None):
-    """Loss per token [N] on full [N, V] logits in JAX (autodiff gives the gradients)."""
+                        label_smoothing=0.0, logit_scale=1.0, softcap=None, bias=None, with_aux=False):
+    """The dense loss, the one the fused loss replaces: full logits [..., V_pad], then log-softmax in JAX.
+
+    hidden [..., d] (e.g. [N, d] or [B, T, d]), weight [V_pad, d], labels [...] int, bias [V_pad] or None,
+    weights [...] or None. The logits are fp32 (fp64 for fp64 inputs): ``logit_scale * hidden @ weight^T``,
+    plus ``bias``, soft-capped, padded rows (>= ``valid_vocab``) masked. Labels < 0 are ignored and labels
+    >= ``valid_vocab`` counted as invalid (both give 0), as in the fused loss. Autodiff gives the gradients
+    (an independent check of the oracle's formula). It is ``config.train.loss_impl='dense'`` of the trainer
+    (through ``TransformerLM.dense_loss``) and the tests' dense loss.
+
+    Returns loss per token [...]; with ``with_aux`` ``(loss, aux)``, aux as the fused loss's:
+    ``z_loss`` [...], ``correct`` [...] bool (the label is the arg-max), ``invalid_label_count`` int32.
+    """
     acc = jnp.promote_types(jnp.float32, hidden.dtype)  # fp32, or fp64 for fp64 inputs
-    raw = logit_scale * jnp.dot(hidden, weight.T, preferred_element_type=acc)
+    logits = jnp.einsum("...d,vd->...v", hidden.astype(acc), weight.astype(acc))
+    logits = logits * jnp.asarray(logit_scale, logits.dtype)
     if bias is not None:
-        raw = raw + bias
-    z = softcap * jnp.tanh(raw / softcap) if softcap is not None else raw
-    z = z[:, :valid_vocab]
+        logits = logits + bias.astype(logits.dtype)
+    if softcap:
+        cap = jnp.asarray(softcap, logits.dtype)
+        logits = cap * jnp.tanh(logits / cap)
+    in_vocab = jnp.arange(weight.shape[0]) < valid_vocab
+    logits = jnp.where(in_vocab, logits, -1e30)
     valid = (labels >= 0) & (labels < valid_vocab)
-    lse = jax.nn.logsumexp(z, axis=1)
-    zy = jnp.take_along_axis(z, jnp.where(valid, labels, 0)[:, None], axis=1)[:, 0]
-    eps = label_smoothing
-    ce = lse - (1 - eps) * zy - eps / valid_vocab * z.sum(axis=1) + z_loss * lse**2
-    wts = jnp.ones_like(lse) if weights is None else weights
-    return jnp.where(valid, wts * ce, 0.0)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    zy = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = lse - (1 - label_smoothing) * zy
+    if label_smoothing:
+        ce = ce - label_smoothing / valid_vocab * jnp.where(in_vocab, logits, 0.0).sum(-1)
+    zterm = z_loss * jnp.square(lse)
+    loss = ce + zterm
+    if weights is not None:
+        loss, zterm = weights * loss, weights * zterm
+    loss = jnp.where(valid, loss, 0.0)
+    if not with_aux:
+        return loss
+    aux = dict(z_loss=jnp.where(valid, zterm, 0.0), correct=valid & (zy >= logits.max(-1)),
+               invalid_label_count=jnp.sum(labels >= valid_vocab, dtype=jnp.int32))
+    return loss, aux
 
 
 def naive_cross_entropy(hidden, weight, labels, *, valid_vocab):
