@@ -1,6 +1,6 @@
 """The package's floors: every import, function-level ones included, points down.
 
-A room is a sub-package (``run/``) or a top-level module (``train``). Rooms on one floor never import each
+A room is a sub-package (``run/``) or a top-level module (``config``). Rooms on one floor never import each
 other ("around"), a room never imports a room on a higher floor ("up"), and no modules import each other
 in a loop. Read from the source (``ast``), nothing is imported, so a lazy import inside a function that
 would run up is caught as surely as one at the top of a file.
@@ -14,7 +14,7 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tieflax"
 
 # Bottom to top. shared/DESIGN.md "Floors": ops, storage, errors at the bottom; data and model above
-# them; run/ above storage; train above run; study and plan above train; commands on top. eval/ (the
+# them; run/ above storage; train/ above run; study and plan above train/; commands on top. eval/ (the
 # lm-eval backend) sits between run/ and train: training scores lm-eval tasks on its live parameters
 # (config.train.eval_tasks), and eval/ never needed train.
 FLOORS = [
@@ -26,7 +26,7 @@ FLOORS = [
     {"config"},
     {"run/"},
     {"eval/"},
-    {"train", "interop/"},
+    {"train/", "interop/"},
     {"plan"},
     {"study/"},
     {"commands/"},

@@ -189,6 +189,7 @@ def _step_setup(monkeypatch=None, scale=None, capture=False):
     from test_train_support import micro_config
     from tieflax import sharding as shd
     from tieflax import train
+    from tieflax.train import step as train_step
 
     config = micro_config("/nonexistent")
     config.train.warmup_steps = 0
@@ -200,7 +201,7 @@ def _step_setup(monkeypatch=None, scale=None, capture=False):
     if capture:
         tx = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
                                           lambda g, state, params=None: (jax.tree.map(jnp.zeros_like, g), g))
-        monkeypatch.setattr(train, "make_optimizer", lambda c: (tx, optax.constant_schedule(0.0)))
+        monkeypatch.setattr(train_step, "make_optimizer", lambda c: (tx, optax.constant_schedule(0.0)))
     mesh = train.setup_mesh(config)
     with nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
         s = train.build(config, mesh)

@@ -187,10 +187,10 @@ def test_a_second_ctrl_c_stops_at_once_and_says_which_steps_are_lost(tied_run):
     and the console line names the steps after the last checkpoint (the tied run's last is 20)."""
     from tieflax.commands.train import second_stop_line
     from tieflax.errors import Interrupted
-    from tieflax.train import _StopSignal
+    from tieflax.train.stop import StopSignal
 
     at = {"step": 23}
-    stop = _StopSignal(progress=lambda: at["step"])
+    stop = StopSignal(progress=lambda: at["step"])
     try:
         stop._handle(signal.SIGINT, None)
         assert stop.requested and stop.name == "SIGINT"

@@ -1,0 +1,28 @@
+"""Training: ``train_and_evaluate(config, workdir)``, the step apart from the loop.
+
+    tieflax train --config configs/experiments/tiny.py --workdir /tmp/tiny     # rerun to resume
+    tieflax eval --workdir /tmp/tiny
+
+or from Python / a notebook::
+
+    from tieflax.config import load_config
+    from tieflax.train import train_and_evaluate
+    result = train_and_evaluate(load_config("configs/experiments/tiny.py"), "/tmp/tiny")
+
+The same code runs one CPU process or a pod: parameters, optimizer state and batches are laid out on a
+``(data, fsdp, tensor)`` mesh by the logical-axis rules of ``tieflax.sharding``.
+
+Rooms: ``step`` (``build``, ``make_train_step``, ``make_eval_step``, the loss options, the mesh check),
+``loop`` (``train_and_evaluate``), ``validation`` (``run_eval``, ``evaluate``, the final interval's loss),
+``stop`` (signals, every process stopping at the same step, saves settling, closing on the way out).
+"""
+
+from tieflax.train.loop import train_and_evaluate
+from tieflax.train.step import (BATCH_KEYS, Setup, TrainingError, build, check_fits_mesh, loss_options,
+                                make_eval_step, make_train_step, setup_mesh)
+from tieflax.train.stop import ProcessesStopped
+from tieflax.train.validation import evaluate, final_interval_loss, perplexity, run_eval
+
+__all__ = ["BATCH_KEYS", "ProcessesStopped", "Setup", "TrainingError", "build", "check_fits_mesh", "evaluate",
+           "final_interval_loss", "loss_options", "make_eval_step", "make_train_step", "perplexity", "run_eval",
+           "setup_mesh", "train_and_evaluate"]

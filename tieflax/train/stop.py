@@ -1,0 +1,111 @@
+"""Stopping: signals (SIGTERM, Ctrl-C), every process stopping at the same step, saves settling on every
+process, and closing every resource on the way out."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from tieflax.errors import Interrupted
+from tieflax.run import checkpoints as ckpt
+
+
+class StopSignal:
+    """SIGTERM, or a first SIGINT (Ctrl-C), is recorded so the loop can finish the step, checkpoint and
+    exit (SIGTERM: 0, SIGINT: 130 by :class:`Interrupted`); a second SIGINT stops at once, raising
+    :class:`Interrupted` where the program is (``at_step``: the last step trained). ``progress()`` gives
+    the step reached. Restores the previous handlers on close."""
+
+    def __init__(self, progress: Callable[[], int] | None = None):
+        self.requested = False
+        self.signum: int | None = None
+        self._progress = progress
+        self._previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._handle)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.requested:
+            for s in self._previous:  # once: the clean-up on the way out (lock, last save) runs whole
+                signal.signal(s, signal.SIG_IGN)
+            try:
+                step = self._progress() if self._progress else None
+            except NameError:  # before the loop's first step
+                step = None
+            e = Interrupted(signal.SIGINT, "stopped at once by a second SIGINT"
+                            + (f" at step {step}" if step is not None else "")
+                            + ": the steps after the last finished checkpoint are lost; rerun the same "
+                            "command to resume from that checkpoint")
+            e.at_step = step
+            raise e
+        if not self.requested:
+            self.signum = signum
+        self.requested = True
+        if signum == signal.SIGINT:
+            print("tieflax: SIGINT (Ctrl-C): saving a checkpoint after this step, then exiting; Ctrl-C again "
+                  "stops at once, losing the steps since the last checkpoint", file=sys.stderr, flush=True)
+
+    def close(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
+def stop_everywhere(local: bool) -> bool:
+    """True if any process saw SIGTERM (all processes must stop at the same step)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+
+
+class ProcessesStopped(ckpt.CheckpointError):
+    """A save failed on some process and every process stopped at the same step. Orbax's save thread may
+    still wait for the failed process at its commit barrier: the command exits without joining it."""
+
+
+def settle_saves(saves: ckpt.SaveWatch) -> None:
+    """Multi-process: waits until the pending save has ended on every process, all processes polling
+    together, and raises on all of them as soon as it failed on any. (A blocking wait would hang: the
+    healthy processes' saves wait for the failed one at orbax's commit barrier.)"""
+    from tieflax import distributed  # noqa: PLC0415
+
+    while True:
+        raise_if_any_failed(saves.failure(wait=False), saves)
+        if not distributed.any_process(saves.pending is not None):
+            return
+        time.sleep(0.05)
+
+
+def raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
+    """Every process calls this at the same step: all raise the first failing process's error, or none."""
+    from tieflax import distributed  # noqa: PLC0415
+
+    message = distributed.first_failure(str(error) if error is not None else None, "save")
+    if message is not None:
+        saves.abandon()
+        raise ProcessesStopped(message) from error
+
+
+def close_all(*closers: Callable[[], Any]) -> None:
+    """Calls every closer; raises the first failure, unless an exception is already propagating."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+    if first is not None and sys.exc_info()[1] is None:
+        raise first
