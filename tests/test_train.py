@@ -23,7 +23,7 @@ from tieflax.config import model_config
 from tieflax.run.metrics import read_metrics
 from tieflax.model import ConfigError, TransformerLM
 from tieflax.model.tie import untied_view
-from tieflax.train import TrainingError, evaluate, train_and_evaluate
+from tieflax.train import TrainingError, evaluate_run, train_and_evaluate
 
 N = 20  # steps of the reference run; the interrupted run must reproduce its final parameters
 
@@ -212,7 +212,7 @@ def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
     from tieflax.cli import main
 
     workdir, result = tied_run
-    same = evaluate(load_workdir_config(workdir), workdir)
+    same = evaluate_run(load_workdir_config(workdir), workdir)
     assert same["step"] == N
     assert same["loss"] == pytest.approx(result["final_val_loss"], rel=1e-6)
     assert main(["eval", "--workdir", workdir, "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
@@ -462,7 +462,7 @@ def test_scanned_run_converts_to_per_layer_with_the_same_loss(data_dir, tmp_path
     assert main(["convert", "--unscan-layers", "--workdir", workdir, "--out", flat]) == 0
     flat_config = load_workdir_config(flat)
     assert not flat_config.model.scan_layers
-    assert evaluate(flat_config, flat)["loss"] == pytest.approx(result["final_val_loss"], rel=1e-5)
+    assert evaluate_run(flat_config, flat)["loss"] == pytest.approx(result["final_val_loss"], rel=1e-5)
     assert main(["convert", "--scan-layers", "--workdir", flat, "--out", str(tmp_path / "again")]) == 0
     chex.assert_trees_all_equal(ckpt.load_latest_params(str(tmp_path / "again"))[1], params)
 

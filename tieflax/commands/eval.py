@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.config import apply_override, model_config, validate_config  # noqa: PLC0415
     from tieflax.model.config import ConfigError  # noqa: PLC0415
     from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
-    from tieflax.train import evaluate  # noqa: PLC0415
+    from tieflax.train import evaluate_run  # noqa: PLC0415
 
     config = load_workdir_config(args.workdir)
     trained = model_config(config)
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--config.model overrides would evaluate another model than the one trained "
                           f"(config.model.{changed[0]}{' and more' if len(changed) > 1 else ''}): eval "
                           "overrides may change how the run is evaluated (mesh, batches), not the model")
-    result = evaluate(config, args.workdir)
+    result = evaluate_run(config, args.workdir)
     if jax.process_index() == 0:
         print(strict_json.dumps(result))  # a NaN loss as "NaN": strict JSON
     return 0

@@ -13,16 +13,18 @@ The same code runs one CPU process or a pod: parameters, optimizer state and bat
 ``(data, fsdp, tensor)`` mesh by the logical-axis rules of ``tieflax.sharding``.
 
 Rooms: ``step`` (``build``, ``make_train_step``, ``make_eval_step``, the loss options, the mesh check),
-``loop`` (``train_and_evaluate``), ``validation`` (``run_eval``, ``evaluate``, the final interval's loss),
-``stop`` (signals, every process stopping at the same step, saves settling, closing on the way out).
+``loop`` (``train_and_evaluate``), ``validation`` (``run_eval``, ``evaluate_run``, the final interval's
+loss), ``stop`` (signals, every process stopping at the same step, saves settling, closing on the way out).
 """
 
 from tieflax.train.loop import train_and_evaluate
 from tieflax.train.step import (BATCH_KEYS, Setup, TrainingError, build, check_fits_mesh, loss_options,
                                 make_eval_step, make_train_step, setup_mesh)
 from tieflax.train.stop import ProcessesStopped
-from tieflax.train.validation import evaluate, final_interval_loss, perplexity, run_eval
+from tieflax.train.validation import evaluate_run, final_interval_loss, perplexity, run_eval
+
+evaluate = evaluate_run  # the name before train/ (a run's validation loss; lm-eval is tieflax.eval)
 
 __all__ = ["BATCH_KEYS", "ProcessesStopped", "Setup", "TrainingError", "build", "check_fits_mesh", "evaluate",
-           "final_interval_loss", "loss_options", "make_eval_step", "make_train_step", "perplexity", "run_eval",
-           "setup_mesh", "train_and_evaluate"]
+           "evaluate_run", "final_interval_loss", "loss_options", "make_eval_step", "make_train_step", "perplexity",
+           "run_eval", "setup_mesh", "train_and_evaluate"]

@@ -1,5 +1,5 @@
 """Validation: the mean cross-entropy of a run's parameters on the validation split (``run_eval``), of a
-workdir's latest checkpoint (``evaluate``), and the final interval's training loss across restarts."""
+workdir's latest checkpoint (``evaluate_run``), and the final interval's training loss across restarts."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def final_interval_loss(rows: list[dict], step: int, log_every: int, *, fallback
     return total / count if count and at == boundary else fallback
 
 
-def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def evaluate_run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Validation loss and perplexity of ``workdir``'s latest checkpoint, on ``config``'s mesh.
 
     The mesh may differ from the one the run trained on: parameters restore onto this run's shardings.
