@@ -322,7 +322,7 @@ def _tpu_devices(topology):
 
 def test_integer_bf16_rounding_equals_convert():
     """The XLA path's per-block fp32 -> bf16 rounding (used on TPU instead of a hoisted convert of W)."""
-    from tieflax.ops.cross_entropy import _bf16_round
+    from tieflax.ops.cross_entropy.xla import _bf16_round
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
     bits[:4] = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000]  # ties (both ways), overflow, denormal

@@ -1,4 +1,5 @@
-"""Pallas Mosaic TPU kernels of the fused cross-entropy (``impl='pallas'``), one vocabulary shard.
+"""Pallas Mosaic TPU kernels of the fused cross-entropy (``impl='pallas'``), one vocabulary shard, and
+their driver under ``shard_map`` (an XLA loop over vocabulary chunks when W arrives chunk by chunk).
 
 Three kernels, each a grid over (token blocks, vocab blocks) of ``[bt, d] x [bv, d]`` tiles read from
 HBM block by block (W in its own dtype, fp32 or bf16: no converted copy of the matrix ever exists; a
@@ -29,59 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-_MASK = -1e30
-
-
-@dataclasses.dataclass(frozen=True)
-class Semantics:
-    """The loss's static switches (see ``tieflax.ops.cross_entropy``)."""
-    valid_vocab: int
-    z_loss: float
-    label_smoothing: float
-    logit_scale: float
-    softcap: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """Tile sizes and the scoped VMEM limit for one TPU generation."""
-    token: int
-    vocab: int
-    vmem_limit_mib: int
-
-
-# Per generation: VMEM per core is 16 MiB (v2-v4; libtpu reports 16 MiB for v4), 128 MiB (v5e, v6e),
-# 95 MiB (v5p), 64 MiB (v7). A [1024, d] fp32 W block double-buffered plus the [bv, d] fp32 accumulator
-# is 3 * 1024 * d * 4 bytes = 27 MiB at d = 2304; `blocks_for` halves the blocks until they fit.
-_GENERATIONS = {
-    "TPU v2": Blocks(256, 256, 14), "TPU v3": Blocks(256, 256, 14),
-    "TPU v4": Blocks(256, 512, 14), "TPU v4 lite": Blocks(256, 512, 14),
-    "TPU v5 lite": Blocks(512, 1024, 100), "TPU v5e": Blocks(512, 1024, 100),
-    "TPU v5": Blocks(512, 1024, 80), "TPU v5p": Blocks(512, 1024, 80),
-    "TPU v6 lite": Blocks(512, 1024, 100), "TPU v6e": Blocks(512, 1024, 100),
-    "TPU7x": Blocks(512, 1024, 56), "TPU7": Blocks(512, 1024, 56),
-}
-_DEFAULT = Blocks(256, 512, 14)  # unknown kind (no mesh to read it from): fits every generation
-
-
-def blocks_for(device_kind: str, d: int, w_bytes: int) -> Blocks:
-    """Generation table, with the larger block halved until the biggest kernel's buffers fit in 3/4 of
-    the VMEM limit: double-buffered W and hidden blocks, a few [bt, bv] fp32 tiles, and either the fp32
-    [bv, d] accumulator with its double-buffered output (dW) or the [bt, d] accumulator, input and
-    output blocks (dH)."""
-    b = _GENERATIONS.get(device_kind, _DEFAULT)
-    bt, bv = b.token, b.vocab
-
-    def need(bt, bv):
-        common = 2 * bv * d * w_bytes + 2 * bt * d * 4 + 6 * bt * bv * 4
-        return common + max(3 * bv * d * 4, 5 * bt * d * 4)
-
-    while need(bt, bv) > 0.75 * b.vmem_limit_mib * 2**20 and max(bt, bv) > 128:
-        if bv >= bt:
-            bv //= 2
-        else:
-            bt //= 2
-    return Blocks(bt, bv, b.vmem_limit_mib)
+from tieflax.ops.cross_entropy.config import MASK, Cfg, Semantics
 
 
 def _fit(block: int, n: int, align: int, interpret: bool) -> int:
@@ -112,7 +61,7 @@ def _logits(sem: Semantics, h, w, b_ref, ok, cdt):
         raw = raw + b_ref[...].astype(jnp.float32)
     if sem.softcap is not None:
         raw = sem.softcap * jnp.tanh(raw / sem.softcap)
-    return jnp.where(ok, raw, _MASK)
+    return jnp.where(ok, raw, MASK)
 
 
 def _dlogits(sem: Semantics, z, ok, cols, y, lse, coef):
@@ -145,7 +94,7 @@ def _stats_kernel(sem, cdt, bv, v, has_bias, voff_ref, *refs):
 
     @pl.when(j == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, MASK, jnp.float32)
         for r in (s_ref, zy_ref, sz_ref):
             r[...] = jnp.zeros(r.shape, jnp.float32)
 
@@ -306,3 +255,8 @@ def local_dw(plan: Plan, h, w, b, y, lse, coef, v_off, dw_dtype, lo=0):
                    [pltpu.VMEM((bv, d), jnp.float32), pltpu.VMEM((1, bv), jnp.float32)])(
         _scalars(v_off, lo), *args)
     return dw, db[0]
+
+
+def plan(cfg: Cfg, interpret: bool) -> Plan:
+    """The kernels' static plan for one call: semantics, this generation's blocks, interpret or compile."""
+    return Plan(Semantics.of(cfg), cfg.pallas.token, cfg.pallas.vocab, cfg.pallas.vmem_limit_mib, interpret)
