@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tieflax.ops.cross_entropy import cross_entropy
+from tieflax.ops.cross_entropy import cross_entropy, tiles
 from tieflax.ops.reference import dense_cross_entropy, naive_cross_entropy, numpy_cross_entropy
 from tieflax.sharding import make_mesh
 
@@ -30,8 +30,10 @@ PLAIN = dict(z_loss=0.0, label_smoothing=0.0, logit_scale=1.0, softcap=None)
 MODES = ("recompute", "fused")
 # 'pallas': mode='recompute' with impl='pallas', interpreted on CPU (TPU kernels run as JAX ops).
 # Its chunk of 14 vocab rows (2 blocks of 7) makes the fsdp mesh's 19 local rows take 2 chunks.
+# 'pallas_gpu': the Pallas GPU (Triton) kernels, interpreted on CPU, with SMALL_GPU_TILES (below).
 KERNEL = {"recompute": dict(mode="recompute", impl="xla"), "fused": dict(mode="fused"),
-          "pallas": dict(mode="recompute", impl="pallas", vocab_chunk=14)}
+          "pallas": dict(mode="recompute", impl="pallas", vocab_chunk=14),
+          "pallas_gpu": dict(mode="recompute", impl="pallas_gpu", vocab_chunk=14)}
 # The same with a replicated head declared as such (weight_rows_sharded=False): rows read in place.
 KERNEL.update({f"{k}_rows_whole": dict(v, weight_rows_sharded=False) for k, v in list(KERNEL.items())})
 # name -> (data, fsdp, tensor) over the first data*fsdp*tensor devices; None = single-device path.
@@ -92,8 +94,22 @@ def _close(got, want, rel):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=rel * max(np.abs(want).max(), 1e-30))
 
 
+# The GPU kernels' tiles at these shapes make each of their loops take several steps: 2 column blocks of
+# d, token chunks of 20 rows and vocabulary chunks of 14 (the last one shifted back), and few programs,
+# so the inner loops are split into runs of several blocks.
+SMALL_GPU_TILES = dict(GPU_TILES=tiles.GpuTiles(depth=8, programs=8), GPU_CHUNK_BYTES=4 * D * 20)
+
+
+def _run(mode, mesh_name, feats, d):
+    fn = _fn(mode, mesh_name, tuple(sorted(feats.items())))
+    with pytest.MonkeyPatch.context() as mp:  # read when the call is traced, the first time
+        for k, v in (SMALL_GPU_TILES.items() if mode.startswith("pallas_gpu") else ()):
+            mp.setattr(tiles, k, v)
+        return fn(d["h"], d["w"], d["b"], d["wt"], d["y"], d["g"])
+
+
 def _check_against_oracle(d, mode, mesh_name, feats, rel):
-    l, aux, gr, gu = _fn(mode, mesh_name, tuple(sorted(feats.items())))(d["h"], d["w"], d["b"], d["wt"], d["y"], d["g"])
+    l, aux, gr, gu = _run(mode, mesh_name, feats, d)
     f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731 (bf16 -> exact f64)
     kw = dict(valid_vocab=VV, weights=d["wt"], bias=d["b"], **feats)
     ref = numpy_cross_entropy(f64(d["h"]), f64(d["w"]), d["y"], cotangent=d["g"], **kw)
@@ -120,7 +136,9 @@ def _check_against_oracle(d, mode, mesh_name, feats, rel):
 # kernels (slow to interpret) on one device and on the mesh that also shards W's d.
 @pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES if m not in ("8dev_1x8", "4dev_2x2")]
                          + [("fused", "1dev"), ("fused", "8dev_2x4"), ("fused", "8dev_f2x4"),
-                            ("pallas", "1dev"), ("pallas", "8dev_f2x4")])
+                            ("pallas", "1dev"), ("pallas", "8dev_f2x4"),
+                            ("pallas_gpu", "1dev"), ("pallas_gpu", "8dev_1x8"),
+                            pytest.param("pallas_gpu", "8dev_f2x4", marks=pytest.mark.slow)])
 def test_matches_float64_oracle_all_features(mode, mesh_name):
     _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
 
@@ -129,12 +147,13 @@ def test_matches_float64_oracle_all_features(mode, mesh_name):
 # back whole; on a mesh that shards tokens and vocabulary, and on one that also shards W's d.
 @pytest.mark.parametrize("mode, mesh_name", [("recompute_rows_whole", "8dev_2x4"),
                                              ("recompute_rows_whole", "8dev_f2x4"),
-                                             ("fused_rows_whole", "8dev_2x4"), ("pallas_rows_whole", "8dev_f2x4")])
+                                             ("fused_rows_whole", "8dev_2x4"), ("pallas_rows_whole", "8dev_f2x4"),
+                                             ("pallas_gpu_rows_whole", "8dev_2x4")])
 def test_replicated_head_matches_float64_oracle(mode, mesh_name):
     _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ("pallas_gpu",))
 def test_every_label_ignored_gives_zero_loss_and_gradient(mode):
     d = _data()
     d["y"][:] = -1
@@ -145,14 +164,14 @@ def test_every_label_ignored_gives_zero_loss_and_gradient(mode):
     assert int(aux["invalid_label_count"]) == 7
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ("pallas_gpu",))
 def test_logits_of_magnitude_1e4_do_not_overflow(mode):
     d = _data(scale=3000.0)  # |logits| ~ 1e4: exp would overflow without the running max
     l, aux, _ = _check_against_oracle(d, mode, "8dev_2x4", PLAIN, 2e-5)
     assert np.abs(np.asarray(aux["lse"])).max() > 5e3
 
 
-@pytest.mark.parametrize("mode", MODES + ("pallas",))
+@pytest.mark.parametrize("mode", MODES + ("pallas", "pallas_gpu"))
 def test_bf16_inputs(mode):
     d = _data(dtype=jnp.bfloat16)
     _check_against_oracle(d, mode, "1dev", ALL, 2e-2)
@@ -421,3 +440,36 @@ def test_dw_is_reduced_block_by_block_on_a_tpu(impl, block):
     rows = block.get("vocab_chunk", 256)
     assert f"f32[{v // 4},{d}]" not in reduced, reduced   # the whole local dW, after the loop
     assert f"f32[{rows},{d}]" in reduced, reduced         # one block or chunk, in the loop
+
+
+# ------------------------------------------------------------------ compiled for a GPU (from a CPU)
+
+@functools.lru_cache(maxsize=None)
+def _gpu_devices(kind):
+    try:
+        from jax.experimental import topologies
+
+        from tieflax.targets import gpu_target_config
+        return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(kind),
+                                            topology="1x1x1").devices
+    except Exception as e:  # noqa: BLE001 (no CUDA plugin here: jax[cuda12] compiles for a GPU without one)
+        pytest.skip(f"CUDA compile-only target {kind} unavailable: {e}")
+
+
+@pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float32])
+def test_auto_compiles_the_pallas_gpu_kernels_for_an_h100_with_small_temporaries(w_dtype):
+    """impl='auto' compiled for an H100 from this CPU process (needs the CUDA plugin, skipped without it):
+    the loss and its gradient are the three Triton kernels, and the temporaries are the kernels' fp32
+    chunk buffers, the same for an fp32 and a bf16 head (no converted copy of W, no [N, V] buffer)."""
+    devices = _gpu_devices("h100")
+    n, d, v = 2048, 512, 32768
+    sh = jax.sharding.SingleDeviceSharding(devices[0])
+    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh), jax.ShapeDtypeStruct((v, d), w_dtype, sharding=sh),
+            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh)]
+    f = jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v - 5, z_loss=1e-4, softcap=30.0,
+                                                         label_smoothing=0.1)[0].sum(), argnums=(0, 1))
+    compiled = jax.jit(f).lower(*args).compile()
+    hlo, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes / 2**20
+    assert hlo.count("__gpu$xla.gpu.triton") == 3, "expected the stats, dH and dW kernels"
+    # dH: one fp32 [2048, 512] chunk (4 MiB); dW: an fp32 [16384, 512] chunk (32 MiB, tiles.GPU_CHUNK_BYTES).
+    assert temp < 40, temp

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from tieflax.ops.cross_entropy import pallas_driver, pallas_tpu, tiles, xla
+from tieflax.ops.cross_entropy import pallas_driver, pallas_gpu, pallas_tpu, tiles, xla
 from tieflax.ops.cross_entropy.config import IMPLS, MODES, Cfg, acc_dtype
 from tieflax.ops.cross_entropy.sharding import batch_size
 from tieflax.ops.cross_entropy.tiles import DEFAULT_FUSED_TOKEN_BLOCK, DEFAULT_TOKEN_BLOCK, DEFAULT_VOCAB_BLOCK
@@ -86,25 +86,52 @@ __all__ = ["cross_entropy", "DEFAULT_TOKEN_BLOCK", "DEFAULT_VOCAB_BLOCK", "DEFAU
 
 # ------------------------------------------------------------------------- implementation by platform
 
-def _on_platform(cfg: Cfg, xla_fn, pallas_fn, *args):
-    """Runs ``pallas_fn(cfg, interpret, *args)`` or ``xla_fn(cfg, *args)`` by ``cfg.impl``. The choice
-    for 'auto' (and compiled vs interpreted Pallas) is made when lowering, for the platform the program
-    is compiled for (a TPU topology compiled from a CPU process picks the kernel)."""
-    if cfg.impl == "xla":
-        return xla_fn(cfg, *args)
-    other = (functools.partial(pallas_fn, cfg, True) if cfg.impl == "pallas"
-             else functools.partial(xla_fn, cfg))
-    return lax.platform_dependent(*args, tpu=functools.partial(pallas_fn, cfg, False), default=other)
+def _xla_on(cfg: Cfg, xla_fn):
+    """``xla_fn`` for each platform, with that platform's tiles (``Cfg.on``)."""
+    return {p: functools.partial(xla_fn, cfg.on(p)) for p in ("tpu", "cuda", "rocm")} | dict(
+        default=functools.partial(xla_fn, cfg.on("cpu")))
+
+
+def _gpu_refused(h, *args):
+    raise ValueError(f"impl='pallas_gpu' compiled for a GPU: {pallas_gpu.supported(h.shape[1])[1]}; "
+                     f"use impl='auto' (the XLA path takes this case) or impl='xla'.")
+
+
+def _on_platform(cfg: Cfg, kind: str, *args):
+    """Runs the implementation ``cfg.impl`` names of ``kind`` ('stats' or 'grads'), chosen when lowering,
+    for the platform the program is compiled for (a TPU topology or a GPU target compiled from a CPU
+    process picks its kernel). A Pallas kernel compiled for another platform than its own is interpreted
+    (its JAX ops run as XLA), which is how the tests run them on a CPU."""
+    xla_fn = getattr(xla, kind)
+    tpu_fn = functools.partial(getattr(pallas_driver, kind), pallas_tpu)
+    gpu_fn = functools.partial(getattr(pallas_driver, kind), pallas_gpu)
+    branches = _xla_on(cfg, xla_fn)
+    if cfg.impl == "pallas":
+        branches = dict(tpu=functools.partial(tpu_fn, cfg.on("tpu"), False),
+                        default=functools.partial(tpu_fn, cfg, True))
+    elif cfg.impl == "pallas_gpu":
+        branches = dict(cuda=functools.partial(gpu_fn, cfg.on("cuda"), False) if cfg.gpu_ok else _gpu_refused,
+                        default=functools.partial(gpu_fn, cfg, True))
+    elif cfg.impl == "auto":
+        branches["tpu"] = functools.partial(tpu_fn, cfg.on("tpu"), False)
+        if cfg.gpu_ok:
+            branches["cuda"] = functools.partial(gpu_fn, cfg.on("cuda"), False)
+    return lax.platform_dependent(*args, **branches)
 
 
 def _stats(cfg: Cfg, h, w, b, y):
     """Global [N] statistics (max, sumexp, label logit, sum of logits), acc dtype."""
-    return _on_platform(cfg, xla.stats, functools.partial(pallas_driver.stats, pallas_tpu), h, w, b, y)
+    return _on_platform(cfg, "stats", h, w, b, y)
 
 
 def _grads(cfg: Cfg, h, w, b, y, lse, coef):
     """Recompute backward: dH [N, d] h.dtype, dW [V, d] w.dtype, db [V] acc (all fully reduced)."""
-    return _on_platform(cfg, xla.grads, functools.partial(pallas_driver.grads, pallas_tpu), h, w, b, y, lse, coef)
+    return _on_platform(cfg, "grads", h, w, b, y, lse, coef)
+
+
+def _fused(cfg: Cfg, h, w, b, y, aw):
+    """Gradient-in-forward (XLA on every platform, with the platform's tiles)."""
+    return lax.platform_dependent(h, w, b, y, aw, **_xla_on(cfg, xla.fused))
 
 
 # ---------------------------------------------------------------------------------- custom VJP
@@ -147,7 +174,7 @@ def _build(cfg: Cfg):
             loss, aux, aw, lu = _finish(cfg, stats, y, weights)
             return (loss, aux), (h, w, b, y, weights, aux["lse"], aw, lu, None)
         aw0 = jnp.where((y >= 0) & (y < cfg.valid_vocab), weights, 0.0)
-        stats, dh, dw, db = xla.fused(cfg, h, w, b, y, aw0.astype(acc_dtype(h.dtype, w.dtype)))
+        stats, dh, dw, db = _fused(cfg, h, w, b, y, aw0.astype(acc_dtype(h.dtype, w.dtype)))
         loss, aux, aw, lu = _finish(cfg, stats, y, weights)
         return (loss, aux), (h, w, b, y, weights, aux["lse"], aw, lu, (dh, dw, db))
 
@@ -192,8 +219,8 @@ def _check(cfg: Cfg, hidden, weight, labels, weights, bias):
         raise ValueError(f"mode={cfg.mode!r}; use one of {MODES}.")
     if cfg.impl not in IMPLS:
         raise ValueError(f"impl={cfg.impl!r}; use one of {IMPLS}.")
-    if cfg.impl == "pallas" and cfg.mode != "recompute":
-        raise ValueError(f"impl='pallas' implements mode='recompute' only; got mode={cfg.mode!r}. "
+    if cfg.impl in ("pallas", "pallas_gpu") and cfg.mode != "recompute":
+        raise ValueError(f"impl={cfg.impl!r} implements mode='recompute' only; got mode={cfg.mode!r}. "
                          f"Use impl='xla' (or 'auto') for mode='fused'.")
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1).")
@@ -201,8 +228,9 @@ def _check(cfg: Cfg, hidden, weight, labels, weights, bias):
         raise ValueError(f"softcap={cfg.softcap} must be positive or None.")
     if cfg.chunk < 0:
         raise ValueError(f"vocab_chunk={cfg.chunk} must be >= 1 (or None for the default).")
-    if cfg.token_block < 1 or cfg.vocab_block < 1:
-        raise ValueError(f"token_block={cfg.token_block}, vocab_block={cfg.vocab_block} must be >= 1.")
+    if cfg.token_block < 0 or cfg.vocab_block < 0:
+        raise ValueError(f"token_block={cfg.token_block}, vocab_block={cfg.vocab_block} must be >= 1 "
+                         f"(or None for the platform's default).")
     if cfg.mesh is None:
         return
     names = cfg.mesh.axis_names
@@ -296,14 +324,13 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
     d = hidden.shape[-1]
     pallas = tiles.tpu_blocks(_device_kind(mesh), d, jnp.dtype(weight.dtype).itemsize)
     pallas = tiles.TpuBlocks(token_block or pallas.token, vocab_block or pallas.vocab, pallas.vmem_limit_mib)
-    if token_block is None:
-        token_block = DEFAULT_FUSED_TOKEN_BLOCK if mode == "fused" else DEFAULT_TOKEN_BLOCK
+    impl = "xla" if impl == "auto" and mode == "fused" else impl
     cfg = Cfg(int(valid_vocab), float(z_loss), float(label_smoothing), float(logit_scale),
-               None if softcap is None else float(softcap), int(token_block),
-               int(vocab_block or DEFAULT_VOCAB_BLOCK), mode, mesh, vocab_axis, tuple(batch_axes),
-               "xla" if impl == "auto" and mode == "fused" else impl,
-               _embed_axis(mesh, weight_embed_axis, tuple(batch_axes), d), pallas, int(vocab_chunk or 0),
-               mesh is not None and not weight_rows_sharded)
+              None if softcap is None else float(softcap), int(token_block or 0), int(vocab_block or 0),
+              mode, mesh, vocab_axis, tuple(batch_axes), impl,
+              _embed_axis(mesh, weight_embed_axis, tuple(batch_axes), d), pallas, int(vocab_chunk or 0),
+              mesh is not None and not weight_rows_sharded, tiles.gpu_tiles(token_block, vocab_block),
+              gpu_ok=pallas_gpu.supported(d)[0])
     _check(cfg, hidden, weight, labels, weights, bias)
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])

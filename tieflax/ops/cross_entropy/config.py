@@ -30,7 +30,7 @@ class Cfg:
     label_smoothing: float
     logit_scale: float
     softcap: float | None
-    token_block: int
+    token_block: int  # XLA path; 0: the platform's default (``on``)
     vocab_block: int
     mode: str
     mesh: Mesh | None
@@ -41,6 +41,15 @@ class Cfg:
     pallas: tiles.TpuBlocks = tiles.TpuBlocks(512, 512, 28)
     chunk: int = 0  # Pallas path, W's d sharded: vocab rows gathered per step
     rows_whole: bool = False  # W's rows not sharded in its layout: each device reads its shard in place
+    gpu: tiles.GpuTiles = tiles.GpuTiles()
+    gpu_ok: bool = False  # the Pallas GPU kernels take this case ('auto' picks them on a CUDA GPU)
+    platform: str = ""  # the platform lowered for, once known (``on``)
+
+    def on(self, platform: str) -> Cfg:
+        """This configuration as lowered for ``platform`` ('cpu', 'cuda', 'rocm', 'tpu'): the XLA path's
+        default blocks are that platform's (``tiles.xla_blocks``)."""
+        bt, bv = tiles.xla_blocks(platform, self.mode, self.token_block, self.vocab_block)
+        return dataclasses.replace(self, token_block=bt, vocab_block=bv, platform=platform)
 
 
 # ----------------------------------------------------------------------------------------- tile math

@@ -9,6 +9,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from tieflax.ops.cross_entropy import tiles
 from tieflax.ops.cross_entropy.config import MASK, Cfg, acc_dtype, block_start, fresh_rows, split_blocks
 from tieflax.ops.cross_entropy.sharding import (
     add_block,
@@ -69,16 +70,28 @@ def _bf16_round(x):
     return lax.bitcast_convert_type((u >> 16).astype(jnp.uint16), jnp.bfloat16)
 
 
-def _matmul_block(w_blk, h_dtype):
+def _matmul_block(cfg: Cfg, w_blk, h_dtype):
     """The W block as the tile matmuls read it. fp32 W with bf16 hidden states on TPU: XLA's default
     precision rounds W to bf16 anyway, and does it with one ``convert`` of the whole matrix hoisted out
     of the loop (a V x d x 2-byte copy, 1.1 GiB at 256000 x 2304). Rounding each block here, by
     integer arithmetic that XLA does not treat as a convert, gives the same values with no copy. Other
-    platforms keep the fp32 block (their default fp32 matmul does not round to bf16)."""
-    if h_dtype != jnp.bfloat16 or w_blk.dtype != jnp.float32:
+    platforms: see ``_matmul_weight``."""
+    if cfg.platform != "tpu" or h_dtype != jnp.bfloat16 or w_blk.dtype != jnp.float32:
         return w_blk
-    return lax.platform_dependent(w_blk, tpu=lambda x: _bf16_round(x).astype(jnp.float32),
-                                  default=lambda x: x)
+    return _bf16_round(w_blk).astype(jnp.float32)
+
+
+def _matmul_weight(cfg: Cfg, w, h_dtype):
+    """W (the local shard) as the tile matmuls read it, once per call. On a GPU with bf16 hidden states
+    and an fp32 W: one bf16 copy (V x d x 2 bytes, 1 GiB at the Llama-3-8B head), so every tile matmul
+    is a bf16 one, as on TPU. Left fp32, the bf16 hidden states were promoted and the matmuls ran in
+    fp32: 296 ms against 175 ms with a bf16 W at the Llama-3.2-1B head on an H200 (issue figures).
+    Converting block by block would not help: XLA hoists a loop-invariant convert of W out of the loop
+    (the TPU's integer rounding above exists to avoid that copy, at the price of integer ops the GPU
+    would run per tile). dW stays fp32 (``dw_dtype``). Elsewhere W is kept as it is."""
+    if cfg.platform in tiles.GPU_PLATFORMS and h_dtype == jnp.bfloat16 and w.dtype == jnp.float32:
+        return w.astype(jnp.bfloat16)
+    return w
 
 
 def _local_stats(cfg: Cfg, h, w, b, y, v_off, take_w=slice_rows, row0=0, v_local=None):
@@ -101,7 +114,7 @@ def _local_stats(cfg: Cfg, h, w, b, y, v_off, take_w=slice_rows, row0=0, v_local
             cols = v_off + v0 + jnp.arange(bv)
             ok = fresh_rows(v0, k, bv) & (cols < cfg.valid_vocab)
             b_blk = None if b is None else lax.dynamic_slice_in_dim(b, row0 + v0, bv)
-            z = _tile(cfg, h_blk, _matmul_block(take_w(w, row0 + v0, bv), h.dtype), b_blk, ok, acc)
+            z = _tile(cfg, h_blk, _matmul_block(cfg, take_w(w, row0 + v0, bv), h.dtype), b_blk, ok, acc)
             tm, ts, tzy, tsz = _tile_stats(cfg, z, ok, cols, y_blk)
             m_new = jnp.maximum(m, tm)
             s = s * jnp.exp(m - m_new) + ts * jnp.exp(tm - m_new)
@@ -116,7 +129,7 @@ def _local_stats(cfg: Cfg, h, w, b, y, v_off, take_w=slice_rows, row0=0, v_local
 
 
 def _local_grads(cfg: Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x, take_w=slice_rows,
-                 row0=0, v_local=None, put=None):
+                 row0=0, v_local=None, put=None, dw_dtype=None):
     """Recompute backward over the local shard. Returns dH [N, d] acc (partial over vocab shards),
     dW [V, d_local] w.dtype and db [V] acc; ``reduce_blk`` sums a finished ([bv, d], [bv]) block over
     the batch shards (into [bv, d_local] when d is sharded), so the loop-carried dW is already the
@@ -134,7 +147,7 @@ def _local_grads(cfg: Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x,
         v0 = block_start(k, bv, v)
         cols = v_off + v0 + jnp.arange(bv)
         ok = fresh_rows(v0, k, bv) & (cols < cfg.valid_vocab)
-        w_blk = _matmul_block(take_w(w, row0 + v0, bv), h.dtype)
+        w_blk = _matmul_block(cfg, take_w(w, row0 + v0, bv), h.dtype)
         b_blk = None if b is None else lax.dynamic_slice_in_dim(b, row0 + v0, bv)
 
         def token_step(i, inner):
@@ -159,7 +172,7 @@ def _local_grads(cfg: Cfg, h, w, b, y, lse, coef, v_off, reduce_blk=lambda x: x,
         dw, db = put(dw, db, v0, dw_blk, db_blk, fresh_rows(v0, k, bv))
         return dh, dw, db
 
-    init = (jnp.zeros(h.shape, acc), jnp.zeros(w.shape, w.dtype), jnp.zeros((w.shape[0],), acc))
+    init = (jnp.zeros(h.shape, acc), jnp.zeros(w.shape, dw_dtype or w.dtype), jnp.zeros((w.shape[0],), acc))
     return lax.fori_loop(0, nv, vocab_step, init)
 
 
@@ -209,13 +222,14 @@ def _local_fused(cfg: Cfg, h, w, b, y, aw, v_off, combine, psum_vocab):
 
 
 def stats(cfg: Cfg, h, w, b, y):
+    """Global [N] statistics (max, sum exp, label logit, logit sum), acc dtype."""
     if cfg.mesh is None:
-        return _local_stats(cfg, h, w, b, y, 0)
+        return _local_stats(cfg, h, _matmul_weight(cfg, w, h.dtype), b, y, 0)
     sp = partition_specs(cfg)
 
     def body(h, w, b, y):
         v_off, row0, v_local = local_view(cfg, w)
-        loc = _local_stats(cfg, h, w, b, y, v_off, take_w(cfg), row0, v_local)
+        loc = _local_stats(cfg, h, _matmul_weight(cfg, w, h.dtype), b, y, v_off, take_w(cfg), row0, v_local)
         return combine_vocab(cfg.vocab_axis, *loc)
 
     return shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"]),
@@ -223,17 +237,18 @@ def stats(cfg: Cfg, h, w, b, y):
 
 
 def grads(cfg: Cfg, h, w, b, y, lse, coef):
+    """dH [N, d] h.dtype, dW [V, d] w.dtype, db [V] acc (fully reduced)."""
     if cfg.mesh is None:
-        dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, 0)
+        dh, dw, db = _local_grads(cfg, h, _matmul_weight(cfg, w, h.dtype), b, y, lse, coef, 0, dw_dtype=w.dtype)
         return dh.astype(h.dtype), dw, db
     sp = partition_specs(cfg)
 
     def body(h, w, b, y, lse, coef):
         # The data-parallel weight-gradient reduction, one [bv, d] block at a time.
         v_off, row0, v_local = local_view(cfg, w)
-        dh, dw, db = _local_grads(cfg, h, w, b, y, lse, coef, v_off,
+        dh, dw, db = _local_grads(cfg, h, _matmul_weight(cfg, w, h.dtype), b, y, lse, coef, v_off,
                                   reduce_dw(cfg) if cfg.batch_axes else (lambda x: x), take_w(cfg),
-                                  row0, v_local, put_block(cfg, v_local))
+                                  row0, v_local, put_block(cfg, v_local), w.dtype)
         return lax.psum(dh, cfg.vocab_axis).astype(h.dtype), dw, db
 
     return shmap(cfg, body, (sp["h"], sp["w"], None if b is None else sp["b"], sp["n"], sp["n"],
@@ -241,8 +256,10 @@ def grads(cfg: Cfg, h, w, b, y, lse, coef):
 
 
 def fused(cfg: Cfg, h, w, b, y, aw):
+    """Gradient in the forward: global statistics, dH, dW (w.dtype), db for a unit cotangent."""
     if cfg.mesh is None:
-        stats, dh, dw, db = _local_fused(cfg, h, w, b, y, aw, 0, combine_local, lambda x: x)
+        stats, dh, dw, db = _local_fused(cfg, h, _matmul_weight(cfg, w, h.dtype), b, y, aw, 0, combine_local,
+                                         lambda x: x)
         return stats, dh, dw.astype(w.dtype), db
     sp = partition_specs(cfg)
 
@@ -253,7 +270,7 @@ def fused(cfg: Cfg, h, w, b, y, aw):
         if cfg.rows_whole:   # (so does this slice of the local shard)
             w = lax.dynamic_slice_in_dim(w, row0, v_local)
             b = None if b is None else lax.dynamic_slice_in_dim(b, row0, v_local)
-        stats, dh, dw, db = _local_fused(cfg, h, w, b, y, aw, v_off,
+        stats, dh, dw, db = _local_fused(cfg, h, _matmul_weight(cfg, w, h.dtype), b, y, aw, v_off,
                                          functools.partial(combine_vocab, cfg.vocab_axis),
                                          functools.partial(lax.psum, axis_name=cfg.vocab_axis))
         if cfg.batch_axes:  # the data-parallel weight-gradient reduction, [V_local, d]
