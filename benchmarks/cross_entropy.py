@@ -4,6 +4,7 @@
     python benchmarks/cross_entropy.py --sweep    # also the block-size sweep behind the defaults
     python benchmarks/cross_entropy.py --tpu v5e:2x4   # compiled for TPU chips (libtpu, from a CPU)
     python benchmarks/cross_entropy.py --gpu h100      # compiled for 8 H100s (jax[cuda12], no GPU needed)
+    python benchmarks/cross_entropy.py --gpu h100 --head   # the default loss at the Llama-3-8B head, one H100
     python benchmarks/cross_entropy.py --tpu v5e:2x4 --layouts   # every head layout, fsdp 2 x tensor 4
 
 ``--tpu``/``--gpu``: loss + gradient at the Gemma-2-2B head width (N = 8192, d = 2304, hidden bf16) for
@@ -199,7 +200,7 @@ def compiled_variants(v, mesh, platform, device_kind):
         tk = _tokamax_loss(device_kind)
         if tk is not None:
             out["tokamax (Pallas TPU)"] = tk
-    impls = ("xla", "pallas") if platform == "tpu" else ("xla",)
+    impls = ("xla", "pallas") if platform == "tpu" else ("xla", "pallas_gpu")
     for impl in impls:
         out[f"tieflax {impl}"] = (lambda impl: lambda h, w, y: cross_entropy(
             h, w, y, valid_vocab=v, mesh=mesh, impl=impl)[0].sum())(impl)
@@ -237,6 +238,29 @@ def compiled_table(tpu: str | None, gpu: str | None):
                     shown = f"{mib:10.1f}" if mib is not None else f"{'failed':>10s}  {err}"
                     print(f"{v:7d} {mesh_name:6s} {jnp.dtype(wdt).name:8s} {name:28s} {shown}", flush=True)
     return dict(device=kind, chips=len(devices), rows=rows)
+
+
+def head_table(gpu: str):
+    """The default loss (``impl='auto'``) + gradients at the Llama-3-8B head (N = 16384, d = 4096,
+    V = 128256, hidden bf16) compiled for one GPU, W bf16 and fp32, beside the XLA path: per-chip temp
+    MiB and which implementation ``auto`` compiled to (the GPU kernels leave Triton custom calls)."""
+    device = _topology_devices(None, gpu)[0]
+    n, d, v = 16384, 4096, 128256
+    sh = jax.sharding.SingleDeviceSharding(device)
+    rows = []
+    print(f"# {device.device_kind}, jax {jax.__version__}; loss+grad at N={n}, d={d}, V={v}, hidden bf16")
+    print(f"{'W':9s} {'impl':6s} {'temp MiB':>9s}  compiled to", flush=True)
+    for wdt in (jnp.bfloat16, jnp.float32):
+        for impl in ("auto", "xla"):
+            args = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=sh),
+                    jax.ShapeDtypeStruct((v, d), wdt, sharding=sh), jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sh))
+            f = jax.jit(loss_and_grad(lambda h, w, y, impl=impl: cross_entropy(h, w, y, valid_vocab=v, impl=impl)[0]))
+            compiled = f.lower(*args).compile()
+            mib = compiled.memory_analysis().temp_size_in_bytes / MB
+            ran = "pallas_gpu" if "__gpu$xla.gpu.triton" in compiled.as_text() else "xla"
+            rows.append(dict(w=jnp.dtype(wdt).name, impl=impl, temp_mib=round(mib, 1), compiled_to=ran))
+            print(f"{jnp.dtype(wdt).name:9s} {impl:6s} {mib:9.1f}  {ran}", flush=True)
+    return dict(device=device.device_kind, n=n, d=d, v=v, rows=rows)
 
 
 # The head layouts a model may hand the loss on a (data, fsdp, tensor) mesh: W [V, d] as a parameter.
@@ -287,12 +311,19 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also run the block-size sweep")
     ap.add_argument("--tpu", metavar="TOPOLOGY", help="compile for this TPU topology (e.g. v5e:2x4) instead")
     ap.add_argument("--gpu", metavar="NAME", help="compile for 8 GPUs described by tieflax/gpu_targets (h100, a100, a100_40gb)")
+    ap.add_argument("--head", action="store_true",
+                    help="with --gpu: the default loss at the Llama-3-8B head on one GPU, W bf16 and fp32")
     args = ap.parse_args()
+    if args.head and not args.gpu:
+        ap.error("--head needs --gpu NAME (e.g. h100)")
     if args.layouts:
         if not args.tpu:
             ap.error("--layouts needs --tpu TOPOLOGY (e.g. v5e:2x4)")
         print("JSON " + json.dumps(layout_table(args.tpu, vocabs=tuple(args.vocab or (64000, 256000)),
                                                 layouts=args.layout or None)))
+        return
+    if args.gpu and args.head:
+        print("JSON " + json.dumps(head_table(args.gpu)))
         return
     if args.tpu or args.gpu:
         print("JSON " + json.dumps(compiled_table(args.tpu, args.gpu)))

@@ -46,12 +46,19 @@ A replicated W (``weight_rows_sharded=False``)
     and ``weight_embed_axis``): under ``jit`` the loss cannot see it, and a mismatch is resliced by the
     compiler on the way in (a copy of part of W).
 
-Implementations (``impl``)
-    ``'xla'``: the loops above. On TPU with bf16 hidden states and an fp32 W, each W block is rounded
-    to bf16 inside the loop (XLA's default precision would round it anyway, but with one hoisted
-    convert of the whole matrix). ``'pallas'``: the Mosaic TPU kernels of ``pallas_tpu``
-    (recompute mode, 5 matmuls), inside the same ``shard_map`` and collectives. ``'auto'`` (default):
-    Pallas when the program is lowered for a TPU, XLA elsewhere (``lax.platform_dependent``).
+Implementations (``impl``), one file each
+    ``'xla'`` (``xla.py``): the loops above, with the tiles of the platform lowered for
+    (``tiles.py``). With bf16 hidden states and an fp32 W: on TPU each W block is rounded to bf16 inside
+    the loop (XLA's default precision would round it anyway, but with one hoisted convert of the whole
+    matrix); on GPU W is cast to bf16 once per call (a V x d bf16 copy) so the tile matmuls are bf16.
+    ``'pallas'`` (``pallas_tpu.py``): the Mosaic TPU kernels (recompute mode, 5 matmuls).
+    ``'pallas_gpu'`` (``pallas_gpu.py``): the Triton GPU kernels (recompute mode, 5 matmuls, fp32
+    accumulation buffers of bounded size, no copy of W). Both Pallas paths run inside the same
+    ``shard_map`` and collectives (``pallas_driver.py``), and are interpreted when compiled for another
+    platform (how the tests run them). ``'auto'`` (default): the TPU kernels when the program is lowered
+    for a TPU, the GPU kernels when lowered for a CUDA GPU (if d is a multiple of 16), XLA elsewhere
+    (``lax.platform_dependent``: decided at lowering, so a deviceless compile for a TPU topology or a
+    GPU target from a CPU picks them).
 
 Semantics (global valid vocabulary ``V = valid_vocab``; ``j`` runs over rows ``< V``)::
 
@@ -288,16 +295,19 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
       label_smoothing: eps; the target is ``(1 - eps) onehot + eps / V`` over the global valid V.
       logit_scale, softcap, bias: ``z = softcap * tanh((logit_scale * h.w + bias) / softcap)``.
       token_block, vocab_block: tile sizes. In ``'fused'`` mode the vocab tile is the local vocab.
-        Defaults: XLA 8192 x 256 (recompute), 512 x V_local (fused); Pallas per TPU generation (read
-        from the mesh's devices; without a mesh 512 x 512, which fits every generation from v4 on).
-        Given explicitly, they apply to both implementations.
+        Defaults (``tiles.py``): XLA 8192 x 256 (recompute), 512 x V_local (fused), on a GPU 16384 x
+        2048 and 2048 x V_local; Pallas TPU per generation (read from the mesh's devices; without a
+        mesh 512 x 512, which fits every generation from v4 on); Pallas GPU 64 x 128 (compiled, rounded
+        down to powers of two of at least 16). Given explicitly, they apply to every implementation.
       mode: ``'recompute'`` (memory-lean, 4 matmuls) or ``'fused'`` (3 matmuls); see the module doc.
       mesh: ``None`` for one device, else a mesh with ``vocab_axis`` and ``batch_axes`` (sizes may be 1).
         Tokens (the flattened leading dims) are split over ``batch_axes``, vocab rows over ``vocab_axis``.
-      impl: ``'xla'`` (blockwise loops in XLA), ``'pallas'`` (Pallas TPU kernels; interpreted when the
-        program is compiled for another platform, for tests), or ``'auto'``: Pallas when the program is
-        compiled for a TPU (decided at lowering, so compiling for a TPU topology from a CPU picks it),
-        XLA elsewhere. ``mode='fused'`` always runs on XLA.
+      impl: ``'xla'`` (blockwise loops in XLA), ``'pallas'`` (Pallas TPU kernels) or ``'pallas_gpu'``
+        (Pallas Triton kernels), each Pallas one interpreted when the program is compiled for another
+        platform (for tests), or ``'auto'``: the TPU kernels when the program is compiled for a TPU, the
+        GPU kernels when compiled for a CUDA GPU and d is a multiple of 16, XLA elsewhere (decided at
+        lowering, so compiling for a TPU topology or a GPU target from a CPU picks them).
+        ``mode='fused'`` always runs on XLA.
       weight_embed_axis: the mesh axis that shards W's d in the parameter layout (tieflax's embedding
         is ``P('tensor', 'fsdp')``). When that axis has size > 1, W's rows are gathered over it one
         block at a time and dW is reduce-scattered back over it, so the gradient leaves in the
@@ -309,7 +319,7 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
         model's). ``False``: W's rows are whole on every device (a replicated head); each device reads
         its vocabulary shard's rows in place, block by block, and dW comes back whole, each finished
         block all-gathered over ``vocab_axis``; no slice of W nor of dW is ever copied.
-      vocab_chunk: Pallas path with W's d sharded, or dW reduced over batch shards: local vocab rows
+      vocab_chunk: Pallas paths with W's d sharded, or dW reduced over batch shards: local vocab rows
         gathered / reduced per step (default: an fp32 ``[rows, d]`` of about 4 MiB, rows a multiple of
         128). Larger chunks cost memory; smaller ones re-read the fp32 dH accumulator more often.
 

@@ -229,12 +229,12 @@ def _compute_dtype(h_dtype, w_dtype):
     return jnp.bfloat16 if h_dtype == jnp.bfloat16 else jnp.result_type(h_dtype, w_dtype)
 
 
-def _view(plan: Plan, h, w, b, n: int, v: int) -> _View:
+def _view(plan: Plan, kernel: str, h, w, b, n: int, v: int) -> _View:
     t = plan.tiles
     cdt = _compute_dtype(h.dtype, w.dtype)
     acc = jnp.float64 if cdt == jnp.float64 else jnp.float32
-    return _View(n, v, h.shape[1], t.token_block(n, plan.interpret), t.vocab_block(v, plan.interpret),
-                 t.depth_block(h.shape[1]), b is not None, cdt, acc)
+    return _View(n, v, h.shape[1], t.token_block(kernel, n, plan.interpret),
+                 t.vocab_block(kernel, v, plan.interpret), t.depth_block(h.shape[1]), b is not None, cdt, acc)
 
 
 def _splits(blocks: int, other_blocks: int, t: tiles.GpuTiles) -> tuple[int, int]:
@@ -266,7 +266,7 @@ def local_stats(plan: Plan, h, w, b, y, v_off, lo=0):
     """h [N, d], w [V, d], b [V] | None, y [N] int32 -> (max, sumexp, label logit, logit sum), 4 x [N]
     fp32, over the rows ``lo:`` of ``w`` only."""
     n, v = h.shape[0], w.shape[0]
-    vw = _view(plan, h, w, b, n, v)
+    vw = _view(plan, "stats", h, w, b, n, v)
     nbt, nbv = pl.cdiv(n, vw.bt), pl.cdiv(v, vw.bv)
     splits, per = _splits(nbt, nbv, plan.tiles)
     n_pad = nbt * vw.bt
@@ -288,9 +288,9 @@ def local_dh(plan: Plan, h, w, b, y, lse, coef, v_off, dh_in, lo=0):
     """dh_in + sum over this shard's rows ``lo:`` of dZ @ W: [N, d] in dh_in's dtype. Token chunks of
     ``_chunk_rows`` rows; each chunk's fp32 buffer is added into its rows of the result."""
     n, d = h.shape
-    bt = plan.tiles.token_block(n, plan.interpret)
+    bt = plan.tiles.token_block("dh", n, plan.interpret)
     rows, count = split_blocks(n, _chunk_rows(d, bt, n))
-    vw = _view(plan, h, w, b, rows, w.shape[0])
+    vw = _view(plan, "dh", h, w, b, rows, w.shape[0])
     nbt = pl.cdiv(rows, vw.bt)
     splits, per = _splits(nbt, pl.cdiv(vw.v, vw.bv), plan.tiles)
     lse, coef = lse.astype(jnp.float32), coef.astype(jnp.float32)
@@ -316,9 +316,9 @@ def local_dw(plan: Plan, h, w, b, y, lse, coef, v_off, dw_dtype, lo=0):
     the local tokens. Vocabulary chunks of ``_chunk_rows`` rows, each written once."""
     n, d = h.shape
     v = w.shape[0]
-    bv = plan.tiles.vocab_block(v, plan.interpret)
+    bv = plan.tiles.vocab_block("dw", v, plan.interpret)
     rows, count = split_blocks(v, _chunk_rows(d, bv, v))
-    vw = _view(plan, h, w, b, n, rows)
+    vw = _view(plan, "dw", h, w, b, n, rows)
     nbv = pl.cdiv(rows, vw.bv)
     splits, per = _splits(nbv, pl.cdiv(n, vw.bt), plan.tiles)
     lse, coef = lse.astype(jnp.float32), coef.astype(jnp.float32)

@@ -99,13 +99,19 @@ def _power_of_two_at_most(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GpuTiles:
-    """Tiles of the Pallas GPU kernels: a [token, vocab] logit tile summed over ``depth``-wide column
-    blocks of d; Triton's launch parameters; ``programs``: how many programs a grid should have (about
-    two per SM of an H100/H200, 132 SMs) before splitting a kernel's inner loop over more of them."""
-    token: int = 64
-    vocab: int = 128
+    """Tiles of the Pallas GPU kernels, ``(token, vocab)`` logit tiles per kernel, each summed over
+    ``depth``-wide column blocks of d; Triton's launch parameters; ``programs``: how many programs a grid
+    should have (about two per SM of an H100/H200, 132 SMs) before a kernel's inner loop is split over
+    more of them.
+
+    The dH and dW kernels add each tile's products into fp32 buffers with atomics: their traffic is
+    ``N d V / vocab`` (dH) and ``V d N / token`` (dW) fp32 adds, so each takes a long side along the
+    dimension it sums over. None of this has been timed on a GPU yet (no GPU at hand when written)."""
+    stats: tuple[int, int] = (64, 128)
+    dh: tuple[int, int] = (64, 256)
+    dw: tuple[int, int] = (256, 64)
     depth: int = 64
-    warps: int = 4
+    warps: int = 8
     stages: int = 3
     programs: int = 264
 
@@ -116,11 +122,11 @@ class GpuTiles:
             return max(1, min(block, n))
         return min(max(16, _power_of_two_at_most(block)), max(16, 1 << (n - 1).bit_length()))
 
-    def token_block(self, n: int, interpret: bool) -> int:
-        return self._block(self.token, n, interpret)
+    def token_block(self, kernel: str, n: int, interpret: bool) -> int:
+        return self._block(getattr(self, kernel)[0], n, interpret)
 
-    def vocab_block(self, v: int, interpret: bool) -> int:
-        return self._block(self.vocab, v, interpret)
+    def vocab_block(self, kernel: str, v: int, interpret: bool) -> int:
+        return self._block(getattr(self, kernel)[1], v, interpret)
 
     def depth_block(self, d: int) -> int:
         """The largest power of two dividing d, at most ``depth`` (d is never masked)."""
@@ -131,6 +137,10 @@ GPU_TILES = GpuTiles()
 
 
 def gpu_tiles(token_block: int | None, vocab_block: int | None) -> GpuTiles:
-    """The GPU kernels' tiles (``GPU_TILES``), with the token and vocabulary blocks the caller gave."""
+    """The GPU kernels' tiles (``GPU_TILES``), with the token and vocabulary blocks the caller gave
+    (then the same for every kernel)."""
     t = GPU_TILES
-    return dataclasses.replace(t, token=token_block or t.token, vocab=vocab_block or t.vocab)
+    if not token_block and not vocab_block:
+        return t
+    pick = lambda tile: (token_block or tile[0], vocab_block or tile[1])  # noqa: E731
+    return dataclasses.replace(t, stats=pick(t.stats), dh=pick(t.dh), dw=pick(t.dw))
