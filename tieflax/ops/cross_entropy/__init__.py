@@ -94,9 +94,11 @@ __all__ = ["cross_entropy", "DEFAULT_TOKEN_BLOCK", "DEFAULT_VOCAB_BLOCK", "DEFAU
 # ------------------------------------------------------------------------- implementation by platform
 
 def _xla_on(cfg: Cfg, xla_fn):
-    """``xla_fn`` for each platform, with that platform's tiles (``Cfg.on``)."""
-    return {p: functools.partial(xla_fn, cfg.on(p)) for p in ("tpu", "cuda", "rocm")} | dict(
-        default=functools.partial(xla_fn, cfg.on("cpu")))
+    """``xla_fn`` for each platform, with that platform's tiles (``Cfg.on``); one callable per distinct
+    configuration, so ``lax.platform_dependent`` traces CUDA and ROCm once."""
+    gpu = functools.partial(xla_fn, cfg.on("gpu"))
+    return dict(tpu=functools.partial(xla_fn, cfg.on("tpu")), cuda=gpu, rocm=gpu,
+                default=functools.partial(xla_fn, cfg.on("cpu")))
 
 
 def _gpu_refused(h, *args):
@@ -117,12 +119,12 @@ def _on_platform(cfg: Cfg, kind: str, *args):
         branches = dict(tpu=functools.partial(tpu_fn, cfg.on("tpu"), False),
                         default=functools.partial(tpu_fn, cfg, True))
     elif cfg.impl == "pallas_gpu":
-        branches = dict(cuda=functools.partial(gpu_fn, cfg.on("cuda"), False) if cfg.gpu_ok else _gpu_refused,
+        branches = dict(cuda=functools.partial(gpu_fn, cfg.on("gpu"), False) if cfg.gpu_ok else _gpu_refused,
                         default=functools.partial(gpu_fn, cfg, True))
     elif cfg.impl == "auto":
         branches["tpu"] = functools.partial(tpu_fn, cfg.on("tpu"), False)
         if cfg.gpu_ok:
-            branches["cuda"] = functools.partial(gpu_fn, cfg.on("cuda"), False)
+            branches["cuda"] = functools.partial(gpu_fn, cfg.on("gpu"), False)
     return lax.platform_dependent(*args, **branches)
 
 

@@ -46,8 +46,8 @@ class Cfg:
     platform: str = ""  # the platform lowered for, once known (``on``)
 
     def on(self, platform: str) -> Cfg:
-        """This configuration as lowered for ``platform`` ('cpu', 'cuda', 'rocm', 'tpu'): the XLA path's
-        default blocks are that platform's (``tiles.xla_blocks``)."""
+        """This configuration as lowered for ``platform`` ('cpu', 'gpu' (CUDA or ROCm), 'tpu'): the XLA
+        path's default blocks are that platform's (``tiles.xla_blocks``)."""
         bt, bv = tiles.xla_blocks(platform, self.mode, self.token_block, self.vocab_block)
         return dataclasses.replace(self, token_block=bt, vocab_block=bv, platform=platform)
 

@@ -164,7 +164,7 @@ def _stats_kernel(sem: Semantics, vw: _View, per: int, n_pad: int, sc_ref, *refs
     zero = jnp.zeros((vw.bt,), vw.acc)
     out = lax.fori_loop(0, per, step, (jnp.full((vw.bt,), MASK, vw.acc), zero, zero, zero))
     at = pl.ds(split * n_pad + r0, vw.bt)
-    for ref, val in zip((m_ref, s_ref, zy_ref, sz_ref), out):
+    for ref, val in zip((m_ref, s_ref, zy_ref, sz_ref), out, strict=True):
         ref[at] = val
 
 

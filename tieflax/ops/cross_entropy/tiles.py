@@ -71,13 +71,12 @@ def tpu_blocks(device_kind: str, d: int, w_bytes: int) -> TpuBlocks:
 XLA_GPU_TOKEN_BLOCK = 16384
 XLA_GPU_VOCAB_BLOCK = 2048
 XLA_GPU_FUSED_TOKEN_BLOCK = 2048
-GPU_PLATFORMS = ("cuda", "rocm")
 
 
 def xla_blocks(platform: str, mode: str, token_block: int, vocab_block: int) -> tuple[int, int]:
-    """(token block, vocab block) of the XLA path when lowered for ``platform``; a block given (> 0) is
-    kept, the others take this platform's default."""
-    gpu = platform in GPU_PLATFORMS
+    """(token block, vocab block) of the XLA path when lowered for ``platform`` ('cpu', 'gpu', 'tpu'); a
+    block given (> 0) is kept, the others take this platform's default."""
+    gpu = platform == "gpu"
     if mode == "fused":
         default_t = XLA_GPU_FUSED_TOKEN_BLOCK if gpu else DEFAULT_FUSED_TOKEN_BLOCK
     else:

@@ -9,7 +9,6 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from tieflax.ops.cross_entropy import tiles
 from tieflax.ops.cross_entropy.config import MASK, Cfg, acc_dtype, block_start, fresh_rows, split_blocks
 from tieflax.ops.cross_entropy.sharding import (
     add_block,
@@ -89,7 +88,7 @@ def _matmul_weight(cfg: Cfg, w, h_dtype):
     Converting block by block would not help: XLA hoists a loop-invariant convert of W out of the loop
     (the TPU's integer rounding above exists to avoid that copy, at the price of integer ops the GPU
     would run per tile). dW stays fp32 (``dw_dtype``). Elsewhere W is kept as it is."""
-    if cfg.platform in tiles.GPU_PLATFORMS and h_dtype == jnp.bfloat16 and w.dtype == jnp.float32:
+    if cfg.platform == "gpu" and h_dtype == jnp.bfloat16 and w.dtype == jnp.float32:
         return w.astype(jnp.bfloat16)
     return w
 
