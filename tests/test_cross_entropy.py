@@ -473,3 +473,32 @@ def test_auto_compiles_the_pallas_gpu_kernels_for_an_h100_with_small_temporaries
     assert hlo.count("__gpu$xla.gpu.triton") == 3, "expected the stats, dH and dW kernels"
     # dH: one fp32 [2048, 512] chunk (4 MiB); dW: an fp32 [16384, 512] chunk (32 MiB, tiles.GPU_CHUNK_BYTES).
     assert temp < 40, temp
+
+
+def _lowered_for(platform, impl, w_dtype, n=256, d=64, v=1024):
+    """Loss + gradients lowered for ``platform`` from this CPU process (no plugin needed): StableHLO for
+    'cuda'; for 'cpu' the compiled HLO (the lowering keeps every platform's branch of a
+    ``platform_dependent``, the compiler drops the others)."""
+    args = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), w_dtype),
+            jax.ShapeDtypeStruct((n,), jnp.int32))
+    f = jax.jit(jax.value_and_grad(lambda h, w, y: cross_entropy(h, w, y, valid_vocab=v, impl=impl)[0].sum(),
+                                   argnums=(0, 1)))
+    if platform == "cpu":
+        return f.lower(*args).compile().as_text()
+    return f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_auto_lowers_to_the_gpu_kernels_for_cuda_and_to_xla_for_a_cpu():
+    assert _lowered_for("cuda", "auto", jnp.bfloat16).count("__gpu$xla.gpu.triton") == 3  # stats, dH, dW
+    assert "__gpu$xla.gpu.triton" not in _lowered_for("cpu", "auto", jnp.bfloat16)
+
+
+def test_xla_path_takes_the_platforms_tiles_and_casts_an_fp32_head_once_per_call_on_gpu():
+    """Lowered for CUDA the XLA path's tile is [N, 2048] (here the whole [256, 1024]; a CPU keeps 256-row
+    vocab blocks), and an fp32 W meets bf16 hidden states as one bf16 copy per call (forward and
+    backward: 2 converts of the whole matrix), so every tile matmul is a bf16 one; a CPU keeps W fp32."""
+    cuda, cpu = _lowered_for("cuda", "xla", jnp.float32), _lowered_for("cpu", "xla", jnp.float32)
+    assert "tensor<256x1024xf32>" in cuda
+    assert "f32[256,256]" in cpu and "f32[256,1024]" not in cpu
+    assert cuda.count("tensor<1024x64xf32>) -> tensor<1024x64xbf16>") == 2
+    assert "bf16[1024,64]" not in cpu
