@@ -47,7 +47,7 @@ def one_chip(target: str):
 
     if target in TPU_TOPOLOGIES:
         return topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[target], platform="tpu").devices[0]
-    from tieflax.targets import gpu_target_config  # noqa: PLC0415
+    from tieflax.hardware.targets import gpu_target_config  # noqa: PLC0415
 
     return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(target),
                                         topology="1x1x1").devices[0]

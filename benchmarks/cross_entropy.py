@@ -163,7 +163,7 @@ def _topology_devices(tpu: str | None, gpu: str | None):
     if tpu:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         return topologies.get_topology_desc(topology_name=tpu, platform="tpu").devices
-    from tieflax.targets import gpu_target_config  # the GPU's description for XLA, shipped with tieflax
+    from tieflax.hardware.targets import gpu_target_config  # the GPU's description for XLA, shipped with tieflax
     return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
                                         topology="1x1x8").devices
 
@@ -310,7 +310,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per variant (median)")
     ap.add_argument("--sweep", action="store_true", help="also run the block-size sweep")
     ap.add_argument("--tpu", metavar="TOPOLOGY", help="compile for this TPU topology (e.g. v5e:2x4) instead")
-    ap.add_argument("--gpu", metavar="NAME", help="compile for 8 GPUs described by tieflax/gpu_targets (h100, a100, a100_40gb)")
+    ap.add_argument("--gpu", metavar="NAME", help="compile for 8 GPUs described by tieflax/hardware/gpu_targets (h100, h100_pcie, h200, a100, a100_40gb)")
     ap.add_argument("--head", action="store_true",
                     help="with --gpu: the default loss at the Llama-3-8B head on one GPU, W bf16 and fp32")
     args = ap.parse_args()

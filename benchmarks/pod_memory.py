@@ -27,8 +27,8 @@ mesh MaxText picks: ``ici_fsdp_parallelism=-1``, every other axis 1).
 
 Per chip: arguments (parameters + optimizer state + batch), temporaries (``temp_size_in_bytes``), and
 compile time of the whole process (wall; CPU time of the process and its threads, which a loaded
-machine distorts less); model TFLOPs per step per chip, tieflax's (``tieflax/flops.py``) beside
-MaxText's own count (``calculate_tflops_training_per_device``, re-derived in ``tieflax.flops`` with
+machine distorts less); model TFLOPs per step per chip, tieflax's (``tieflax/hardware/flops.py``) beside
+MaxText's own count (``calculate_tflops_training_per_device``, re-derived in ``tieflax.hardware.flops`` with
 MaxText's model config, e.g. its gemma-2b vocabulary of 256,128). Prints a Markdown table and one JSON
 line.
 """
@@ -188,7 +188,7 @@ def recorded_row(model: str, seq_len: int, variant: str, f: Figures) -> str:
 def maxtext_tflops(case: Case, seq_len: int) -> float:
     """MaxText's count for its model, one sequence per chip (what its training log prints)."""
     from tieflax.config import load_config, model_config  # noqa: PLC0415
-    from tieflax.flops import maxtext_tflops_per_device  # noqa: PLC0415
+    from tieflax.hardware.flops import maxtext_tflops_per_device  # noqa: PLC0415
 
     c = model_config(load_config(os.path.join(ROOT, case.config)))
     return maxtext_tflops_per_device(c, 1, seq_len, vocab_size=case.maxtext_vocab)["total"]
@@ -198,7 +198,7 @@ def flops_terms(case: Case, seq_len: int) -> dict[str, tuple[float, float]]:
     """term -> (tieflax, MaxText) model TFLOPs per step per chip, one sequence per chip; MaxText's terms
     as its calculate_tflops_training_per_device forms them (x3 for training), with its vocabulary."""
     from tieflax.config import load_config, model_config  # noqa: PLC0415
-    from tieflax.flops import step_flops  # noqa: PLC0415
+    from tieflax.hardware.flops import step_flops  # noqa: PLC0415
 
     c = model_config(load_config(os.path.join(ROOT, case.config)))
     f = step_flops(c, 1, seq_len)

@@ -146,7 +146,7 @@ def test_auto_picks_splash_when_compiled_for_a_tpu():
 def _h100():
     from jax.experimental import topologies
 
-    from tieflax.targets import gpu_target_config
+    from tieflax.hardware.targets import gpu_target_config
 
     return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config("h100"),
                                         topology="1x1x1").devices[0]

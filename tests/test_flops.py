@@ -1,4 +1,4 @@
-"""Model FLOPs (tieflax/flops.py): the 6N convention against the real parameter tree, causal attention,
+"""Model FLOPs (tieflax/hardware/flops.py): the 6N convention against the real parameter tree, causal attention,
 MaxText's count for the published configs, the chips' peaks, and a training log's TFLOP/s per device."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import pytest
 
-from tieflax import flops, targets
+from tieflax.hardware import flops, targets
 from tieflax.config import load_config, model_config
 from tieflax.model.config import ModelConfig
 from tieflax.model.params import abstract_params
@@ -97,6 +97,13 @@ def test_peaks_by_device_kind_and_none_on_a_cpu():
     assert targets.device_peak("TPU v6 lite").flops == 918e12
     assert targets.device_peak("NVIDIA H100 80GB HBM3").hbm_bytes_per_second == 3350e9
     assert targets.device_peak("NVIDIA A100-SXM4-40GB").hbm_bytes_per_second == 1555e9
+    # Hopper parts by the names their devices give (NVIDIA's sparse figures halved: dense bf16)
+    assert targets.device_peak("NVIDIA H200") == targets.Peak(989e12, 4800e9)
+    assert targets.device_peak("NVIDIA H200 141GB HBM3e") == targets.Peak(989e12, 4800e9)
+    assert targets.device_peak("NVIDIA H100 PCIe") == targets.Peak(756.5e12, 2000e9)
+    assert targets.device_peak("NVIDIA H100 NVL") == targets.Peak(835.5e12, 3900e9)
+    assert targets.device_peak("NVIDIA H200 NVL").flops == 835.5e12
+    assert targets.device_peak("NVIDIA GH200 480GB") is None     # another part: not taken for an H200
     assert targets.device_peak("cpu") is None
     assert targets.device_peak(jax.devices()[0].device_kind) is None
 

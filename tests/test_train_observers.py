@@ -248,7 +248,7 @@ def test_two_processes_evaluate_a_bucket_run_as_one_does_per_sample(watched, eva
 # ------------------------------------------------------------------------------------------ units
 
 def test_interval_line_shows_mfu_and_memory_where_known():
-    from tieflax import flops
+    from tieflax.hardware import flops
     from tieflax.run.console import device_memory, interval_line
 
     class Device:

@@ -39,7 +39,7 @@ def test_every_error_type_of_the_package_is_a_user_error():
     from tieflax.model.config import ConfigError
     from tieflax.plan import PlanError
     from tieflax.storage import StorageError
-    from tieflax.targets import TargetError
+    from tieflax.hardware.targets import TargetError
     from tieflax.train import TrainingError
     from tieflax.run.layout import WorkdirError
 

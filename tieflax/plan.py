@@ -4,7 +4,7 @@
     tieflax plan --config configs/models/gemma_2b.py --topology v5e:4x4 --tie both --json
 
 ``plan_config`` builds the step exactly as ``tieflax train`` does (``train.build`` +
-``make_train_step`` / ``make_eval_step``) on the abstract devices of a ``tieflax.targets.Target``, lowers
+``make_train_step`` / ``make_eval_step``) on the abstract devices of a ``tieflax.hardware.targets.Target``, lowers
 it with the train state as ``ShapeDtypeStruct``s carrying their shardings (nothing is initialised or
 allocated) and compiles. The compiler's ``memory_analysis()`` gives the per-device figures: arguments
 (parameters, optimizer state and the batch, as laid out in memory), temporaries (activations, gradients,
@@ -13,7 +13,7 @@ their total against the device's memory. A TPU compile that does not fit fails w
 ``RESOURCE_EXHAUSTED``; that is reported as "does not fit" with the memory it needed, and in every case
 the largest temporaries are named from the compiler's buffer assignment (``tieflax.hlo_buffers``).
 
-FLOPs: the model's count for the step (``tieflax.flops``), per step and per device; the compiled
+FLOPs: the model's count for the step (``tieflax.hardware.flops``), per step and per device; the compiled
 program's FLOPs over it where XLA's cost analysis covers the whole step (no loops, no Pallas kernels);
 and a lower bound on the step time per device from the target's peak FLOP/s and HBM bandwidth
 (``Target.peak``).
@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import ml_collections
 
-from tieflax.targets import GIB, Target, compiler_note
+from tieflax.hardware.targets import GIB, Target, compiler_note
 from tieflax.errors import UserError
 
 MIN_HEADROOM = 0.2    # the fraction of memory a pod run should keep free (fragmentation, runtime, eval)
@@ -123,7 +123,7 @@ class Plan:
     def step_time_lower_bound(self) -> float | None:
         """Seconds per step at the least on one device: model FLOPs at peak FLOP/s, or the step's minimum
         HBM traffic (read the arguments, write the outputs) at peak bandwidth. None without a peak."""
-        from tieflax.flops import step_time_lower_bound  # noqa: PLC0415
+        from tieflax.hardware.flops import step_time_lower_bound  # noqa: PLC0415
 
         return step_time_lower_bound(self.model_flops_per_device, self.train.traffic or 0, self.target.peak)
 
@@ -158,7 +158,7 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
 
     from tieflax import sharding as shd  # noqa: PLC0415
     from tieflax import train  # noqa: PLC0415
-    from tieflax.flops import step_flops  # noqa: PLC0415
+    from tieflax.hardware.flops import step_flops  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415
     from tieflax.ops.attention import check_platform  # noqa: PLC0415
 
@@ -352,7 +352,7 @@ def format_report(plans: list[Plan]) -> str:
         (sum(s.compile_seconds for s in steps(p)), sum(s.cpu_seconds for s in steps(p))) for p in plans],
         fmt=lambda t: f"{t[0]:.0f} s ({t[1]:.0f} s)"))
     lines.append("  model FLOPs: 6 x weights x tokens (head included, the input lookup not: tied = untied) + "
-                 "causal attention, tieflax/flops.py" + ("" if peak is None else
+                 "causal attention, tieflax/hardware/flops.py" + ("" if peak is None else
                  f"; lower bound at {peak.flops / 1e12:.0f} TFLOP/s and {peak.hbm_bytes_per_second / 1e9:,.0f}"
                  " GB/s per device"))
     notes = {p.train.compiled_flops_note for p in plans if p.recompute_factor is None and

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/models/llama3_8b.py")
     parser.add_argument("--topology", required=True,
                         help="v5e:2x4, v5p:4x4x4, v4:2x2x1, v6e:4x4 (TPU chip grids) or gcloud's names "
-                             "(v5litepod-16, v5p-128, v6e-256, v4-64); h100:8, a100:8, a100_40gb:8 (GPU); "
+                             "(v5litepod-16, v5p-128, v6e-256, v4-64); h100:8, h100_pcie:8, h200:8, a100:8, "
+                             "a100_40gb:8 (GPU); "
                              "cpu (this machine's devices)")
     parser.add_argument("--tie", default="config", choices=("config", "tied", "untied", "both"),
                         help="plan the config as is, forced tied or untied, or both side by side")
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Compile only: JAX must not claim an attached accelerator, and libtpu may be loaded by others too.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from tieflax import targets  # noqa: PLC0415 (light: nothing of JAX is imported by it)
+    from tieflax.hardware import targets  # noqa: PLC0415 (light: nothing of JAX is imported by it)
 
     try:   # the shape is checked here, before libtpu is loaded: it aborts the process on some
         topology, mapped = targets.canonical_topology(args.topology)

@@ -8,7 +8,7 @@
       tieflax: step 40/250 | loss 5.4321 | lr 1.00e-02 | 0.0412 s/step | 49,710 tokens/s/device |
                0.032 TFLOP/s/device | MFU 41.2% | memory 12.1 of 79.1 GiB          (one line in the log)
 
-  MFU where the chip's peak is known (``tieflax.targets``; none for a CPU), memory where the backend
+  MFU where the chip's peak is known (``tieflax.hardware.targets``; none for a CPU), memory where the backend
   reports it (``device.memory_stats()`` on TPU and GPU: the most any local device holds). The first
   interval after a start includes compilation: it shows its wall time instead of a throughput.
 - ``'bar'``: a tqdm progress bar on stderr with the loss, as before these lines existed.

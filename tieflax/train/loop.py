@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tieflax import flops
+from tieflax.hardware import flops
 from tieflax import sharding as shd
 from tieflax import storage
 from tieflax.config import model_config, validate_config
@@ -213,7 +213,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
                 summary["step_time"] = seconds / len(buffer)
                 summary["tokens_per_second"] = tokens / seconds
                 summary["tokens_per_second_per_device"] = tokens / seconds / jax.device_count()
-                # model TFLOP/s per device, and MFU where the devices' peak is known (tieflax/flops.py)
+                # model TFLOP/s per device, and MFU where the devices' peak is known (tieflax/hardware/flops.py)
                 summary.update(flops.throughput(step_model_flops, seconds / len(buffer), jax.devices()))
             else:
                 first = now - timing["started"]

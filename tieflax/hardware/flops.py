@@ -100,9 +100,9 @@ def throughput(model_flops_per_step: float, seconds_per_step: float, devices: Se
     """``{'tflops_per_device': ..., 'mfu': ...}`` of a step that took ``seconds_per_step`` on ``devices``.
 
     ``mfu`` (model FLOPs utilisation: achieved model FLOP/s over the devices' peak) only where the
-    devices' peak is known (``tieflax.targets.device_peak``); a CPU has none, so no ``mfu``.
+    devices' peak is known (``tieflax.hardware.targets.device_peak``); a CPU has none, so no ``mfu``.
     """
-    from tieflax.targets import device_peak  # noqa: PLC0415
+    from tieflax.hardware.targets import device_peak  # noqa: PLC0415
 
     if seconds_per_step <= 0 or not devices:
         return {}

@@ -8,7 +8,8 @@ attached.
 Topology names::
 
     v4:2x2x1 ... v4:4x4x4    v5e:2x2 ... v5e:8x16    v5p:2x2x1 ... v5p:8x8x8    v6e:2x2 ... v6e:16x16
-    h100:8   a100:8 (80 GB)   a100_40gb:8   (1-8 GPUs per host; more as whole hosts of 8)
+    h100:8   h100_pcie:8   h200:8   a100:8 (80 GB)   a100_40gb:8   (1-8 GPUs per host; more as whole
+    hosts of 8)
     cpu      (the devices of this process)
 
 Memory per device. ``usable`` is what the TPU compiler accepts, read from its own out-of-memory error
@@ -50,23 +51,38 @@ class Peak:
 
 
 # chip -> peak of one chip: dense bf16 (no sparsity) and HBM bandwidth, from Google's Cloud TPU system
-# architecture pages and NVIDIA's data sheets (SXM parts).
+# architecture pages and NVIDIA's data sheets. NVIDIA states its Tensor Core figures "with sparsity": the
+# dense rate is half of it. Hopper parts:
+#   h100 (SXM)  https://www.nvidia.com/en-us/data-center/h100/  1,979 TF/s sparse bf16, 3.35 TB/s, 80 GB
+#   h100_pcie   the same page and NVIDIA's H100 PCIe product brief (PB-11133-001): 1,513 TF/s sparse
+#               (114 SMs, 350 W), 2.0 TB/s HBM2e, 80 GB
+#   h100_nvl    the same page: 1,671 TF/s sparse, 3.9 TB/s, 94 GB HBM3 (one card of the NVLink pair)
+#   h200 (SXM)  https://www.nvidia.com/en-us/data-center/h200/  1,979 TF/s sparse, 4.8 TB/s, 141 GB HBM3e
+#   h200_nvl    the same page: 1,671 TF/s sparse, 4.8 TB/s, 141 GB HBM3e
 CHIP_PEAKS: dict[str, Peak] = {
     "v4": Peak(275e12, 1200e9),
     "v5e": Peak(197e12, 819e9),
     "v5p": Peak(459e12, 2765e9),
     "v6e": Peak(918e12, 1640e9),
     "h100": Peak(989e12, 3350e9),
+    "h100_pcie": Peak(756.5e12, 2000e9),
+    "h100_nvl": Peak(835.5e12, 3900e9),
+    "h200": Peak(989e12, 4800e9),
+    "h200_nvl": Peak(835.5e12, 4800e9),
     "a100": Peak(312e12, 2039e9),
     "a100_80gb": Peak(312e12, 2039e9),
     "a100_40gb": Peak(312e12, 1555e9),
 }
 # Compile targets per chip: libtpu's v4 topologies expose each TensorCore as a device (see above).
 DEVICES_PER_CHIP = {"v4": 2}
-# What JAX devices call themselves (``device_kind``, lower case) -> chip, for training logs' MFU. A v4 in
-# its usual megacore mode is one device per chip.
+# What JAX devices call themselves (``device_kind``, lower case) -> chip, for training logs' MFU; the first
+# whole-word match wins, so the PCIe and NVL parts come before the SXM name they contain, and a GH200
+# ('NVIDIA GH200 480GB', another memory) is not taken for an H200. An SXM H100 says 'NVIDIA H100 80GB
+# HBM3', the others 'NVIDIA H100 PCIe', 'NVIDIA H100 NVL', 'NVIDIA H200' (XLA's own H200 target config
+# says 'NVIDIA H200 141GB HBM3e'). A v4 in its usual megacore mode is one device per chip.
 DEVICE_KINDS = (("tpu v5 lite", "v5e"), ("tpu v5e", "v5e"), ("tpu v5p", "v5p"), ("tpu v5", "v5p"),
-                ("tpu v6 lite", "v6e"), ("tpu v6e", "v6e"), ("tpu v4", "v4"), ("h100", "h100"),
+                ("tpu v6 lite", "v6e"), ("tpu v6e", "v6e"), ("tpu v4", "v4"), ("h100 pcie", "h100_pcie"),
+                ("h100 nvl", "h100_nvl"), ("h100", "h100"), ("h200 nvl", "h200_nvl"), ("h200", "h200"),
                 ("a100-sxm4-40gb", "a100_40gb"), ("a100", "a100"))
 
 
@@ -75,19 +91,22 @@ def device_peak(device_kind: str) -> Peak | None:
     where it is not known (a CPU, an unlisted chip)."""
     kind = device_kind.lower()
     for prefix, chip in DEVICE_KINDS:
-        if prefix in kind:
+        if re.search(rf"(?<!\w){re.escape(prefix)}(?!\w)", kind):
             return CHIP_PEAKS[chip]
     return None
 
 
-GPU_TARGETS = {            # name -> text proto shipped in tieflax/gpu_targets/
+GPU_TARGETS = {            # name -> text proto shipped in tieflax/hardware/gpu_targets/
     "h100": "h100.txtpb",
+    "h100_pcie": "h100_pcie.txtpb",
+    "h200": "h200.txtpb",
     "a100": "a100_80gb.txtpb",
     "a100_80gb": "a100_80gb.txtpb",
     "a100_40gb": "a100_40gb.txtpb",
 }
 TPU_EXTRA = "pip install 'tieflax[tpu]'"
 GPU_EXTRA = "pip install 'tieflax[gpu]'"
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")   # either compiles for a target config
 
 
 class TargetError(UserError, ValueError):
@@ -330,7 +349,7 @@ def _gpu_target(name: str, kind: str, shape: str) -> Target:
     if count > 8 and count % 8:
         raise TargetError(f"--topology {name!r}: more than 8 GPUs come as whole hosts of 8; use a multiple "
                           "of 8")
-    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    if not any(importlib.util.find_spec(p) for p in CUDA_PLUGINS):
         raise TargetError(f"compiling for {name} needs the CUDA plugin of JAX: {GPU_EXTRA}")
     # No GPU is used, and one must not be required: the plugin compiles for the target config alone.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
@@ -346,7 +365,7 @@ def _gpu_target(name: str, kind: str, shape: str) -> Target:
 
 
 def gpu_target_config(kind: str) -> str:
-    """The GpuTargetConfig text proto tieflax ships for ``kind`` (h100, a100, a100_40gb)."""
+    """The GpuTargetConfig text proto tieflax ships for ``kind`` (h100, h100_pcie, h200, a100, a100_40gb)."""
     path = os.path.join(os.path.dirname(__file__), "gpu_targets", GPU_TARGETS[kind])
     with open(path) as f:
         return f.read()

@@ -19,10 +19,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tieflax"
 # (config.train.eval_tasks), and eval/ never needed train.
 FLOORS = [
     {"errors"},
-    {"storage", "platforms", "strict_json", "targets", "hlo_buffers", "sharding", "distributed", "optim"},
+    {"storage", "platforms", "strict_json", "hlo_buffers", "sharding", "distributed", "optim"},
     {"lease", "ops/"},
     {"data/", "model/"},
-    {"train_config", "analysis/", "flops"},
+    {"train_config", "analysis/", "hardware/"},
     {"config"},
     {"run/"},
     {"eval/"},
