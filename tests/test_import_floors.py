@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tieflax"
 # (config.train.eval_tasks), and eval/ never needed train.
 FLOORS = [
     {"errors"},
-    {"storage", "platforms", "strict_json", "hlo_buffers", "sharding", "distributed", "optim"},
+    {"storage", "platforms", "strict_json", "sharding", "distributed", "optim"},
     {"lease", "ops/"},
     {"data/", "model/"},
     {"train_config", "analysis/", "hardware/"},
@@ -27,7 +27,7 @@ FLOORS = [
     {"run/"},
     {"eval/"},
     {"train/", "interop/"},
-    {"plan"},
+    {"plan/"},
     {"study/"},
     {"commands/"},
     {"cli"},

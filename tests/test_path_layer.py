@@ -53,11 +53,11 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tieflax/config.py", "load_config"): "a config .py file, executed by importlib: local only",
     ("tieflax/commands/params.py", "default_models_dir"): "configs/models/*.py of this checkout, run by importlib",
     ("tieflax/commands/params.py", "run"): "--models-dir: config .py files, run by importlib: local only",
-    ("tieflax/commands/plan.py", "_check_dump_dir"): "--xla-dump: XLA writes its dump locally; a URL is "
+    ("tieflax/plan/compile.py", "check_dump_dir"): "--xla-dump: XLA writes its dump locally; a URL is "
                                                      "refused above these calls",
-    ("tieflax/hlo_buffers.py", "largest_temporaries"): "reads the local XLA dump (--xla-dump)",
-    ("tieflax/hlo_buffers.py", "_temp_values"): "reads the local XLA dump (--xla-dump)",
-    ("tieflax/hlo_buffers.py", "_OpNames.__init__"): "reads the local XLA dump (--xla-dump)",
+    ("tieflax/plan/buffers.py", "largest_temporaries"): "reads the local XLA dump (--xla-dump)",
+    ("tieflax/plan/buffers.py", "_temp_values"): "reads the local XLA dump (--xla-dump)",
+    ("tieflax/plan/buffers.py", "_OpNames.__init__"): "reads the local XLA dump (--xla-dump)",
     # Local branches of run-path code whose remote branch goes through storage.
     ("tieflax/data/cache.py", "file_digest"): "local branch (remote: storage.read_bytes): samples blocks of a "
                                               "large file without reading it whole",

@@ -12,7 +12,9 @@ import sys
 import jax
 import pytest
 
-from tieflax import cli, hlo_buffers, plan
+from tieflax import cli, plan
+from tieflax.plan import buffers as plan_buffers
+from tieflax.plan import compile as plan_compile
 from tieflax.hardware import flops, targets
 from tieflax.config import load_config, model_config
 
@@ -199,9 +201,9 @@ def test_gcloud_names_map_to_google_slices():
 def test_a_gcloud_name_says_how_it_was_read_and_compiles(capsys, monkeypatch):
     # One v5e chip (a one-chip host). In this process, as the suite has JAX loaded already (a child would
     # load it again: +3 s here); the oversized-batch test above goes through the child.
-    from tieflax.commands import plan as command
+    from tieflax.plan import child
 
-    monkeypatch.setenv(command.IN_PROCESS_ENV, "1")
+    monkeypatch.setenv(child.IN_PROCESS_ENV, "1")
     code = cli.main(["plan", "--config", TINY, "--topology", "v5litepod-1", "--no-eval", "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -211,7 +213,7 @@ def test_a_gcloud_name_says_how_it_was_read_and_compiles(capsys, monkeypatch):
 
 
 ABORT = """
-from tieflax.commands.plan import _no_core_file; _no_core_file()
+from tieflax.plan.child import no_core_file; no_core_file()
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -228,14 +230,15 @@ def test_a_libtpu_abort_in_the_child_is_one_line_with_its_reason(capsys, monkeyp
     """Were a shape the checks let through to abort libtpu, the console reports it and lives: the child
     here compiles for the 3-D v5e grid that libtpu really aborts on."""
     from tieflax.commands import plan as command
+    from tieflax.plan import child
 
     monkeypatch.setattr(command, "child_command", lambda args, topology: [sys.executable, "-c", ABORT])
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    monkeypatch.delenv(command.IN_PROCESS_ENV, raising=False)
+    monkeypatch.delenv(child.IN_PROCESS_ENV, raising=False)
     code = cli.main(["plan", "--config", TINY, "--topology", "v5e:2x2", "--no-eval"])
     err = capsys.readouterr().err.splitlines()
-    assert code == command.DID_NOT_COMPILE_CODE == 1
+    assert code == child.DID_NOT_COMPILE_CODE == 1
     assert len(err) == 2 and err[0] == "compiling the train step of probe for v5e:16x16x2 ...", err
     # libtpu 0.0.42.1: "... chip_bounds().z == 1 (2 vs. 1) (target.cc:1735)"; the source line moves by release.
     assert re.fullmatch(r"tieflax plan: libtpu stopped the compile with SIGABRT while compiling the train step "
@@ -274,21 +277,21 @@ def test_largest_temporaries_follow_fusions_to_the_jax_op(tmp_path):
         '  %dus.4 = f32[64]{0} dynamic-update-slice(%zeros.5, %u, %i), metadata={op_name="jit(step)/dus"}\n'
         '  %dus.4.1 = f32[64]{0} dynamic-update-slice(%dus.4, %u, %j), metadata={op_name="jit(step)/dus"}\n'
         '  ROOT %add.2 = f32[128]{0} add(%a, %b), metadata={op_name="jit(step)/add"}\n}\n')
-    buffers = hlo_buffers.largest_temporaries(str(tmp_path))
+    buffers = plan_buffers.largest_temporaries(str(tmp_path))
     assert [(b.bytes, b.shape, b.op, b.count) for b in buffers] == [
         (4096, "f32[32,32]", "jvp(M.loss)/block_*/attn/exp", 2), (512, "f32[128]", "add", 1),
         (256, "f32[64]", "dus", 1)]
-    assert hlo_buffers.largest_temporaries(str(tmp_path / "empty")) == []
+    assert plan_buffers.largest_temporaries(str(tmp_path / "empty")) == []
 
 
 def test_out_of_memory_message_gives_the_bytes_needed():
     message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
                "temporaries (21.72G) exceeds available HBM (15.75G).")
-    assert plan._needed_bytes(message) == int(21.72 * 2**30)
-    assert plan._needed_bytes("no figure") is None
+    assert plan_compile._needed_bytes(message) == int(21.72 * 2**30)
+    assert plan_compile._needed_bytes("no figure") is None
     vmem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. "
             "Used 270.51M of 128.00M vmem. Exceeded vmem capacity by 142.51M.")
-    assert plan._needed_bytes(vmem) is None   # a kernel's on-chip scratch, not the step's HBM
+    assert plan_compile._needed_bytes(vmem) is None   # a kernel's on-chip scratch, not the step's HBM
 
 
 def test_compiled_flops_give_the_recompute_factor_where_xla_counts_the_whole_step():

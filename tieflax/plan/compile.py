@@ -11,7 +11,7 @@ allocated) and compiles. The compiler's ``memory_analysis()`` gives the per-devi
 workspace: what the program needs on top of its inputs), outputs not aliased to donated inputs, and
 their total against the device's memory. A TPU compile that does not fit fails with
 ``RESOURCE_EXHAUSTED``; that is reported as "does not fit" with the memory it needed, and in every case
-the largest temporaries are named from the compiler's buffer assignment (``tieflax.hlo_buffers``).
+the largest temporaries are named from the compiler's buffer assignment (``tieflax.plan.buffers``).
 
 FLOPs: the model's count for the step (``tieflax.hardware.flops``), per step and per device; the compiled
 program's FLOPs over it where XLA's cost analysis covers the whole step (no loops, no Pallas kernels);
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import tempfile
 import time
@@ -30,11 +31,8 @@ from typing import Any, Sequence
 
 import ml_collections
 
-from tieflax.hardware.targets import GIB, Target, compiler_note
 from tieflax.errors import UserError
-
-MIN_HEADROOM = 0.2    # the fraction of memory a pod run should keep free (fragmentation, runtime, eval)
-
+from tieflax.hardware.targets import Target
 
 class PlanError(UserError, ValueError):
     """The config cannot be planned on this target; the message names the field and the fix."""
@@ -49,7 +47,7 @@ class StepMemory:
     generated_code: int | None
     compile_seconds: float        # wall clock of lowering + compiling
     cpu_seconds: float            # CPU time of this process meanwhile (all threads): load-independent
-    largest: list                 # tieflax.hlo_buffers.Buffer, biggest temporaries first
+    largest: list                 # tieflax.plan.buffers.Buffer, biggest temporaries first
     out_of_memory: str = ""       # the compiler's message when it refused
     all_outputs: int | None = None  # every output, aliased or not (what the step writes back)
     # FLOPs per device of the compiled program (XLA's cost_analysis), None where it cannot be read as
@@ -91,7 +89,7 @@ class Plan:
     batch: int                    # bytes per device of one batch
     train: StepMemory
     eval: StepMemory | None
-    flops: Any = None             # tieflax.flops.StepFlops of the train step (the whole batch)
+    flops: Any = None             # tieflax.hardware.flops.StepFlops of the train step (the whole batch)
 
     @property
     def usable(self) -> int:
@@ -217,6 +215,40 @@ def plan_variants(config: ml_collections.ConfigDict, target: Target, tie: str = 
     return plans
 
 
+def plan_config_file(path: str, overrides: list[str], target: Target, *, tie: str = "config",
+                     with_eval: bool = True, dump_dir: str | None = None, progress=None) -> list[Plan]:
+    """``tieflax plan``'s work: the config file ``path`` with its ``--config.*`` ``overrides``, planned on
+    ``target`` per ``tie`` variant. The batch is one sequence per device unless the overrides give
+    ``train.global_batch_size``."""
+    from tieflax.config import load_config  # noqa: PLC0415
+
+    config = load_config(path, overrides)
+    batch_given = any(o.removeprefix("--").removeprefix("config.").startswith("train.global_batch_size=")
+                      for o in overrides)
+    if dump_dir:
+        check_dump_dir(dump_dir)
+    name = os.path.splitext(os.path.basename(path.partition(":")[0]))[0]
+    return plan_variants(config, target, tie=tie, name=name,
+                         global_batch_size=config.train.global_batch_size if batch_given else None,
+                         with_eval=with_eval, dump_dir=dump_dir, progress=progress)
+
+
+def check_dump_dir(folder: str) -> None:
+    """Before compiling: XLA writes its dump with plain file calls and, when it cannot, logs an error per
+    file and goes on (the largest-temporaries table, read from the dump, would be missing)."""
+    if "://" in folder:
+        raise PlanError(f"--xla-dump {folder}: XLA writes its dump to a local folder only; give a local path")
+    probe = os.path.join(folder, f".tieflax-probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        raise PlanError(f"--xla-dump {folder} is not a writable folder ({e.strerror or e}): choose a folder "
+                        "you can write, or leave --xla-dump out") from None
+
+
 def _shard_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (no layout padding)."""
     import jax  # noqa: PLC0415
@@ -230,7 +262,7 @@ def _shard_bytes(tree: Any) -> int:
 
 def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, label: str) -> StepMemory:
     """Lowers and compiles one step; on the compiler's out-of-memory error, returns what it needed."""
-    from tieflax.hlo_buffers import largest_temporaries  # noqa: PLC0415
+    from tieflax.plan.buffers import largest_temporaries  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tieflax-plan-") as tmp:
         folder = f"{dump_dir}/{label}" if dump_dir else tmp
@@ -298,100 +330,3 @@ def _needed_bytes(message: str) -> int | None:
 
 def _first_line(message: str) -> str:
     return (message.strip().splitlines() or [""])[0][:300]
-
-
-# ================================================================================================ report
-
-def gib(n: int | None) -> str:
-    """Bytes for people: GiB from 1 GiB up, MiB below."""
-    if n is None:
-        return "-"
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
-
-
-def format_report(plans: list[Plan]) -> str:
-    """A per-device table, one column per plan (+ the difference when tied and untied are both there)."""
-    p0 = plans[0]
-    head = (f"{p0.name} on {p0.target.name}: {p0.target.num_devices} x {p0.target.device_kind}, mesh "
-            + " ".join(f"{k}={v}" for k, v in p0.mesh.items())
-            + f", batch {p0.global_batch_size} x {p0.seq_len} tokens; memory per device")
-    columns = ["tied" if p.tied else "untied" for p in plans]
-    diff = len(plans) == 2 and plans[0].tied != plans[1].tied
-    if diff:
-        columns.append("untying costs")
-
-    def row(label, values, fmt=gib):
-        cells = [fmt(v) for v in values]
-        if diff:
-            a, b = values
-            cells.append(fmt(b - a) if a is not None and b is not None and fmt is gib else "")
-        return f"  {label:<34}" + "".join(f"{c:>16}" for c in cells)
-
-    usable = p0.usable
-    lines = [head, f"  {'':<34}" + "".join(f"{c:>16}" for c in columns)]
-    lines.append(row("parameters (as sharded)", [p.params for p in plans]))
-    lines.append(row("optimizer state (as sharded)", [p.optimizer_state for p in plans]))
-    lines.append(row("train step: arguments", [p.train.arguments for p in plans]))
-    lines.append(row("train step: temporaries", [p.train.temporaries for p in plans]))
-    lines.append(row("train step: outputs (not aliased)", [p.train.outputs for p in plans]))
-    lines.append(row("train step: total", [p.train.total for p in plans]))
-    if all(p.eval for p in plans):
-        lines.append(row("eval step: total", [p.eval.total for p in plans]))
-    lines.append(row(f"usable memory ({p0.target.chip})", [usable for _ in plans]))
-    lines.append(row("left for the train step", [p.headroom for p in plans],
-                     fmt=lambda h: "-" if h is None else f"{h:.0%}"))
-    lines.append(row("model TFLOPs per step (all devices)", [p.flops.train / 1e12 for p in plans], fmt=_tflops))
-    lines.append(row("model TFLOPs per device", [p.model_flops_per_device / 1e12 for p in plans], fmt=_tflops))
-    lines.append(row("compiled / model FLOPs", [p.recompute_factor for p in plans],
-                     fmt=lambda v: "-" if v is None else f"{v:.2f}x"))
-    peak = p0.target.peak
-    lines.append(row("step time, lower bound per device", [p.step_time_lower_bound for p in plans],
-                     fmt=lambda v: "-" if v is None else (f"{v:.3f} s" if v >= 0.1 else f"{v * 1e3:.2f} ms")))
-    steps = lambda p: [p.train] + ([p.eval] if p.eval else [])  # noqa: E731
-    lines.append(row("compile time, wall (CPU)", [
-        (sum(s.compile_seconds for s in steps(p)), sum(s.cpu_seconds for s in steps(p))) for p in plans],
-        fmt=lambda t: f"{t[0]:.0f} s ({t[1]:.0f} s)"))
-    lines.append("  model FLOPs: 6 x weights x tokens (head included, the input lookup not: tied = untied) + "
-                 "causal attention, tieflax/hardware/flops.py" + ("" if peak is None else
-                 f"; lower bound at {peak.flops / 1e12:.0f} TFLOP/s and {peak.hbm_bytes_per_second / 1e9:,.0f}"
-                 " GB/s per device"))
-    notes = {p.train.compiled_flops_note for p in plans if p.recompute_factor is None and
-             p.train.compiled_flops_note}
-    if notes:
-        lines.append("  compiled FLOPs not shown: " + "; ".join(sorted(notes)))
-    if compiler := compiler_note(p0.target):
-        lines.append("  compiler: " + compiler)
-    for p in plans:
-        label = "tied" if p.tied else "untied"
-        verdict = _verdict(p)
-        lines.append(f"{label}: {verdict}")
-        if p.train.largest:
-            lines.append("  largest temporaries of the train step (per device):")
-            for b in p.train.largest[:5 if not p.fits else 3]:
-                lines.append(f"    {gib(b.bytes):>10} {b.shape} x{b.count}  {b.op}")
-    return "\n".join(lines)
-
-
-def _tflops(v: float) -> str:
-    return f"{v:,.1f}" if v >= 1 else f"{v:.2e}"
-
-
-def _verdict(p: Plan) -> str:
-    if p.fits:
-        h = p.headroom
-        warn = "" if h >= MIN_HEADROOM else f" (less than the {MIN_HEADROOM:.0%} a pod run should keep free)"
-        return f"fits, {h:.0%} of {gib(p.usable)} left{warn}"
-    parts = []
-    for label, step in (("train", p.train), ("eval", p.eval)):
-        if step is None:
-            continue
-        if step.out_of_memory and step.temporaries is None:
-            parts.append(f"{label} step did not compile (compiler: {step.out_of_memory})")
-        elif step.out_of_memory:
-            parts.append(f"{label} step needs {gib(step.temporaries)} of temporaries alone "
-                         f"(compiler: {step.out_of_memory})")
-        elif step.total is not None and step.total > p.usable:
-            parts.append(f"{label} step needs {gib(step.total)}")
-    if all("did not compile" in part for part in parts):
-        return "DID NOT COMPILE: " + "; ".join(parts)
-    return f"DOES NOT FIT in {gib(p.usable)}: " + "; ".join(parts)

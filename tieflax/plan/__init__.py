@@ -1,0 +1,15 @@
+"""Will a config fit? ``tieflax plan`` compiles the real train and eval steps for a TPU pod or a GPU
+server from any machine and reads the compiler's per-device memory.
+
+- ``compile``: builds the step as training does (``tieflax.train``) on a target's abstract devices
+  (``tieflax.hardware.targets``) and compiles it: ``plan_config``, ``plan_variants``, ``Plan``.
+- ``buffers``: the largest temporaries, named by the JAX operation that made them (XLA's dump).
+- ``report``: the per-device table people read.
+- ``child``: TPU plans compile in a child process (libtpu aborts on some programs).
+
+The top floor below the console: it builds on train/.
+"""
+
+from tieflax.plan.compile import (Plan, PlanError, StepMemory, check_dump_dir, plan_config,  # noqa: F401
+                                  plan_config_file, plan_variants)
+from tieflax.plan.report import MIN_HEADROOM, format_report, gib  # noqa: F401
