@@ -73,7 +73,7 @@ def test_kill9_on_a_bucket_resumes_to_the_local_result(gcs, data_dir, tmp_path, 
     result = json.loads(out.out.strip().splitlines()[-1])
     assert result["step"] == N and result["final_val_loss"] == local["final_val_loss"]
 
-    assert main(["eval", "--workdir", run]) == 0
+    assert main(["val-loss", "--workdir", run]) == 0
     evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert evaluated["loss"] == pytest.approx(local["final_val_loss"], rel=1e-6)
     assert [r["step"] for r in read_metrics(run, "train")] == [5, 10, 15]

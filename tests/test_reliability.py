@@ -105,8 +105,8 @@ def test_a_rejected_override_leaves_config_json_untouched(trained, tmp_path, cap
     assert "config.train.global_batch_size" in err and not new.exists()  # no tokenizer, no cache
 
 
-def test_eval_refuses_overrides_that_change_the_model(trained, capsys):
-    err = _one_line(capsys, ["eval", "--workdir", trained, "--config.model.d_model=64"])
+def test_val_loss_refuses_overrides_that_change_the_model(trained, capsys):
+    err = _one_line(capsys, ["val-loss", "--workdir", trained, "--config.model.d_model=64"])
     assert "config.model.d_model" in err and "not the model" in err
 
 
@@ -114,7 +114,7 @@ def test_damaged_json_files_are_named(trained, tmp_path, capsys):
     workdir = _copy(trained, tmp_path)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write('{"model": {')
-    err = _one_line(capsys, ["eval", "--workdir", workdir])
+    err = _one_line(capsys, ["val-loss", "--workdir", workdir])
     assert f"{workdir}/config.json is not valid JSON (line 1" in err
     legacy = os.path.join(workdir, "metrics.jsonl")  # a run from before segments, killed mid-append
     with open(legacy, "w") as f:

@@ -90,20 +90,20 @@ def test_a_call_to_a_bucket_that_never_answers_stops_at_the_deadline_in_one_line
     # bucket; alone it always raised. What state of the worker process does it is not known yet.
 
 
-def test_eval_of_a_gs_workdir_without_credentials_offline_stops_in_one_line(tmp_path):
+def test_val_loss_of_a_gs_workdir_without_credentials_offline_stops_in_one_line(tmp_path):
     """No credentials and no metadata server: tensorstore's request waited forever (> 120 s)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORSTORE_GCS", "STORAGE_EMULATOR",
                                                                      "GOOGLE_"))}
     env.update({storage.DEADLINE_ENV: "3", "HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"})
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tieflax.cli", "eval", "--workdir", "gs://tieflax-absent-1/run"],
+    proc = subprocess.run([sys.executable, "-m", "tieflax.cli", "val-loss", "--workdir", "gs://tieflax-absent-1/run"],
                           env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("tieflax")]
     assert proc.returncode == 1 and took < 60, (proc.returncode, took, proc.stderr)
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     # Offline (the test machine): no answer within the deadline. With a network, Cloud Storage's 401.
-    assert lines[0].startswith("tieflax eval: cannot read gs://tieflax-absent-1/run/config.json: "), lines
+    assert lines[0].startswith("tieflax val-loss: cannot read gs://tieflax-absent-1/run/config.json: "), lines
     assert ("no answer from gs://tieflax-absent-1 within 3 s; no credentials are configured" in lines[0]
             or "no credentials found" in lines[0]), lines
 

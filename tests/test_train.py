@@ -208,14 +208,14 @@ def test_a_second_ctrl_c_stops_at_once_and_says_which_steps_are_lost(tied_run):
 
 
 def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
-    """Saved on 8 devices as data=8; evaluated through `tieflax eval` as data=4 x tensor=2 (resharded)."""
+    """Saved on 8 devices as data=8; evaluated through `tieflax val-loss` as data=4 x tensor=2 (resharded)."""
     from tieflax.cli import main
 
     workdir, result = tied_run
     same = evaluate_run(load_workdir_config(workdir), workdir)
     assert same["step"] == N
     assert same["loss"] == pytest.approx(result["final_val_loss"], rel=1e-6)
-    assert main(["eval", "--workdir", workdir, "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
+    assert main(["val-loss", "--workdir", workdir, "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
     other = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert other["step"] == N
     assert other["loss"] == pytest.approx(same["loss"], rel=1e-5)
@@ -438,10 +438,10 @@ def test_a_data_position_that_cannot_move_to_this_process_count_is_refused_namin
     assert not os.path.exists(os.path.join(workdir, ckpt.UNREADABLE_DIR))
 
 
-def test_eval_of_a_damaged_checkpoint_names_the_step(tied_run, tmp_path, capsys):
+def test_val_loss_of_a_damaged_checkpoint_names_the_step(tied_run, tmp_path, capsys):
     workdir = _copy_run(tied_run, tmp_path / "run")
     _damage(workdir, 20)
-    err = _cli_one_line(capsys, ["eval", "--workdir", workdir])
+    err = _cli_one_line(capsys, ["val-loss", "--workdir", workdir])
     assert "checkpoint 20 in" in err and "is unreadable" in err and "TensorStore({" not in err
 
 

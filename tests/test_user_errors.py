@@ -75,6 +75,19 @@ def test_sweep_errors_are_one_line_and_name_the_choices(tmp_path, capsys):
     assert not workdir.exists()
 
 
+def test_the_old_name_eval_runs_val_loss_and_says_the_new_name_in_one_line(tmp_path, capsys):
+    """`tieflax eval` was renamed `tieflax val-loss` (beside `tieflax evaluate`, lm-eval): the old name works
+    for a release, and says the new one first."""
+    missing = tmp_path / "absent"
+    for name in ("val-loss", "eval"):
+        assert main([name, "--workdir", str(missing)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        if name == "eval":
+            assert err[0] == cli.renamed_line("eval") and "`tieflax val-loss`" in err[0]
+            err = err[1:]
+        assert len(err) == 1 and err[0].startswith(f"tieflax {name}: {missing}/config.json does not exist"), err
+
+
 def test_plan_exit_codes_tell_bad_input_from_does_not_fit(tmp_path, capsys):
     """0 fits, 1 does not fit (tests/test_plan.py), 2 bad input."""
     assert "does not exist" in _one_line(capsys, ["plan", "--config", str(tmp_path / "none.py"), "--topology",

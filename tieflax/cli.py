@@ -23,7 +23,7 @@ from tieflax import errors
 COMMANDS = {
     "params": "tieflax.commands.params",
     "train": "tieflax.commands.train",
-    "eval": "tieflax.commands.eval",
+    "val-loss": "tieflax.commands.val_loss",
     "compare": "tieflax.commands.compare",
     "analyze": "tieflax.commands.analyze",
     "sweep": "tieflax.commands.sweep",
@@ -33,6 +33,8 @@ COMMANDS = {
     "prepare": "tieflax.commands.prepare",
 }
 
+# Old name -> new name: the old one still works for a release and says the new one on stderr.
+RENAMED = {"eval": "val-loss"}
 DEBUG_HELP = "show the full traceback of a failure (also: TIEFLAX_DEBUG=1)"
 
 
@@ -44,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         if importlib.util.find_spec(module_name) is None:
             continue  # a command whose module is not installed in this build
         module = importlib.import_module(module_name)
-        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)  # HELP: once, there
+        aliases = [old for old, new in RENAMED.items() if new == name]
+        command_parser = sub.add_parser(name, aliases=aliases, help=module.HELP,   # HELP: once, there
+                                        description=module.HELP)
         command_parser.set_defaults(_module=module_name)
         command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         module.add_arguments(command_parser)
@@ -68,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = list(getattr(args, "overrides", None) or []) + overrides
+            if args.command in RENAMED:
+                print(renamed_line(args.command), file=sys.stderr, flush=True)
             debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
             module = importlib.import_module(args._module)
             return int(module.run(args) or 0)
@@ -90,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         # A command may give bad input its own code (plan: 1 means "does not fit", so bad input is 2).
         return int(getattr(module, "USER_ERROR_CODE", 1))
+
+
+def renamed_line(old: str) -> str:
+    """The one line an old command name prints before it runs under its new name."""
+    return (f"tieflax {old}: renamed `tieflax {RENAMED[old]}`; `tieflax {old}` still works in this release "
+            "and will be removed in a later one")
 
 
 def _interrupted_in(e: BaseException) -> "Interrupted | None":

@@ -1,4 +1,7 @@
-"""``tieflax eval --workdir DIR``: validation loss and perplexity of the workdir's latest checkpoint.
+"""``tieflax val-loss --workdir DIR``: validation loss and perplexity of the workdir's latest checkpoint.
+
+(Named ``tieflax eval`` until this release, which still answers to that name and says the new one;
+``tieflax evaluate`` is another command: lm-eval tasks.)
 
 The config is read back from ``DIR/config.json``; ``--config.a.b=v`` overrides may change how it is
 evaluated (``--config.mesh.tensor=4``, ``--config.train.eval_batches=0`` for the whole split), not the
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     changed = sorted(k for k, v in model_config(config).__dict__.items() if trained.__dict__[k] != v)
     if changed:
         raise ConfigError(f"--config.model overrides would evaluate another model than the one trained "
-                          f"(config.model.{changed[0]}{' and more' if len(changed) > 1 else ''}): eval "
+                          f"(config.model.{changed[0]}{' and more' if len(changed) > 1 else ''}): val-loss "
                           "overrides may change how the run is evaluated (mesh, batches), not the model")
     result = evaluate_run(config, args.workdir)
     if jax.process_index() == 0:
