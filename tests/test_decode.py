@@ -9,7 +9,7 @@ import pytest
 from tieflax import sharding as shd
 from tieflax.eval.decode import EvalError, Generator
 from tieflax.model import ModelConfig, TransformerLM
-from tieflax.model.layout import stack_layers
+from tieflax.model.layer_stacking import stack_layers
 
 V = 300
 FAMILIES = {

@@ -108,7 +108,7 @@ def test_lens_of_identity_blocks_equals_the_model_at_every_layer():
 def test_lens_of_a_scanned_model_is_the_lens_of_the_unrolled_one():
     """The residual stream comes from the model (``TransformerLM.residual_stream``), scanned layers included."""
     from tieflax.model import ModelConfig, TransformerLM
-    from tieflax.model.layout import stack_layers
+    from tieflax.model.layer_stacking import stack_layers
     from tieflax.study.evidence import lens_measures
 
     mc = ModelConfig(family="llama", vocab_size=200, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16)

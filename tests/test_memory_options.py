@@ -17,7 +17,7 @@ import pytest
 
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model import layers
-from tieflax.model.layout import to_layout
+from tieflax.model.layer_stacking import to_layout
 
 V, B, T = 64, 2, 12
 BASE = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=48, remat="full")

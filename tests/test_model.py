@@ -227,7 +227,7 @@ def test_untied_only_switches_are_rejected_when_tied():
 def test_residual_stream_runs_from_the_embedding_to_before_the_final_norm(family):
     """Entry 0 is the lookup (plus learned positions), entry l block l-1's output, and the final norm of the
     last entry is ``hidden_states``; scanned layers give the same stream, in layer order."""
-    from tieflax.model.layout import stack_layers
+    from tieflax.model.layer_stacking import stack_layers
 
     config = small(False, n_layers=4, **FAMILIES[family])
     params = init(config)

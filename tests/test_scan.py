@@ -1,6 +1,6 @@
 """Scanned layers and remat policies: the same function, parameters and gradients as the unrolled model.
 
-Scanned parameters are the unrolled ones stacked (``tieflax.model.layout``), so every comparison
+Scanned parameters are the unrolled ones stacked (``tieflax.model.layer_stacking``), so every comparison
 initialises the unrolled model, stacks its parameters and checks logits, loss and gradients.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from tieflax.config import apply_override, default_config, model_config
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.config import REMAT_POLICIES
-from tieflax.model.layout import LAYERS_AXIS, stack_layers, to_layout, unstack_layers
+from tieflax.model.layer_stacking import LAYERS_AXIS, stack_layers, to_layout, unstack_layers
 from tieflax.model.params import abstract_params, count_params
 
 V, B, T = 100, 2, 8

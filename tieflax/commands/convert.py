@@ -230,7 +230,7 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
                  overwrite: bool = False) -> dict:
     """Latest parameters -> a new workdir with the layers stacked (``scan``) or per layer; same function."""
     from tieflax.config import model_config
-    from tieflax.model.layout import to_layout
+    from tieflax.model.layer_stacking import to_layout
 
     def change(config, params):
         config.model.scan_layers = scan

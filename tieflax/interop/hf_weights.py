@@ -11,7 +11,7 @@ guessed) gets exactly one Hugging Face tensor, and the conversion is a transpose
 * RoPE uses the rotate-half layout on both sides, so q/k weights need no permutation.
 
 A tied checkpoint has no ``lm_head.weight``; an untied one must have it. Scanned models
-(``scan_layers``) are imported into and exported from their stacked layout through ``tieflax.model.layout``.
+(``scan_layers``) are imported into and exported from their stacked layout through ``tieflax.model.layer_stacking``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tieflax.model.config import ModelConfig
-from tieflax.model.layout import is_stacked, stack_layers, unstack_layers
+from tieflax.model.layer_stacking import is_stacked, stack_layers, unstack_layers
 from tieflax.model.params import abstract_params
 from tieflax.errors import UserError
 

@@ -13,7 +13,7 @@ Ways to run it (``model.apply(variables, tokens, method=...)``):
   every block, before the final norm (the lenses of ``tieflax.study.evidence``).
 
 With ``scan_layers`` the blocks run under ``nn.scan``: their parameters are stacked along a leading
-``layers`` axis (``params['layers']['block_j']``; see ``tieflax.model.layout``) and the compiler sees one
+``layers`` axis (``params['layers']['block_j']``; see ``tieflax.model.layer_stacking``) and the compiler sees one
 layer instead of ``n_layers``.
 
 Padded vocabulary rows (>= ``vocab_size``) exist in the parameters but never receive probability mass
@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from tieflax.model import kv_cache
 from tieflax.model.config import ModelConfig
 from tieflax.model.embedding import EMBED_AXES, Embed, LMHead
-from tieflax.model.layout import LAYERS_AXIS
+from tieflax.model.layer_stacking import LAYERS_AXIS
 from tieflax.model.layers import BTD, Block, Norm, dtype_of
 from tieflax.model.remat import remat_module
 from tieflax.ops.cross_entropy import cross_entropy
@@ -184,7 +184,7 @@ class TransformerLM(nn.Module):
         c = self.config
         if c.scan_layers:
             raise ValueError("decode runs per-layer parameters: unstack scanned ones first "
-                             "(tieflax.model.layout.unstack_layers, config.replace(scan_layers=False))")
+                             "(tieflax.model.layer_stacking.unstack_layers, config.replace(scan_layers=False))")
         cache = kv_cache.write_slots(cache, positions, valid)
         x = self._embed_inputs(tokens, positions)
         layers = []

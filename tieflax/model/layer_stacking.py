@@ -1,4 +1,4 @@
-"""Stacked (scanned) <-> per-layer parameter layouts.
+"""Stacked (scanned) <-> per-layer parameter trees: the same parameters in the two layouts a model holds.
 
 Unscanned models hold one subtree per layer, ``params['block_{i}']`` for i < n_layers. Scanned models
 (``config.model.scan_layers``) hold ``params['layers']['block_{j}']`` for j < p, ``p =
