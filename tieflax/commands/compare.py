@@ -8,7 +8,6 @@ unfinished runs; ``--report-only`` rewrites the report from ``DIR/summary.json``
 from __future__ import annotations
 
 import argparse
-import os
 
 HELP = "the tied-vs-untied study: train the variants and write a report with plots"
 
@@ -25,25 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "naming the fields that differ)")
 
 
-def compilation_cache(workdir: str) -> None:
-    """Seeds of one variant compile the same programs: a persistent cache (unless the user set one) turns
-    the later seeds' compiles into reads. Kept in ``workdir/data/jax_cache`` locally; for a gs:// or
-    s3:// workdir in this machine's cache folder (compiled programs are per machine anyway)."""
-    import jax
-
-    from tieflax import storage
-
-    if jax.config.jax_compilation_cache_dir:
-        return
-    workdir = storage.resolve(workdir)
-    if storage.is_remote(workdir):
-        path = os.path.join(os.path.expanduser("~"), ".cache", "tieflax", "jax_cache")
-    else:
-        path = os.path.join(workdir, "data", "jax_cache")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def run(args: argparse.Namespace) -> int:
     from tieflax import storage
     from tieflax.study.report import load_summary, write_report
@@ -58,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         # A multi-process launch (TIEFLAX_DISTRIBUTED=1 from launch/tpu_pod.sh, or TIEFLAX_COORDINATOR...)
         # joins one job, as `tieflax train` does; without this every host ran its own single-process study.
         distributed.initialize()
+        from tieflax.study.compilation_cache import compilation_cache
+
         config = load_config(args.config, args.overrides)
         compilation_cache(args.workdir)
         summary = run_compare(config, args.workdir, log=lambda line: print(line, flush=True),

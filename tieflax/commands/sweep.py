@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tieflax.study.sweep import run_sweep
-    from tieflax.commands.compare import compilation_cache
+    from tieflax.study.compilation_cache import compilation_cache
     from tieflax.config import load_config
     from tieflax import distributed
 
