@@ -32,10 +32,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tieflax import sharding as shd  # noqa: E402
-from tieflax.config import load_config  # noqa: E402
-from tieflax.model.config import ModelConfig  # noqa: E402
-from tieflax.model.layers import Attention  # noqa: E402
+from tieflax import sharding as shd
+from tieflax.config import load_config
+from tieflax.model.config import ModelConfig
+from tieflax.model.layers import Attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v4": "v4:2x2x1", "v6e": "v6e:2x2"}
@@ -43,11 +43,11 @@ TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v4": "v4:2x2x1", "v6e":
 
 def one_chip(target: str):
     """One abstract device of ``target`` (a TPU generation or a GPU name)."""
-    from jax.experimental import topologies  # noqa: PLC0415
+    from jax.experimental import topologies
 
     if target in TPU_TOPOLOGIES:
         return topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[target], platform="tpu").devices[0]
-    from tieflax.hardware.targets import gpu_target_config  # noqa: PLC0415
+    from tieflax.hardware.targets import gpu_target_config
 
     return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(target),
                                         topology="1x1x1").devices[0]
@@ -80,10 +80,10 @@ def measure(mc: ModelConfig, impl: str, seq_len: int, device) -> dict:
 
 def measure_train_step(config_path: str, impl: str, seq_len: int, topology: str) -> dict:
     """Temporaries of the real train step on ``topology`` (fsdp = chips, one sequence per chip)."""
-    import flax.linen as nn  # noqa: PLC0415
-    from jax.experimental import topologies  # noqa: PLC0415
+    import flax.linen as nn
+    from jax.experimental import topologies
 
-    from tieflax.train import BATCH_KEYS, build, make_train_step  # noqa: PLC0415
+    from tieflax.train import BATCH_KEYS, build, make_train_step
 
     chips = list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     mesh = shd.make_mesh(1, len(chips), 1, devices=chips)

@@ -187,8 +187,8 @@ def recorded_row(model: str, seq_len: int, variant: str, f: Figures) -> str:
 
 def maxtext_tflops(case: Case, seq_len: int) -> float:
     """MaxText's count for its model, one sequence per chip (what its training log prints)."""
-    from tieflax.config import load_config, model_config  # noqa: PLC0415
-    from tieflax.hardware.flops import maxtext_tflops_per_device  # noqa: PLC0415
+    from tieflax.config import load_config, model_config
+    from tieflax.hardware.flops import maxtext_tflops_per_device
 
     c = model_config(load_config(os.path.join(ROOT, case.config)))
     return maxtext_tflops_per_device(c, 1, seq_len, vocab_size=case.maxtext_vocab)["total"]
@@ -197,8 +197,8 @@ def maxtext_tflops(case: Case, seq_len: int) -> float:
 def flops_terms(case: Case, seq_len: int) -> dict[str, tuple[float, float]]:
     """term -> (tieflax, MaxText) model TFLOPs per step per chip, one sequence per chip; MaxText's terms
     as its calculate_tflops_training_per_device forms them (x3 for training), with its vocabulary."""
-    from tieflax.config import load_config, model_config  # noqa: PLC0415
-    from tieflax.hardware.flops import step_flops  # noqa: PLC0415
+    from tieflax.config import load_config, model_config
+    from tieflax.hardware.flops import step_flops
 
     c = model_config(load_config(os.path.join(ROOT, case.config)))
     f = step_flops(c, 1, seq_len)

@@ -28,13 +28,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.experimental import topologies
-from jax.sharding import NamedSharding
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tieflax import sharding as shd  # noqa: E402
-from tieflax.config import load_config  # noqa: E402
-from tieflax.train import BATCH_KEYS, build, make_train_step  # noqa: E402
+from tieflax import sharding as shd
+from tieflax.config import load_config
+from tieflax.train import BATCH_KEYS, build, make_train_step
 
 HBM_GIB = {"v5e": 16, "v5p": 95, "v4": 32, "v6e": 32}  # per chip, GiB
 

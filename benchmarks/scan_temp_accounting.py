@@ -27,11 +27,11 @@ MIB = 1 << 20
 
 
 def measure(topology: str, layers: int, seq_len: int, d: int, f: int) -> dict:
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from jax.experimental import topologies  # noqa: PLC0415
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     n = len(devices)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # object_store: the emulator the tests 
 
 
 def data_config(corpus: str, tokenizer: str = ""):
-    from tieflax.data import default_data_config  # noqa: PLC0415
+    from tieflax.data import default_data_config
 
     c = default_data_config()
     c.source = corpus
@@ -41,7 +41,7 @@ def data_config(corpus: str, tokenizer: str = ""):
 
 
 def time_prepare(corpus: str, tokenizer: str, out: str, workers: int, shard_mb: float) -> dict:
-    from tieflax.data.store_build import build_store  # noqa: PLC0415
+    from tieflax.data.store_build import build_store
 
     stats: dict = {}
     t0 = time.perf_counter()
@@ -58,7 +58,7 @@ def time_prepare(corpus: str, tokenizer: str, out: str, workers: int, shard_mb: 
 def loader_rate(kind: str, path: str, vocab: int, eos: int, seq_len: int, batch: int, batches: int,
                 repeats: int, process_index: int, process_count: int, env: dict, queue) -> None:
     os.environ.update(env)
-    from tieflax.data import make_loader, prepare_dataset  # noqa: PLC0415
+    from tieflax.data import make_loader, prepare_dataset
 
     c = data_config("kjv")
     c.source = "tokens"
@@ -107,11 +107,11 @@ def main():
     ap.add_argument("--prepare-only", action="store_true", help="skip the read measurements")
     args = ap.parse_args()
 
-    from tieflax import storage  # noqa: PLC0415
-    from tieflax.data.sources import load_documents  # noqa: PLC0415
-    from tieflax.data.store import open_store  # noqa: PLC0415
-    from tieflax.data.token_files import write_token_file  # noqa: PLC0415
-    from tieflax.data.tokenizer import train_bpe  # noqa: PLC0415
+    from tieflax import storage
+    from tieflax.data.sources import load_documents
+    from tieflax.data.store import open_store
+    from tieflax.data.token_files import write_token_file
+    from tieflax.data.tokenizer import train_bpe
 
     tmp = tempfile.mkdtemp(prefix="tieflax-store-bench-")
     tokenizer = os.path.join(tmp, "tokenizer.json")
@@ -129,12 +129,12 @@ def main():
     kinds = {} if args.prepare_only else {"memmap .bin": ("memmap", tmp, {}), "local store": ("store", local, {})}
     server = None
     if not args.no_emulator and not args.prepare_only:
-        from object_store import GcsServer  # noqa: PLC0415
+        from object_store import GcsServer
 
         server = GcsServer()
         os.environ.update(server.env)
         remote = server.new_bucket() + "/store"
-        from tieflax.data.store_build import build_store  # noqa: PLC0415
+        from tieflax.data.store_build import build_store
 
         build_store(data_config(args.corpus, tokenizer), remote, workers=2,
                     shard_bytes=int(args.shard_mb * (1 << 20)))

@@ -30,9 +30,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tieflax import sharding as shd  # noqa: E402
-from tieflax.config import load_config  # noqa: E402
-from tieflax.train import BATCH_KEYS, build, make_train_step, setup_mesh  # noqa: E402
+from tieflax import sharding as shd
+from tieflax.config import load_config
+from tieflax.train import BATCH_KEYS, build, make_train_step, setup_mesh
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "experiments",
                     "tiny.py")

@@ -122,7 +122,7 @@ def test_plans_compiled_by_a_libtpu_that_over_counts_say_so(monkeypatch, version
 def test_every_gpu_target_ships_a_config_with_its_memory_and_name():
     """The text protos are package data: each GPU topology has one, with the memory plans are judged
     against and the name its devices give (the device_kind MFU looks up)."""
-    import re  # noqa: PLC0415
+    import re
 
     memory = {}
     for kind in targets.GPU_TARGETS:

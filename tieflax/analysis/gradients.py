@@ -29,7 +29,7 @@ def split_embedding_gradients(model_config, params: dict, batch: dict,
     For a tied model the two arrays sum to its gradient; for an untied one they are the gradients of
     ``embed`` and ``lm_head``.
     """
-    from tieflax.model.surgery import is_tied, untie
+    from tieflax.model.surgery import is_tied, untie  # noqa: PLC0415
 
     split = untie(params) if is_tied(params) else params
     if "out_proj" in split["embed"]:  # decoupled width, tied: the head's projection moves with the head
@@ -43,7 +43,7 @@ def split_embedding_gradients(model_config, params: dict, batch: dict,
 @functools.lru_cache(maxsize=16)
 def _grad_fn(untied_config, loss_options: tuple):
     """One jitted gradient per (config, loss options): analysing many checkpoints compiles once."""
-    from tieflax.model import TransformerLM
+    from tieflax.model import TransformerLM  # noqa: PLC0415
 
     model = TransformerLM(untied_config)
 

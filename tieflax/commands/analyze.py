@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax import strict_json as jsonable
-    from tieflax.study.analyze import analyze_workdir, without_arrays
+    from tieflax import strict_json as jsonable  # noqa: PLC0415
+    from tieflax.study.analyze import analyze_workdir, without_arrays  # noqa: PLC0415
 
     if args.overrides:
         raise SystemExit("tieflax analyze reads the run's own config.json; --config.* overrides do not apply")

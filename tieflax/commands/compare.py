@@ -25,20 +25,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax import storage
-    from tieflax.study.report import load_summary, write_report
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.study.report import load_summary, write_report  # noqa: PLC0415
 
     if args.report_only:
         path = write_report(load_summary(args.workdir), args.workdir)
     else:
-        from tieflax import distributed
-        from tieflax.study.compare import run_compare
-        from tieflax.config import load_config
+        from tieflax import distributed  # noqa: PLC0415
+        from tieflax.study.compare import run_compare  # noqa: PLC0415
+        from tieflax.config import load_config  # noqa: PLC0415
 
         # A multi-process launch (TIEFLAX_DISTRIBUTED=1 from launch/tpu_pod.sh, or TIEFLAX_COORDINATOR...)
         # joins one job, as `tieflax train` does; without this every host ran its own single-process study.
         distributed.initialize()
-        from tieflax.study.compilation_cache import compilation_cache
+        from tieflax.study.compilation_cache import compilation_cache  # noqa: PLC0415
 
         config = load_config(args.config, args.overrides)
         compilation_cache(args.workdir)

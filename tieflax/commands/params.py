@@ -29,8 +29,8 @@ def default_models_dir() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax.model.params import format_table, param_report
-    from tieflax.config import load_config, model_config
+    from tieflax.model.params import format_table, param_report  # noqa: PLC0415
+    from tieflax.config import load_config, model_config  # noqa: PLC0415
 
     if args.config:
         paths = [args.config]

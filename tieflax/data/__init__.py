@@ -36,8 +36,8 @@ def __getattr__(name):
 
 
 if os.environ.get("TIEFLAX_DATA_WORKER") != "1":  # everyone else gets the package as it always was
-    from tieflax.data.config import DataError, default_data_config, validate_data_config  # noqa: E402,F401
-    from tieflax.data.loader import make_loader, steps_per_epoch, to_global_batch  # noqa: E402,F401
-    from tieflax.data.packing import IGNORE, pack_window  # noqa: E402,F401
-    from tieflax.data.prepare import PreparedDataset, prepare_dataset  # noqa: E402,F401
-    from tieflax.data.sources import Document, load_documents  # noqa: E402,F401
+    from tieflax.data.config import DataError, default_data_config, validate_data_config  # noqa: F401
+    from tieflax.data.loader import make_loader, steps_per_epoch, to_global_batch  # noqa: F401
+    from tieflax.data.packing import IGNORE, pack_window  # noqa: F401
+    from tieflax.data.prepare import PreparedDataset, prepare_dataset  # noqa: F401
+    from tieflax.data.sources import Document, load_documents  # noqa: F401

@@ -243,7 +243,7 @@ def iter_hf_documents(c: ml_collections.ConfigDict) -> Iterator[Document]:
     are counted and logged; a missing text field is an error listing the fields there are.
     """
     try:
-        import datasets  # pylint: disable=import-outside-toplevel
+        import datasets  # pylint: disable=import-outside-toplevel  # noqa: PLC0415
     except ImportError as e:
         raise DataError("data.source = 'hf' needs the optional `datasets` package: "
                         "pip install 'datasets>=3,<5'.") from e

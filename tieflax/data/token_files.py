@@ -119,7 +119,7 @@ def _check_file(path: str, field: str) -> Path:
 
 def read_array_record(path: Path, dtype: np.dtype | str, eos_id: int, bos_id: int | None) -> np.ndarray:
     """The joined stream (see ``join_documents``) of an ArrayRecord file of one document per record."""
-    from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=import-outside-toplevel
+    from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=import-outside-toplevel  # noqa: PLC0415
     reader = ArrayRecordReader(str(path))
     try:
         dtype = np.dtype(dtype)

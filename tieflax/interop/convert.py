@@ -18,7 +18,24 @@ import json
 from typing import Any, Sequence
 
 from tieflax import storage
-from tieflax.run.layout import HF_FILES_DIR, IMPORT_SOURCE_FILE, SURGERY_FILE as SURGERY_REPORT, TOKENIZER_FILE
+from tieflax import strict_json as jsonable
+from tieflax.config import (apply_override, default_config, default_model_config, model_config,
+                            validate_config)
+from tieflax.interop.hf import (SIDE_FILES, not_written_by_export, read_hf_config, read_safetensors,
+                                save_hf_checkpoint, writing_hf_folder)
+from tieflax.interop.hf_config import NOT_IN_CHECKPOINTS, config_from_hf
+from tieflax.interop.hf_tokenizer import export_tokenizer_side
+from tieflax.interop.hf_weights import params_from_state
+from tieflax.model.layer_stacking import to_layout
+from tieflax.model.params import abstract_params, count_params
+from tieflax.model.surgery import tie, untie
+from tieflax.run import checkpoints as ckpt
+from tieflax.run.destinations import check_destination as check_safe_destination
+from tieflax.run.destinations import (check_empty_or_replaceable, copy_file, copy_tree, inside, real,
+                                      writing_new_workdir)
+from tieflax.run.layout import (HF_FILES_DIR, IMPORT_SOURCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, TOKENIZER_FILE,
+                                WorkdirError, is_run)
+from tieflax.run.layout import SURGERY_FILE as SURGERY_REPORT
 
 # What every surgery leaves behind: the new workdir holds parameters only (``initial_params/``), so training
 # there starts a new run from them; `tieflax train` says so when it starts.
@@ -32,17 +49,6 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
 
     The workdir appears complete or not at all (written beside it, then renamed); one that holds
     anything is refused unless ``overwrite``."""
-    from tieflax.run import checkpoints as ckpt
-    from tieflax.model.params import count_params, abstract_params
-    from tieflax.config import default_config, default_model_config, model_config
-    from tieflax.interop.hf import SIDE_FILES, read_hf_config, read_safetensors
-    from tieflax.interop.hf_config import config_from_hf
-    from tieflax.interop.hf_weights import params_from_state
-
-    from tieflax.config import validate_config
-    from tieflax.run.destinations import check_destination as check_safe_destination
-    from tieflax.run.destinations import check_empty_or_replaceable, copy_file, real, writing_new_workdir
-
     workdir, hf_dir = storage.resolve(workdir), storage.resolve(hf_dir)
     check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
     check_empty_or_replaceable(workdir, overwrite=overwrite, flag="--workdir")
@@ -74,11 +80,6 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
     bucket only an earlier export: a prefix holding other files cannot be replaced whole). Never the
     Hugging Face folder the run was imported from (``imported_from.json``), even with ``overwrite``.
     Every file goes through ``tieflax.storage``, inside ``writing_hf_folder``."""
-    from tieflax.run import checkpoints as ckpt
-    from tieflax.config import model_config
-    from tieflax.interop.hf import SIDE_FILES, save_hf_checkpoint, writing_hf_folder
-    from tieflax.interop.hf_tokenizer import export_tokenizer_side
-
     workdir, out = storage.resolve(workdir), storage.resolve(out)
     check_export_destination(workdir, out, overwrite=overwrite)
     config, params, step = ckpt.load_latest_params(workdir)
@@ -95,16 +96,12 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
 
 def import_source(workdir: str) -> str | None:
     """The Hugging Face folder ``workdir`` was imported from (``imported_from.json``), or None."""
-    from tieflax.run.layout import IMPORT_SOURCE_FILE
-
     record = storage.join(workdir, IMPORT_SOURCE_FILE)
     if not storage.is_file(record):
         return None
     try:
         return json.loads(storage.read_text(record))["hf_dir"]
     except (ValueError, KeyError, TypeError):
-        from tieflax.run.layout import WorkdirError
-
         raise WorkdirError(f"{record} is damaged (it names the Hugging Face folder this run was imported "
                            "from, which an export must not overwrite): restore it from the import, or delete "
                            "it if that folder no longer matters") from None
@@ -115,11 +112,6 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> None
     Hugging Face folder the run was imported from (even with ``overwrite``); without ``overwrite`` it is
     new or empty; on a bucket it holds nothing but an earlier export (an interrupted one, behind its
     incomplete marker, is cleared without ``overwrite``)."""
-    from tieflax.interop.hf import not_written_by_export
-    from tieflax.run.destinations import check_destination as check_safe_destination
-    from tieflax.run.destinations import inside, real
-    from tieflax.run.layout import INCOMPLETE_MARKER, IMPORT_SOURCE_FILE, LOCK_FILE, WorkdirError, is_run
-
     source = import_source(workdir)
     if source:
         src, dest = real(source), real(out)
@@ -151,7 +143,6 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> None
 
 def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:
     """Latest parameters of a tied run -> a new untied workdir whose head is a copy of the embedding."""
-    from tieflax.model.surgery import untie
 
     def change(config, params):
         config.model.tie_embeddings = False
@@ -164,7 +155,6 @@ def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, over
 def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = (), *,
                 overwrite: bool = False) -> dict:
     """Latest parameters of an untied run -> a new tied workdir keeping ``source`` (input, output, mean)."""
-    from tieflax.model.surgery import tie
 
     def change(config, params):
         config.model.tie_embeddings = True
@@ -178,8 +168,6 @@ def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = 
 def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = (), *,
                  overwrite: bool = False) -> dict:
     """Latest parameters -> a new workdir with the layers stacked (``scan``) or per layer; same function."""
-    from tieflax.config import model_config
-    from tieflax.model.layer_stacking import to_layout
 
     def change(config, params):
         config.model.scan_layers = scan
@@ -191,12 +179,9 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
 
 
 def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool) -> dict:
-    from tieflax.run import checkpoints as ckpt
-    from tieflax.config import model_config, validate_config
-    from tieflax.run.destinations import check_destination as check_safe_destination
-    from tieflax import strict_json as jsonable
-    from tieflax.run.destinations import check_empty_or_replaceable, copy_tree, writing_new_workdir
-
+    """The latest parameters of ``workdir``, changed by ``change(config, params) -> (params, report)``,
+    written as the new workdir ``out`` (whole or not at all) with the tokenizer, the Hugging Face files and
+    the surgery's report; returns the report."""
     workdir, out = storage.resolve(workdir), storage.resolve(out)
     # Before anything is read: --out must not be, contain or lie inside the source or another run.
     check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
@@ -248,9 +233,6 @@ def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> str | None:
 
 def _apply_overrides(config, overrides: Sequence[str], before, mode: str, also_fixed: Sequence[str] = ()) -> None:
     """Applies ``--config.*`` overrides, refusing any change to a model field the parameters define."""
-    from tieflax.config import apply_override, model_config
-    from tieflax.interop.hf_config import NOT_IN_CHECKPOINTS
-
     for item in overrides:
         apply_override(config, item)
     now = model_config(config)

@@ -80,7 +80,7 @@ def _refuse_pickles_only(path: str) -> None:
 
 def _open_safetensors(file: str):
     """``safe_open`` naming the file when it is truncated or not a safetensors file at all."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
 
     try:
         return safe_open(file, framework="numpy")
@@ -152,8 +152,8 @@ def save_hf_checkpoint(path: str, config: ModelConfig, params: Mapping, *, dtype
     the weights are sharded with an index, as transformers does. ``extra_config`` adds keys to
     ``config.json`` (token ids, for instance). Returns the files written.
     """
-    import ml_dtypes
-    from safetensors.numpy import save
+    import ml_dtypes  # noqa: PLC0415
+    from safetensors.numpy import save  # noqa: PLC0415
 
     path = storage.resolve(path)
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, None: None}.get(dtype, dtype)

@@ -29,7 +29,7 @@ from tieflax.analysis.softmax import softmax_diagnostics
 # ------------------------------------------------------------------------------------------ checkpoints
 def checkpoint_steps(workdir: str) -> list[int]:
     """Steps with a complete checkpoint in ``workdir`` (ascending; empty when none)."""
-    from tieflax.run import checkpoints as ckpt
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
 
     if not storage.is_dir(ckpt.checkpoint_dir(workdir)):
         return []
@@ -44,7 +44,7 @@ def load_params_at(workdir: str, step: int | None = None) -> tuple[Any, dict, in
 
     Only the parameters are read (a partial restore of the ``state`` item), never the optimizer state.
     """
-    from tieflax.run import checkpoints as ckpt
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
 
     steps = checkpoint_steps(workdir)
     if not steps:
@@ -63,7 +63,7 @@ def analysis_data(config, workdir: str, n_val_batches: int = 2, max_sequences: i
     (0 = all) keeps only the first sequences of each batch: analysis runs on one device, unsharded, so a
     pod-sized global batch must be cut down.
     """
-    from tieflax.data import make_loader, prepare_dataset
+    from tieflax.data import make_loader, prepare_dataset  # noqa: PLC0415
 
     t = config.train
     prepared = prepare_dataset(config.data, workdir, vocab_size=config.model.vocab_size)
@@ -89,8 +89,8 @@ def analysis_data(config, workdir: str, n_val_batches: int = 2, max_sequences: i
 def _softmax_fn(model_config, token_block: int):
     """One jitted (params, batch) -> (lse [N], summed probabilities [V_pad]) per config: the forward pass
     and the blockwise softmax statistics compile together, once for every checkpoint of a run."""
-    from tieflax.analysis.softmax import block_statistics
-    from tieflax.model import TransformerLM, head_loss_kwargs
+    from tieflax.analysis.softmax import block_statistics  # noqa: PLC0415
+    from tieflax.model import TransformerLM, head_loss_kwargs  # noqa: PLC0415
 
     model = TransformerLM(model_config)
     kw = head_loss_kwargs(model_config)
@@ -183,7 +183,7 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     ``plots``, ``step_<step>_norm_vs_frequency.png`` and ``step_<step>_cosines.png``. Returns the
     dict, with arrays, and ``paths``.
     """
-    from tieflax.config import model_config as to_model_config
+    from tieflax.config import model_config as to_model_config  # noqa: PLC0415
 
     config, params, step = load_params_at(workdir, step)
     mc = to_model_config(config)
@@ -198,7 +198,7 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     paths = {"json": storage.join(out_dir, f"step_{step}.json")}
     storage.write_text(paths["json"], jsonable.dumps(without_arrays(result), indent=1))
     if plots:
-        from tieflax.analysis import plots as plotting
+        from tieflax.analysis import plots as plotting  # noqa: PLC0415
 
         name = "tied" if result["tied"] else "untied"
         paths["norm_vs_frequency"] = plotting.norm_vs_frequency(

@@ -112,7 +112,7 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         raise ConfigValueError(f"config.compare.lens_fit_tokens = {cc.lens_fit_tokens} and lens_score_tokens = "
                                f"{cc.lens_score_tokens} must be >= 0 (0 = no lens / every document of the "
                                f"scoring half), config.compare.knn = {cc.knn} >= 1")
-    from tieflax.study.tasks import check_settings
+    from tieflax.study.tasks import check_settings  # noqa: PLC0415
 
     check_settings(cc)
     return cc
@@ -201,7 +201,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
 
 def variant_configs(config: ml_collections.ConfigDict) -> tuple[dict[str, ml_collections.ConfigDict], dict]:
     """``({variant: full config}, {matched variant: match info})`` for ``config.compare.variants``."""
-    from tieflax.config import model_config
+    from tieflax.config import model_config  # noqa: PLC0415
 
     cc = compare_config(config)
     mc = model_config(config).replace(embed_dim=0)
@@ -251,10 +251,10 @@ def param_counts(mc) -> dict:
 # -------------------------------------------------------------------------------------------- running
 def _initial_params(mc, config):
     """The parameters the trainer starts from (same init call and key), for a step-0 analysis point."""
-    import jax
-    import jax.numpy as jnp
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
 
-    from tieflax.model import TransformerLM
+    from tieflax.model import TransformerLM  # noqa: PLC0415
 
     rngs = {"params": jax.random.key(config.seed)}
     if mc.head_rng_stream != "params":
@@ -270,10 +270,10 @@ def study_data(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collectio
     that many batches); ``doc_ids``: each batch's document index per position; ``grad_batches``: the first
     ``grad_batches`` of them cut to ``analysis_sequences`` rows; ``counts``: train unigram counts.
     """
-    import numpy as np
+    import numpy as np  # noqa: PLC0415
 
-    from tieflax.study.evidence import document_ids
-    from tieflax.data import make_loader, prepare_dataset
+    from tieflax.study.evidence import document_ids  # noqa: PLC0415
+    from tieflax.data import make_loader, prepare_dataset  # noqa: PLC0415
 
     t = config.train
     prepared = prepare_dataset(config.data, run_dir, vocab_size=config.model.vocab_size)
@@ -307,9 +307,9 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     it describes the same step and holds every measure (one written before the lens and the frequency-bin
     losses is measured again). ``keep``: filled with the run's embedding matrices (``final``, ``init``:
     ``{'input', 'output'}`` host arrays) when they are loaded here, for :func:`alignment_study`."""
-    from tieflax.study.evidence import measure_run
-    from tieflax.study.analyze import analysis_loss_options, checkpoint_steps, load_params_at
-    from tieflax.config import model_config
+    from tieflax.study.evidence import measure_run  # noqa: PLC0415
+    from tieflax.study.analyze import analysis_loss_options, checkpoint_steps, load_params_at  # noqa: PLC0415
+    from tieflax.config import model_config  # noqa: PLC0415
 
     path = layout.path(run_dir, ANALYSIS_DIR, "compare.json")
     steps = checkpoint_steps(run_dir)
@@ -336,9 +336,9 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
 def _embedding_rows(params: dict) -> dict:
     """``{'input', 'output'}`` embedding matrices of a parameter tree as host float32 arrays (one array
     twice when tied)."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415
 
-    from tieflax.model.transformer import embedding_matrices
+    from tieflax.model.transformer import embedding_matrices  # noqa: PLC0415
 
     return {k: np.asarray(getattr(v, "value", v), np.float32) for k, v in embedding_matrices(params).items()}
 
@@ -355,11 +355,11 @@ def alignment_study(planned: list, cc, counts, kept: dict, log=print) -> dict:
     already loaded; others are read from the run's last checkpoint. Returns
     ``{variant: {seed: {'same': {'final', 'init'}, 'cross': {'final', 'init', 'untied_seed'}}}}``.
     """
-    import numpy as np
+    import numpy as np  # noqa: PLC0415
 
-    from tieflax.analysis.literature import alignment_of, representation
-    from tieflax.config import model_config
-    from tieflax.study.analyze import checkpoint_steps, load_params_at
+    from tieflax.analysis.literature import alignment_of, representation  # noqa: PLC0415
+    from tieflax.config import model_config  # noqa: PLC0415
+    from tieflax.study.analyze import checkpoint_steps, load_params_at  # noqa: PLC0415
 
     runs = {(name, int(seed)): (cfg, run_dir) for seed, name, cfg, run_dir in planned}
     seeds = [int(s) for s in cc.seeds]
@@ -404,7 +404,7 @@ def alignment_study(planned: list, cc, counts, kept: dict, log=print) -> dict:
 
 def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> str:
     """Prepares the data once in ``workdir/data`` and returns the tokenizer every variant will use."""
-    from tieflax.data import prepare_dataset
+    from tieflax.data import prepare_dataset  # noqa: PLC0415
 
     data_dir = storage.join(workdir, "data")
     if config.data.tokenizer.path:
@@ -426,14 +426,14 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
     the config it would be trained with now (``tieflax.study.resume``); ``retrain_changed`` trains
     the ones that differ again instead of refusing.
     """
-    import jax
+    import jax  # noqa: PLC0415
 
-    from tieflax.run.lock import workdir_lock
+    from tieflax.run.lock import workdir_lock  # noqa: PLC0415
 
     workdir = storage.resolve(workdir)
     cc = compare_config(config)  # every config error before anything is written
     if cc.tasks:
-        from tieflax.study.tasks import check_settings
+        from tieflax.study.tasks import check_settings  # noqa: PLC0415
 
         check_settings(cc, lookup=True)  # an unknown task fails now, not after hours of training
     variants, match = variant_configs(config)
@@ -443,14 +443,14 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
 
 
 def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
-    from tieflax.study.report import write_report
-    from tieflax.study.resume import StudyMismatch, check_run_matches
-    from tieflax.config import model_config
-    from tieflax.run.console import for_study
-    from tieflax.run.metrics import read_metrics
-    from tieflax.train import train_and_evaluate
+    from tieflax.study.report import write_report  # noqa: PLC0415
+    from tieflax.study.resume import StudyMismatch, check_run_matches  # noqa: PLC0415
+    from tieflax.config import model_config  # noqa: PLC0415
+    from tieflax.run.console import for_study  # noqa: PLC0415
+    from tieflax.run.metrics import read_metrics  # noqa: PLC0415
+    from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
-    import jax
+    import jax  # noqa: PLC0415
 
     is_main = jax.process_index() == 0
     storage.makedirs(workdir)
@@ -475,7 +475,7 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
             planned.append((seed, name, cfg, storage.join(workdir, name, f"seed_{seed}")))
     # Before training anything: every run already in the workdir must match the config it would get now.
     # Process 0 checks (and removes, when asked); one collective gives every process its verdict.
-    from tieflax import distributed
+    from tieflax import distributed  # noqa: PLC0415
 
     error = None
     if is_main:
@@ -506,7 +506,7 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
             analysis = analyze_run(cfg, run_dir, cc, data, with_arrays=seed == cc.seeds[0], keep=keep)
         scores = None
         if is_main and cc.tasks:
-            from tieflax.study.tasks import score_run
+            from tieflax.study.tasks import score_run  # noqa: PLC0415
 
             scores = score_run(run_dir, cc, log=log)
         full = f", full split {analysis['val']['loss']:.4f}" if analysis else ""

@@ -49,7 +49,7 @@ def document_ids(inputs: np.ndarray, opener_id: int) -> np.ndarray:
 def _val_fn(model_config, loss_options: tuple):
     """(params, batch) -> (per-token loss [B, T], sum of unit hidden states [d], sum of their squared
     norms, scored positions): one jitted program per config for every batch and both parameter sets."""
-    from tieflax.model import TransformerLM
+    from tieflax.model import TransformerLM  # noqa: PLC0415
 
     model = TransformerLM(model_config)
 
@@ -103,8 +103,8 @@ def validation(model_config, params: dict, batches: list[dict], doc_ids: list[np
 def _readout(module, x, targets, loss_options: dict):
     """(inside ``TransformerLM.apply``) per-token loss [B, T] of a residual stream read through the final
     norm and the model's own head (its logit scale, soft-cap and bias)."""
-    from tieflax.model.transformer import head_loss_kwargs
-    from tieflax.ops.cross_entropy import cross_entropy
+    from tieflax.model.transformer import head_loss_kwargs  # noqa: PLC0415
+    from tieflax.ops.cross_entropy import cross_entropy  # noqa: PLC0415
 
     loss, _ = cross_entropy(module.final_norm(x), module.lm_head.weight(), targets,
                             bias=module.head_bias_or_none(), **head_loss_kwargs(module.config), **loss_options)
@@ -115,7 +115,7 @@ def _readout(module, x, targets, loss_options: dict):
 def _lens_fns(model_config, loss_options: tuple):
     """(residuals(params, batch) -> [L+1, B, T, d] f32, readout(params, x [B, T, d], targets) -> per-token
     loss [B, T], 0 where ignored), jitted once per config: every layer and both lenses reuse one readout."""
-    from tieflax.model import TransformerLM
+    from tieflax.model import TransformerLM  # noqa: PLC0415
 
     model = TransformerLM(model_config)
     options = dict(loss_options)

@@ -549,7 +549,7 @@ def write_report(summary: dict, out_dir: str) -> str:
 def write_html(markdown_text: str, path: str) -> str | None:
     """``report.html`` via markdown-it-py when it is installed (images stay relative); else nothing."""
     try:
-        from markdown_it import MarkdownIt
+        from markdown_it import MarkdownIt  # noqa: PLC0415
     except ImportError:
         return None
     body = MarkdownIt("commonmark").enable("table").render(markdown_text)

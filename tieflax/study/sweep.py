@@ -83,7 +83,7 @@ def size_config(config, size) -> ml_collections.ConfigDict:
 def plan(config, sc) -> list[dict]:
     """Every run of the sweep, in order: the learning-rate runs first, then sizes x variants x seeds
     (``lr=None``: filled with the variant's best rate once the first phase is done)."""
-    from tieflax.study.compare import variant_configs
+    from tieflax.study.compare import variant_configs  # noqa: PLC0415
 
     runs = []
     for phase in ("lr", "main"):
@@ -106,8 +106,8 @@ def _run_dir(workdir, r, lr) -> str:
 
 
 def _train(cfg, run_dir) -> dict:
-    from tieflax.run.console import for_study
-    from tieflax.train import train_and_evaluate
+    from tieflax.run.console import for_study  # noqa: PLC0415
+    from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
     cfg.train.console = for_study(cfg.train.console)  # the sweep prints one line per run
     return train_and_evaluate(cfg, run_dir)
@@ -122,9 +122,9 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
     On ``resume``, a run found in the workdir is reused only if it was trained with the config it would
     get now (``tieflax.study.resume``); otherwise the sweep refuses naming the fields, or with
     ``retrain_changed`` trains it again. ``workdir`` may be a ``gs://`` / ``s3://`` prefix."""
-    import jax
+    import jax  # noqa: PLC0415
 
-    from tieflax.run.lock import workdir_lock
+    from tieflax.run.lock import workdir_lock  # noqa: PLC0415
 
     sc = sweep_config(config)
     workdir = storage.resolve(workdir)
@@ -132,8 +132,8 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
         raise WorkdirError(f"{workdir} already holds a sweep; pass --resume to continue it, or use a new "
                            "--workdir")
     runs = plan(config, sc)  # every variant validated at every size before anything is written
-    from tieflax.study.compare import task_section
-    from tieflax.study.tasks import check_settings
+    from tieflax.study.compare import task_section  # noqa: PLC0415
+    from tieflax.study.tasks import check_settings  # noqa: PLC0415
 
     tc = task_section(config)   # config.compare.tasks: the same benchmark tasks a compare scores
     if tc.tasks:
@@ -159,12 +159,12 @@ def _run_config(r: dict, lr: float, workdir: str, tokenizer: str) -> ml_collecti
 
 def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrain_changed: bool,
                tasks=None) -> dict:
-    import jax
+    import jax  # noqa: PLC0415
 
-    from tieflax import distributed
-    from tieflax.study.resume import StudyMismatch, check_run_matches, result_fields
-    from tieflax.study.compare import param_counts, shared_tokenizer
-    from tieflax.config import model_config
+    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.study.resume import StudyMismatch, check_run_matches, result_fields  # noqa: PLC0415
+    from tieflax.study.compare import param_counts, shared_tokenizer  # noqa: PLC0415
+    from tieflax.config import model_config  # noqa: PLC0415
 
     is_main = jax.process_index() == 0
 
@@ -216,7 +216,7 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
         best = best_learning_rates(done)
     if tasks is not None and is_main:
         # Benchmark tasks on the runs the curves use (each variant's best rate); reused when already scored.
-        from tieflax.study.tasks import compare_tasks, score_run
+        from tieflax.study.tasks import compare_tasks, score_run  # noqa: PLC0415
 
         for d in done:
             if d["lr"] == best.get(d["variant"]):
@@ -310,7 +310,7 @@ def _edge_note(summary: dict) -> str:
 
 
 def write_sweep_report(summary: dict, out_dir: str) -> str:
-    from tieflax.analysis import plots
+    from tieflax.analysis import plots  # noqa: PLC0415
 
     cur = curves(summary)
     paths = {}
@@ -355,8 +355,8 @@ def write_sweep_report(summary: dict, out_dir: str) -> str:
         lines.append(f"- `{v}` minus `tied` {what}: per size {diffs} (negative favours untied). Crossing: {where}; "
                      f"{unc}.")
     if summary.get("tasks"):
-        from tieflax.study.report import _table
-        from tieflax.study.tasks import tasks_section
+        from tieflax.study.report import _table  # noqa: PLC0415
+        from tieflax.study.tasks import tasks_section  # noqa: PLC0415
 
         lines += ["", "## Benchmark tasks", ""]
         for size, per_task in summary["tasks"].items():
