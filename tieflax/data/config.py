@@ -32,46 +32,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.python_stdlib.include_tests = False  # the test suites double the size (31 MB) and are repetitive
     c.python_stdlib.max_files = 0  # 0 = every file; files are taken in sorted path order
 
-    c.files = ml_collections.ConfigDict()
-    # Paths or globs ('**' recurses): a list, or one string (handy on the command line).
-    c.files.paths = ml_collections.FieldReference([], field_type=object)
-    c.files.encoding = "utf-8"
-    # 'strict' makes undecodable bytes an error naming the file and offset; 'replace' keeps going with
-    # U+FFFD in their place (the count of replaced characters is logged, never silently dropped).
-    c.files.errors = "strict"
-    # '' = one document per file. Otherwise each file is split into documents on this string (for
-    # example '\n\n' for paragraphs); pieces that are only whitespace are separators, not documents.
-    c.files.split_on = ""
-    # .jsonl and .parquet files give one document per row: the text of this field / column.
-    c.files.text_field = "text"
-
-    c.hf = ml_collections.ConfigDict()
-    c.hf.path = ""  # a hub name ('wikitext') or a loader plus data_files ('json')
-    c.hf.name = placeholder(str)  # dataset config name
-    c.hf.data_files = placeholder(object)  # for 'json', 'text', ...
-    c.hf.split = "train"
-    c.hf.text_field = "text"
-    c.hf.revision = placeholder(str)
-    c.hf.max_documents = 100_000  # streaming reads only this many (0 = all); the split is made from them
-
-    # Pre-tokenised data: a flat stream of ids in which `eos_id` separates documents, as a NumPy
-    # `.npy` file or a raw little-endian `.bin` of `dtype`, memory-mapped in place (never copied);
-    # or ArrayRecord files (`.array_record`, one document per record, raw ids of `dtype`), converted
-    # once into the cache. With no `val_path`, whole documents are held out of `train_path`.
-    c.tokens = ml_collections.ConfigDict()
-    # A token store made by `tieflax prepare` (local, gs:// or s3://): both splits, the tokenizer and
-    # the vocabulary come from it, and each process reads only the windows of its own rows. When set,
-    # the token-file fields below are unused.
-    c.tokens.path = ""
-    c.tokens.train_path = ""
-    c.tokens.val_path = ""
-    # '' = read it from the file's sidecar <file>.json (required for .bin and ArrayRecord, which do not
-    # carry it); a value set here must agree with the sidecar. .npy files carry their own dtype.
-    c.tokens.dtype = ""
-    c.tokens.vocab_size = 0  # required when no tokenizer is given
-    c.tokens.eos_id = -1  # required when no tokenizer is given
-    c.tokens.bos_id = -1  # -1 = documents are opened by EOS; else the files' BOS id
-
+    c.files = _files_defaults()
+    c.hf = _hf_defaults()
+    c.tokens = _tokens_defaults()
     c.tokenizer = ml_collections.ConfigDict()
     # '' = train a byte-level BPE on the train split and save it as <workdir>/tokenizer.json (reused on
     # later runs). Or the path of an existing tokenizer.json (for example a Llama-3 one).
@@ -98,6 +61,58 @@ def default_data_config() -> ml_collections.ConfigDict:
     # grain reading: threads that build rows and how many rows they may run ahead.
     c.read_threads = 2
     c.prefetch_buffer_size = 256
+    return c
+
+
+def _files_defaults() -> ml_collections.ConfigDict:
+    """``data.files``: your text files (source 'files')."""
+    c = ml_collections.ConfigDict()
+    # Paths or globs ('**' recurses): a list, or one string (handy on the command line).
+    c.paths = ml_collections.FieldReference([], field_type=object)
+    c.encoding = "utf-8"
+    # 'strict' makes undecodable bytes an error naming the file and offset; 'replace' keeps going with
+    # U+FFFD in their place (the count of replaced characters is logged, never silently dropped).
+    c.errors = "strict"
+    # '' = one document per file. Otherwise each file is split into documents on this string (for
+    # example '\n\n' for paragraphs); pieces that are only whitespace are separators, not documents.
+    c.split_on = ""
+    # .jsonl and .parquet files give one document per row: the text of this field / column.
+    c.text_field = "text"
+    return c
+
+
+def _hf_defaults() -> ml_collections.ConfigDict:
+    """``data.hf``: a Hugging Face dataset, streamed (source 'hf')."""
+    c = ml_collections.ConfigDict()
+    c.path = ""  # a hub name ('wikitext') or a loader plus data_files ('json')
+    c.name = placeholder(str)  # dataset config name
+    c.data_files = placeholder(object)  # for 'json', 'text', ...
+    c.split = "train"
+    c.text_field = "text"
+    c.revision = placeholder(str)
+    c.max_documents = 100_000  # streaming reads only this many (0 = all); the split is made from them
+    return c
+
+
+def _tokens_defaults() -> ml_collections.ConfigDict:
+    """``data.tokens``: pre-tokenised data, a token store or token files (source 'tokens')."""
+    c = ml_collections.ConfigDict()
+    # Pre-tokenised data: a flat stream of ids in which `eos_id` separates documents, as a NumPy
+    # `.npy` file or a raw little-endian `.bin` of `dtype`, memory-mapped in place (never copied);
+    # or ArrayRecord files (`.array_record`, one document per record, raw ids of `dtype`), converted
+    # once into the cache. With no `val_path`, whole documents are held out of `train_path`.
+    # A token store made by `tieflax prepare` (local, gs:// or s3://): both splits, the tokenizer and
+    # the vocabulary come from it, and each process reads only the windows of its own rows. When set,
+    # the token-file fields below are unused.
+    c.path = ""
+    c.train_path = ""
+    c.val_path = ""
+    # '' = read it from the file's sidecar <file>.json (required for .bin and ArrayRecord, which do not
+    # carry it); a value set here must agree with the sidecar. .npy files carry their own dtype.
+    c.dtype = ""
+    c.vocab_size = 0  # required when no tokenizer is given
+    c.eos_id = -1  # required when no tokenizer is given
+    c.bos_id = -1  # -1 = documents are opened by EOS; else the files' BOS id
     return c
 
 

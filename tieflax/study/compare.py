@@ -442,25 +442,13 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
         return _run_compare(config, workdir, cc, variants, match, log=log, retrain_changed=retrain_changed)
 
 
-def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
-    from tieflax.study.report import write_report  # noqa: PLC0415
-    from tieflax.study.resume import StudyMismatch, check_run_matches  # noqa: PLC0415
-    from tieflax.config import model_config  # noqa: PLC0415
+def _planned_runs(workdir: str, cc, variants: dict, tokenizer: str | None) -> list[tuple]:
+    """``[(seed, variant, config, run_dir), ...]``, seed-major: an interrupted study has every variant at
+    the first seeds (paired)."""
     from tieflax.run.console import for_study  # noqa: PLC0415
-    from tieflax.run.metrics import read_metrics  # noqa: PLC0415
-    from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
-    import jax  # noqa: PLC0415
-
-    is_main = jax.process_index() == 0
-    storage.makedirs(workdir)
-    tokenizer = shared_tokenizer(config, workdir)
-    runs, data = [], None
-    kept: dict = {}  # (variant, seed) -> embedding matrices, for the unembedding-bias comparison
-    total = len(variants) * len(cc.seeds)
-    t_start = time.perf_counter()
     planned = []
-    for seed in cc.seeds:  # seed-major: an interrupted study has every variant at the first seeds (paired)
+    for seed in cc.seeds:
         for name, vcfg in variants.items():
             cfg = copy.deepcopy(vcfg)
             cfg.seed = int(seed)
@@ -473,14 +461,19 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
             t.keep_checkpoints = cc.analysis_points + 1
             t.console = for_study(t.console)  # the study prints one line per run (README): no interval lines
             planned.append((seed, name, cfg, storage.join(workdir, name, f"seed_{seed}")))
-    # Before training anything: every run already in the workdir must match the config it would get now.
-    # Process 0 checks (and removes, when asked); one collective gives every process its verdict.
+    return planned
+
+
+def _check_existing_runs(planned: list[tuple], is_main: bool, *, retrain_changed: bool, log) -> None:
+    """Before training anything: every run already in the workdir must match the config it would get now.
+    Process 0 checks (and removes, when asked); one collective gives every process its verdict."""
     from tieflax import distributed  # noqa: PLC0415
+    from tieflax.study.resume import StudyMismatch, check_run_matches  # noqa: PLC0415
 
     error = None
     if is_main:
         try:
-            for seed, name, cfg, run_dir in planned:
+            for _, _, cfg, run_dir in planned:
                 if check_run_matches(run_dir, cfg, retrain=retrain_changed):
                     log(f"{run_dir}: trained with a different config; training it again (--retrain-changed)")
         except StudyMismatch as e:
@@ -488,6 +481,25 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
     error = distributed.first_failure(error, "compare-resume")
     if error is not None:
         raise StudyMismatch(error)
+
+
+def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
+    from tieflax.study.report import write_report  # noqa: PLC0415
+    from tieflax.config import model_config  # noqa: PLC0415
+    from tieflax.run.metrics import read_metrics  # noqa: PLC0415
+    from tieflax.train import train_and_evaluate  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    is_main = jax.process_index() == 0
+    storage.makedirs(workdir)
+    tokenizer = shared_tokenizer(config, workdir)
+    runs, data = [], None
+    kept: dict = {}  # (variant, seed) -> embedding matrices, for the unembedding-bias comparison
+    total = len(variants) * len(cc.seeds)
+    t_start = time.perf_counter()
+    planned = _planned_runs(workdir, cc, variants, tokenizer)
+    _check_existing_runs(planned, is_main, retrain_changed=retrain_changed, log=log)
     for seed, name, cfg, run_dir in planned:
         log(f"[{len(runs) + 1}/{total}] training {name} (seed {seed}) in {run_dir}")
         t0 = time.perf_counter()

@@ -309,9 +309,19 @@ def summary_rows(rows: list[dict]) -> list[dict]:
 def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> str:
     """The literature section's detail: every number behind the table, with its controls.
     ``loss_comps``: the report's two-level loss differences to ``tied`` (for the intervention's loss)."""
-    parts = []
-    n_boot = _n_boot(summary)
     knn = summary["compare"].get("knn", 10)
+    parts = (_bias_parts(summary, table, knn) + _path_parts(summary, groups) + _lens_parts(summary, groups, table)
+             + _intervention_parts(summary, groups, loss_comps, knn) + _rare_token_parts(summary, groups, table))
+    seeds, docs = len(summary.get("compare", {}).get("seeds", [])), (summary.get("data") or {}).get("n_docs", 2)
+    why = "; ".join(m for m in (st.too_little(seeds, "seed"), st.too_little(docs, "document")) if m)
+    if parts and why:
+        parts.append(f"(\"no interval\" in these tables: {why}.)")
+    return "\n".join(parts)
+
+
+def _bias_parts(summary: dict, table, knn: int) -> list[str]:
+    """Unembedding bias: CKA and k-NN overlap of each tied matrix with an untied run's input and head."""
+    parts = []
     tied_variants = list((summary.get("alignment") or {}))
     if tied_variants:
         rows = []
@@ -336,6 +346,12 @@ def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> 
             "differences near 0). The table judges the next-seed comparison.", "",
             table(["pair", "CKA with W_out", "CKA with W_in", "CKA: head - input", f"{knn}-NN with W_out",
                    f"{knn}-NN with W_in", f"{knn}-NN: head - input"], rows), ""]
+    return parts
+
+
+def _path_parts(summary: dict, groups: dict) -> list[str]:
+    """Which path drives the tied matrix: the head's and the lookup's gradient norms, early and late."""
+    parts, n_boot = [], _n_boot(summary)
     lines = []
     for v in [v for v in groups if v in ("tied", "tied_input_grad_scaled") or v.startswith("tied")]:
         if not path_values(groups, v):
@@ -352,6 +368,12 @@ def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> 
                   "`tied_input_grad_scaled` the lookup path as scaled, what enters the matrix), mean over the "
                   "logged rows of the first and of the last 10% of the steps, 95% interval over seeds "
                   "(`input_path_ratio.png`: every seed over training):\n  - " + "\n  - ".join(lines), ""]
+    return parts
+
+
+def _lens_parts(summary: dict, groups: dict, table) -> list[str]:
+    """Lens by layer: held-out loss read out after each layer (logit and tuned lens), and paired differences."""
+    parts = []
     lens_rows = []
     for v in groups:
         if v == "tied":
@@ -384,6 +406,12 @@ def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> 
             table(["difference", "logit lens", "tuned lens"], lens_rows), ""]
     elif lens_missing(groups):
         parts += [f"**Lens by layer.** Not measured: {lens_missing(groups)}.", ""]
+    return parts
+
+
+def _intervention_parts(summary: dict, groups: dict, loss_comps: list[dict], knn: int) -> list[str]:
+    """The intervention: the scaled lookup gradient (``tied_input_grad_scaled``) minus ``tied``, by seed."""
+    parts = []
     if "tied_input_grad_scaled" in groups and "tied" in groups:
         v = "tied_input_grad_scaled"
         scale = summary["compare"].get("input_grad_scale", NAN)
@@ -401,6 +429,12 @@ def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> 
         parts += [f"**The intervention.** `{v}` (the lookup path's gradient into the tied matrix x {scale:g}, "
                   "`train.tied_input_grad_scale`) minus `tied`, paired by seed:\n  - " + "\n  - ".join(items)
                   + f"\n\n  Bias: {verdicts[0]}" + (f"; loss: {verdicts[1]}" if verdicts[1] else "") + ".", ""]
+    return parts
+
+
+def _rare_token_parts(summary: dict, groups: dict, table) -> list[str]:
+    """Rare-token gains: the loss difference to ``tied`` by frequency bin of the target token."""
+    parts = []
     rare_lines = []
     for v in groups:
         if v == "tied":
@@ -422,11 +456,7 @@ def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> 
                   "(`rare_token_gains.png`):", "",
                   table(["difference", *[f"bin {k}" for k in range(nb)], "rarest half: share - token share"],
                         rare_lines), ""]
-    seeds, docs = len(summary.get("compare", {}).get("seeds", [])), (summary.get("data") or {}).get("n_docs", 2)
-    why = "; ".join(m for m in (st.too_little(seeds, "seed"), st.too_little(docs, "document")) if m)
-    if parts and why:
-        parts.append(f"(\"no interval\" in these tables: {why}.)")
-    return "\n".join(parts)
+    return parts
 
 
 def _exp(ci: dict) -> str:

@@ -213,108 +213,153 @@ def _moved(a: dict, side: str, key: str) -> float:
 
 def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[str]:
     """One bullet per claim: the measured difference with its 95% interval, and the verdict it supports."""
-    has = lambda *vs: all(v in groups and groups[v] and groups[v][0].get("analysis") for v in vs)  # noqa: E731
-    out = []
-    rho = lambda side, state="final": mat(side, state, "profile", "rho_head")  # noqa: E731
-    if has("untied"):
-        ci = paired(groups, "untied", rho("output"), "untied", rho("output", "init"))
-        out.append(
-            "**Output-head row norms grow with token frequency.** Spearman rho of row norm against count "
-            "within the frequent half of the token mass (untied W_out), final minus init: "
-            f"{st.fmt_ci(ci)}; {st.verdict(ci, *V_RHO)}. "
-            "(One rho over all rows is decided by the rare tail; `norm_vs_frequency.png` shows every bin.)")
-    if has("tied", "untied"):
-        d_in = paired(groups, "tied", rho("input"), "untied", rho("input"))
-        d_out = paired(groups, "tied", rho("input"), "untied", rho("output"))
-        move = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["move_ratio_top_bottom"]))
-        m_t, m_u = ci_of(groups, "tied", move), ci_of(groups, "untied", move)
-        direction = lambda ci: ("frequent rows moved more" if st.excludes_zero(ci) and ci["lo"] > 0 else  # noqa: E731
-                                "rare rows moved more" if st.excludes_zero(ci) else "no resolved direction")
-        out.append(
-            "**When tied, the head's frequency profile reaches the input.** rho (frequent half): tied minus "
-            f"untied W_in {st.fmt_ci(d_in)} ({st.verdict(d_in, *V_INPUT)}); "
-            f"tied minus untied W_out {st.fmt_ci(d_out)}. Which rows move, log(movement of the commonest bin / "
-            f"the rarest): tied {st.fmt_ci(m_t)} ({direction(m_t)}), untied W_in {st.fmt_ci(m_u)} "
-            f"({direction(m_u)}). The sign matters: the claim is about frequent rows growing.")
-    if has("tied", "untied"):
-        cos = lambda side: mat(side, "final", "aniso", "mean_cosine")  # noqa: E731
-        beyond = paired(groups, "tied", cos("input"), "untied", cos("output"))
-        vs_in = paired(groups, "tied", cos("input"), "untied", cos("input"))
-        moved_in = paired(groups, "untied", cos("input"), "untied", mat("input", "init", "aniso", "mean_cosine"))
-        freq = paired(groups, "tied", mat("input", "final", "aniso", "mean_cosine_freq"),
-                      "untied", mat("output", "final", "aniso", "mean_cosine_freq"))
-        context = _a(lambda a: a["val"]["context_cos"])
-        ctx = paired(groups, "tied", context, "untied", context)
-        out.append(
-            "**Tying magnifies anisotropy.** Mean cosine of unit rows, tied minus untied W_out (the decisive "
-            f"comparison: anisotropy beyond what a head has on its own) {st.fmt_ci(beyond)}: "
-            f"{st.verdict(beyond, *V_ANISO)}. "
-            f"Tied minus untied W_in {st.fmt_ci(vs_in)}, but read it with how far W_in moved from its init "
-            f"(its final minus init: {st.fmt_ci(moved_in)}): an untrained matrix is isotropic, not 'untied'. "
-            f"Unigram-weighted, tied minus untied W_out {st.fmt_ci(freq)}; contextual anisotropy of hidden "
-            f"states, tied minus untied {st.fmt_ci(ctx)}.")
-    if has("tied", "untied"):
-        rare = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["bin_move"][0]))
-        d = paired(groups, "tied", rare, "untied", rare)
-        frac = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["bin_frac_0.01"][0]))
-        ratio = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["head_over_lookup_rarest"]))
-        out.append(
-            "**Under tying, rare rows are updated every step through the softmax.** Every row has a non-zero "
-            "head gradient by construction, so the measure is magnitude-aware: the rarest bin's median "
-            f"gradient over a looked-up row's is {st.fmt_ci(ratio, 4)} (tied, final), and "
-            f"{st.fmt_ci(frac)} of its rows reach 1% of it. What the rows did: log(rarest-bin movement from "
-            f"init), tied minus untied W_in, {st.fmt_ci(d)}: "
-            f"{st.verdict(d, 'the tied matrix moved its rare rows more', 'the tied matrix moved its rare rows less')}.")
-    if has("tied"):
-        parts = []
-        for key, label in (("cross_share", "raw (SGD)"), ("cross_share_adam", "Adam-preconditioned")):
-            ci = ci_of(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]))
-            ctl = ""
-            if has("untied"):
-                c = paired(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]),
-                           "untied", _a(lambda a, k=key: a["gradient"]["final"][k]))
-                ctl = f", minus the untied control {st.fmt_ci(c)}"
-            parts.append(f"{label} {st.fmt_ci(ci)} ({st.verdict(ci, *V_GRAD)}{ctl})")
-        k = groups["tied"][0]["analysis"]["gradient"]["final"].get("batches", "?")
-        out.append(
-            "**The tied gradient's dense output signal and sparse input signal interfere.** On gradients "
-            f"averaged over {k} held-out batches, the share of the first-order loss decrease that the cross "
-            f"term 2<g_lookup, g_head> adds: {'; '.join(parts)}. The row-shuffled control is in the "
-            "gradient table.")
+    found = [_row_norm_claim(groups), _profile_reaches_input_claim(groups), _anisotropy_claim(groups),
+             _rare_rows_claim(groups), _interference_claim(groups), _loss_claim(groups, summary),
+             _ablation_claim(groups)]
+    return [claim for claim in found if claim]
+
+
+def _analysed(groups: dict[str, list[dict]], *variants: str) -> bool:
+    """Whether every variant ran and its first run was analysed."""
+    return all(v in groups and groups[v] and groups[v][0].get("analysis") for v in variants)
+
+
+def _rho(side: str, state: str = "final"):
+    """The Spearman rho of head-row norm against frequency, of one matrix (input/output) at one state."""
+    return mat(side, state, "profile", "rho_head")
+
+
+def _row_norm_claim(groups: dict[str, list[dict]]) -> str | None:
+    """Output-head row norms grow with token frequency (untied W_out, final minus init)."""
+    if not _analysed(groups, "untied"):
+        return None
+    ci = paired(groups, "untied", _rho("output"), "untied", _rho("output", "init"))
+    return (
+        "**Output-head row norms grow with token frequency.** Spearman rho of row norm against count "
+        "within the frequent half of the token mass (untied W_out), final minus init: "
+        f"{st.fmt_ci(ci)}; {st.verdict(ci, *V_RHO)}. "
+        "(One rho over all rows is decided by the rare tail; `norm_vs_frequency.png` shows every bin.)")
+
+
+def _profile_reaches_input_claim(groups: dict[str, list[dict]]) -> str | None:
+    """When tied, the head's frequency profile reaches the input."""
+    if not _analysed(groups, "tied", "untied"):
+        return None
+    d_in = paired(groups, "tied", _rho("input"), "untied", _rho("input"))
+    d_out = paired(groups, "tied", _rho("input"), "untied", _rho("output"))
+    move = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["move_ratio_top_bottom"]))
+    m_t, m_u = ci_of(groups, "tied", move), ci_of(groups, "untied", move)
+    direction = lambda ci: ("frequent rows moved more" if st.excludes_zero(ci) and ci["lo"] > 0 else  # noqa: E731
+                            "rare rows moved more" if st.excludes_zero(ci) else "no resolved direction")
+    return (
+        "**When tied, the head's frequency profile reaches the input.** rho (frequent half): tied minus "
+        f"untied W_in {st.fmt_ci(d_in)} ({st.verdict(d_in, *V_INPUT)}); "
+        f"tied minus untied W_out {st.fmt_ci(d_out)}. Which rows move, log(movement of the commonest bin / "
+        f"the rarest): tied {st.fmt_ci(m_t)} ({direction(m_t)}), untied W_in {st.fmt_ci(m_u)} "
+        f"({direction(m_u)}). The sign matters: the claim is about frequent rows growing.")
+
+
+def _anisotropy_claim(groups: dict[str, list[dict]]) -> str | None:
+    """Tying magnifies anisotropy."""
+    if not _analysed(groups, "tied", "untied"):
+        return None
+    cos = lambda side: mat(side, "final", "aniso", "mean_cosine")  # noqa: E731
+    beyond = paired(groups, "tied", cos("input"), "untied", cos("output"))
+    vs_in = paired(groups, "tied", cos("input"), "untied", cos("input"))
+    moved_in = paired(groups, "untied", cos("input"), "untied", mat("input", "init", "aniso", "mean_cosine"))
+    freq = paired(groups, "tied", mat("input", "final", "aniso", "mean_cosine_freq"),
+                  "untied", mat("output", "final", "aniso", "mean_cosine_freq"))
+    context = _a(lambda a: a["val"]["context_cos"])
+    ctx = paired(groups, "tied", context, "untied", context)
+    return (
+        "**Tying magnifies anisotropy.** Mean cosine of unit rows, tied minus untied W_out (the decisive "
+        f"comparison: anisotropy beyond what a head has on its own) {st.fmt_ci(beyond)}: "
+        f"{st.verdict(beyond, *V_ANISO)}. "
+        f"Tied minus untied W_in {st.fmt_ci(vs_in)}, but read it with how far W_in moved from its init "
+        f"(its final minus init: {st.fmt_ci(moved_in)}): an untrained matrix is isotropic, not 'untied'. "
+        f"Unigram-weighted, tied minus untied W_out {st.fmt_ci(freq)}; contextual anisotropy of hidden "
+        f"states, tied minus untied {st.fmt_ci(ctx)}.")
+
+
+def _rare_rows_claim(groups: dict[str, list[dict]]) -> str | None:
+    """Under tying, rare rows are updated every step through the softmax."""
+    if not _analysed(groups, "tied", "untied"):
+        return None
+    rare = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["bin_move"][0]))
+    d = paired(groups, "tied", rare, "untied", rare)
+    frac = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["bin_frac_0.01"][0]))
+    ratio = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["head_over_lookup_rarest"]))
+    return (
+        "**Under tying, rare rows are updated every step through the softmax.** Every row has a non-zero "
+        "head gradient by construction, so the measure is magnitude-aware: the rarest bin's median "
+        f"gradient over a looked-up row's is {st.fmt_ci(ratio, 4)} (tied, final), and "
+        f"{st.fmt_ci(frac)} of its rows reach 1% of it. What the rows did: log(rarest-bin movement from "
+        f"init), tied minus untied W_in, {st.fmt_ci(d)}: "
+        f"{st.verdict(d, 'the tied matrix moved its rare rows more', 'the tied matrix moved its rare rows less')}.")
+
+
+def _interference_claim(groups: dict[str, list[dict]]) -> str | None:
+    """The tied gradient's output and input signals interfere (the cross term's share)."""
+    if not _analysed(groups, "tied"):
+        return None
+    parts = []
+    for key, label in (("cross_share", "raw (SGD)"), ("cross_share_adam", "Adam-preconditioned")):
+        ci = ci_of(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]))
+        ctl = ""
+        if _analysed(groups, "untied"):
+            c = paired(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]),
+                       "untied", _a(lambda a, k=key: a["gradient"]["final"][k]))
+            ctl = f", minus the untied control {st.fmt_ci(c)}"
+        parts.append(f"{label} {st.fmt_ci(ci)} ({st.verdict(ci, *V_GRAD)}{ctl})")
+    k = groups["tied"][0]["analysis"]["gradient"]["final"].get("batches", "?")
+    return (
+        "**The tied gradient's dense output signal and sparse input signal interfere.** On gradients "
+        f"averaged over {k} held-out batches, the share of the first-order loss decrease that the cross "
+        f"term 2<g_lookup, g_head> adds: {'; '.join(parts)}. The row-shuffled control is in the "
+        "gradient table.")
+
+
+def _loss_claim(groups: dict[str, list[dict]], summary: dict | None) -> str | None:
+    """Validation loss of each variant minus tied, over seeds and documents."""
     comps = loss_comparisons(summary or {}, groups)
-    if comps:
-        names = {"untied": "untied, same body (matched non-embedding parameters)",
-                 "untied_matched": "untied at the tied total, same body, narrower embeddings (Chung et al.)",
-                 "untied_width": "untied at the tied total by a narrower body (width)",
-                 "untied_depth": "untied at the tied total by fewer layers (depth)"}
-        lines = []
-        for c in comps:
-            ci = dict(c, n=c["n_seeds"])
-            joint = st.fmt_interval(c["lo"], c["hi"])
-            lines.append(f"{names.get(c['variant'], c['variant'])}: {c['mean']:+.4f} "
-                         + (joint if math.isfinite(c["lo"]) else f"({c['missing']})")
-                         + f" (seeds only {st.fmt_interval(c['seed_lo'], c['seed_hi'])}, documents only "
-                         f"{st.fmt_interval(c['doc_lo'], c['doc_hi'])}; {c['n_seeds']} seeds x {c['n_docs']} documents): "
-                         f"{st.verdict(ci, 'tied is better', 'untied is better')}")
-        out.append("**Untied reaches lower loss at matched non-embedding parameters; small models prefer tying "
-                   "at matched totals.** Validation loss on the full held-out split, variant minus tied (nats "
-                   "per token; negative favours the variant):\n  - " + "\n  - ".join(lines))
+    if not comps:
+        return None
+    names = {"untied": "untied, same body (matched non-embedding parameters)",
+             "untied_matched": "untied at the tied total, same body, narrower embeddings (Chung et al.)",
+             "untied_width": "untied at the tied total by a narrower body (width)",
+             "untied_depth": "untied at the tied total by fewer layers (depth)"}
+    lines = []
+    for c in comps:
+        ci = dict(c, n=c["n_seeds"])
+        joint = st.fmt_interval(c["lo"], c["hi"])
+        lines.append(f"{names.get(c['variant'], c['variant'])}: {c['mean']:+.4f} "
+                     + (joint if math.isfinite(c["lo"]) else f"({c['missing']})")
+                     + f" (seeds only {st.fmt_interval(c['seed_lo'], c['seed_hi'])}, documents only "
+                     f"{st.fmt_interval(c['doc_lo'], c['doc_hi'])}; {c['n_seeds']} seeds x {c['n_docs']} documents): "
+                     f"{st.verdict(ci, 'tied is better', 'untied is better')}")
+    return ("**Untied reaches lower loss at matched non-embedding parameters; small models prefer tying "
+            "at matched totals.** Validation loss on the full held-out split, variant minus tied (nats "
+            "per token; negative favours the variant):\n  - " + "\n  - ".join(lines))
+
+
+def _ablation_claim(groups: dict[str, list[dict]]) -> str | None:
+    """Mechanism ablations: one switch each, against its base."""
     ablation = [(v, base) for v, base in (("tied_embed_decay", "tied"), ("untied_embed_decay", "untied"),
                                           ("tied_rsqrt_logits", "tied"), ("untied_rsqrt_logits", "untied"),
                                           ("tied_head_bias", "tied"), ("untied_head_bias", "untied"),
                                           ("tied_embed_sgd", "tied"), ("untied_embed_sgd", "untied"))
-                if has(v, base)]
-    if ablation:
-        lines = []
-        for v, base in ablation:
-            ratio = _a(lambda a: math.log(a["matrices"]["output"]["profile"]["norm_ratio_top_bottom"]))
-            dl = paired(groups, v, LOSS, base, LOSS)
-            dr = paired(groups, v, ratio, base, ratio)
-            lines.append(f"`{v}` minus `{base}`: val loss {st.fmt_ci(dl, 4)}; log(commonest / rarest mean head-row "
-                         f"norm) {st.fmt_ci(dr)}")
-        out.append("**Mechanism ablations** (one switch each; a positive norm-ratio change means the rare rows "
-                   "shrank relative to the frequent ones):\n  - " + "\n  - ".join(lines))
-    return out
+                if _analysed(groups, v, base)]
+    if not ablation:
+        return None
+    lines = []
+    for v, base in ablation:
+        ratio = _a(lambda a: math.log(a["matrices"]["output"]["profile"]["norm_ratio_top_bottom"]))
+        dl = paired(groups, v, LOSS, base, LOSS)
+        dr = paired(groups, v, ratio, base, ratio)
+        lines.append(f"`{v}` minus `{base}`: val loss {st.fmt_ci(dl, 4)}; log(commonest / rarest mean head-row "
+                     f"norm) {st.fmt_ci(dr)}")
+    return ("**Mechanism ablations** (one switch each; a positive norm-ratio change means the rare rows "
+            "shrank relative to the frequent ones):\n  - " + "\n  - ".join(lines))
 
 
 def caveats(summary: dict) -> str:
