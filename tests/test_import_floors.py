@@ -4,6 +4,9 @@ A room is a sub-package (``run/``) or a top-level module (``config``). Rooms on 
 other ("around"), a room never imports a room on a higher floor ("up"), and no modules import each other
 in a loop. Read from the source (``ast``), nothing is imported, so a lazy import inside a function that
 would run up is caught as surely as one at the top of a file.
+
+The floors and why each room sits where it does: docs/design.md, "The import floors". When a room moves,
+FLOORS below moves with it in the same commit.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tieflax"
 
-# Bottom to top. shared/DESIGN.md "Floors": ops, storage, errors at the bottom; data and model above
-# them; run/ above storage; train/ above run; study and plan above train/; commands on top. eval/ (the
-# lm-eval backend) sits between run/ and train: training scores lm-eval tasks on its live parameters
-# (config.train.eval_tasks), and eval/ never needed train.
+# Bottom to top (docs/design.md, "The import floors"): ops, storage, errors at the bottom; data and model
+# above them; hardware/ (chips, peaks, model FLOPs, MFU) above model, below run/ and train, whose console
+# reports MFU; run/ above storage; train/ above run; plan/ (compiles train's steps), study above train/;
+# commands on top. eval/ (the lm-eval backend) sits between run/ and train: training scores lm-eval tasks
+# on its live parameters (config.train.eval_tasks), and eval/ never needed train.
 FLOORS = [
     {"errors"},
     {"storage", "platforms", "strict_json", "sharding", "distributed", "optim"},
