@@ -135,6 +135,21 @@ def test_every_gpu_target_ships_a_config_with_its_memory_and_name():
     assert memory["h100"] < memory["h100_pcie"] < 80 * targets.GIB < memory["h200"]
 
 
+@pytest.mark.skipif(not any(importlib.util.find_spec(p) for p in targets.CUDA_PLUGINS),
+                    reason="no CUDA plugin of JAX: pip install 'tieflax[gpu]' (no GPU needed)")
+def test_a_plan_for_h200s_compiles_here_and_judges_against_their_memory(capsys):
+    """The H200 target is the H100's with the H200's memory and bandwidth: compiled deviceless."""
+    code = cli.main(["plan", "--config", TINY, "--topology", "h200:8", "--no-eval", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    d = json.loads(captured.out)
+    assert d["target"]["device_kind"] == "NVIDIA H200" and d["target"]["num_devices"] == 8
+    assert d["target"]["usable_bytes"] == 141 * targets.GIB and d["fits"]
+    assert d["step_time_lower_bound"] == pytest.approx(max(d["model_tflops_per_device"] * 1e12 / 989e12,
+                                                           d["train"]["arguments"] / 4.8e12
+                                                           + d["train"]["all_outputs"] / 4.8e12), rel=1e-6)
+
+
 def test_unknown_tpu_slice_is_refused_with_an_example():
     with pytest.raises(targets.TargetError, match="v5e slices are 2-D AxB: 1x1, 2x2, 2x4"):
         targets.resolve("v5e:3x3")
