@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+import resource
+import signal
+import subprocess
 import sys
+import threading
 
 from tieflax.hardware import targets
 
@@ -41,10 +45,6 @@ def plan_in_child(argv: list[str], topology: str, debug: bool = False) -> int:
     """Runs ``argv`` (the same ``tieflax plan``, for the canonical ``topology``) in a child process, passing
     its output through; a child ended by a signal (libtpu's abort) becomes one line naming the signal and
     libtpu's reason, and exit code 1 (did not compile)."""
-    import signal  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import threading  # noqa: PLC0415
-
     env = dict(os.environ, **{IN_PROCESS_ENV: CHILD})
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=env, text=True, errors="replace", bufsize=1,
@@ -120,8 +120,6 @@ def child_reason(lines: list[str]) -> str:
 
 def no_core_file() -> None:
     """In the child: an abort leaves no core file (the console reports it in one line)."""
-    import resource  # noqa: PLC0415
-
     try:
         resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
     except (ValueError, OSError):
