@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import ml_collections

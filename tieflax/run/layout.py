@@ -36,7 +36,7 @@ decides what a run folder holds.
 from __future__ import annotations
 
 from tieflax import storage
-from tieflax.data.tokenizer import TOKENIZER_FILE  # the tokenizer's file name is the data layer's
+from tieflax.data.tokenizer import TOKENIZER_FILE  # noqa: F401 (re-exported: the tokenizer's file name is the data layer's)
 from tieflax.errors import UserError
 
 CONFIG_FILE = "config.json"

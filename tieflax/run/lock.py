@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
 

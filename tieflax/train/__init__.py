@@ -1,7 +1,7 @@
 """Training: ``train_and_evaluate(config, workdir)``, the step apart from the loop.
 
     tieflax train --config configs/experiments/tiny.py --workdir /tmp/tiny     # rerun to resume
-    tieflax eval --workdir /tmp/tiny
+    tieflax val-loss --workdir /tmp/tiny
 
 or from Python / a notebook::
 
