@@ -449,7 +449,7 @@ def _gpu_devices(kind):
     try:
         from jax.experimental import topologies
 
-        from tieflax.targets import gpu_target_config
+        from tieflax.hardware.targets import gpu_target_config
         return topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(kind),
                                             topology="1x1x1").devices
     except Exception as e:  # noqa: BLE001 (no CUDA plugin here: jax[cuda12] compiles for a GPU without one)
