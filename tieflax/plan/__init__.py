@@ -7,9 +7,12 @@ server from any machine and reads the compiler's per-device memory.
 - ``report``: the per-device table people read.
 - ``child``: TPU plans compile in a child process (libtpu aborts on some programs).
 
-The top floor below the console: it builds on train/.
+Above train/ in the import floors: it compiles the steps train/ builds.
 """
 
-from tieflax.plan.compile import (Plan, PlanError, StepMemory, check_dump_dir, plan_config,  # noqa: F401
-                                  plan_config_file, plan_variants)
-from tieflax.plan.report import MIN_HEADROOM, format_report, gib  # noqa: F401
+from tieflax.plan.compile import (Plan, PlanError, StepMemory, check_dump_dir, plan_config, plan_config_file,
+                                  plan_variants)
+from tieflax.plan.report import MIN_HEADROOM, format_report, gib
+
+__all__ = ["MIN_HEADROOM", "Plan", "PlanError", "StepMemory", "check_dump_dir", "format_report", "gib",
+           "plan_config", "plan_config_file", "plan_variants"]
