@@ -59,6 +59,9 @@ class Peak:
 #   h100_nvl    the same page: 1,671 TF/s sparse, 3.9 TB/s, 94 GB HBM3 (one card of the NVLink pair)
 #   h200 (SXM)  https://www.nvidia.com/en-us/data-center/h200/  1,979 TF/s sparse, 4.8 TB/s, 141 GB HBM3e
 #   h200_nvl    the same page: 1,671 TF/s sparse, 4.8 TB/s, 141 GB HBM3e
+# The SXM and PCIe figures were checked against copies of these tables when they were added; the two NVL
+# rates (1,671) were written from NVIDIA's pages as published, not re-read then (third-party copies agree
+# on the H100 NVL's 94 GB and 3.9 TB/s).
 CHIP_PEAKS: dict[str, Peak] = {
     "v4": Peak(275e12, 1200e9),
     "v5e": Peak(197e12, 819e9),
