@@ -22,7 +22,8 @@ unknown, e.g. a CPU), and peak memory: ``device.memory_stats()['peak_bytes_in_us
 ``torch.cuda.max_memory_allocated()`` for PyTorch. A peer that cannot run prints one line saying why.
 
 ``--profile DIR`` then traces ``--profile-steps`` steps of tieflax tied (``jax.profiler``, the
-TensorBoard layout ``DIR/tieflax-tied/plugins/profile/<time>/<host>.xplane.pb``) and of HF + Liger (HF
+TensorBoard layout ``DIR/tieflax-tied/plugins/profile/<time>/<host>.xplane.pb``, and the compiled
+step's HLO ``DIR/tieflax-tied.hlo.txt``) and of HF + Liger (HF
 without Liger) (``torch.profiler``, ``DIR/hf-liger.trace.json``); ``tools/profile_table.py`` reads both.
 
 ``SMOKE=1``: a 2-layer, d=64 model of the same family, batch 2 x 64, 2 timed steps, on the CPU
@@ -125,6 +126,9 @@ def tieflax_step(tied: bool, args) -> dict:
                 times.append(time.perf_counter() - t0)
         if args.profile and tied:
             folder = os.path.join(args.profile, "tieflax-tied")
+            os.makedirs(args.profile, exist_ok=True)
+            with open(os.path.join(args.profile, "tieflax-tied.hlo.txt"), "w") as f:
+                f.write(compiled.as_text())  # op_name paths for tools/profile_table.py --hlo
             with jax.profiler.trace(folder):
                 for n in range(args.profile_steps):
                     with jax.profiler.StepTraceAnnotation("train", step_num=n):

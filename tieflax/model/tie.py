@@ -16,6 +16,7 @@ import jax
 from tieflax.model.transformer import TransformerLM
 
 
+@jax.named_scope("untied_view")  # a profile's ops say which are the tie's (tools/profile_table.py)
 def untied_view(params: dict) -> dict:
     """Tied params -> the untied tree with the same matrix twice (no copy: both leaves are one array).
 
@@ -47,6 +48,7 @@ def scale_input_gradient(g_lookup: jax.Array, scale: float) -> jax.Array:
     return g_lookup if scale == 1.0 else g_lookup * scale
 
 
+@jax.named_scope("tie_fold")
 def fold_tied_gradient(grads: dict, *, input_grad_scale: float = 1.0) -> tuple[dict, dict[str, jax.Array]]:
     """The gradient of :func:`untied_view`'s tree -> the gradient of the tied parameters.
 

@@ -1,0 +1,63 @@
+"""benchmarks/gpu_step.py under SMOKE=1 (a tiny model on the CPU) and tools/profile_table.py on its profiles."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+
+
+def _run(args, **env):
+    # One device, as on the one GPU the benchmark is for (the suite's XLA_FLAGS ask for 8 CPU devices).
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="", **env), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_smoke_step_and_profile_table(tmp_path):
+    variants = "tieflax-tied,tieflax-untied" + (",hf" if HAVE_TORCH else "")
+    done = _run(["benchmarks/gpu_step.py", "--variants", variants, "--profile", str(tmp_path)], SMOKE="1")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == set(variants.split(","))
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and 0 < r["loss"] < 20
+        assert r["mfu"] is None  # a CPU has no peak in tieflax's targets: no invented MFU
+    assert rows["tieflax-untied"]["argument_bytes"] > rows["tieflax-tied"]["argument_bytes"]  # a second table
+
+    profiles = [str(tmp_path / "tieflax-tied")] + ([str(tmp_path / "hf-liger.trace.json")] if HAVE_TORCH else [])
+    out = _run(["tools/profile_table.py", *profiles, "--hlo", str(tmp_path / "tieflax-tied.hlo.txt"), "--json"])
+    report = json.loads(out.stdout)
+    jax_split = report["splits"][0]
+    assert jax_split["kind"] == "jax-cpu" and jax_split["wall_ns"] > 0
+    assert jax_split["by_category"].get("matmul", 0) > 0
+    assert report["hlo_counts"]["tie"]  # the tied-gradient fold is found by its named scope
+    assert report["hlo_counts"]["loss"] and report["hlo_counts"]["optimizer"]
+    if HAVE_TORCH:
+        torch_split = report["splits"][1]
+        assert torch_split["kind"] == "torch-cpu"
+        assert torch_split["by_category"].get("matmul", 0) > 0 and torch_split["by_category"].get("attention", 0) > 0
+    else:
+        pytest.skip("torch/transformers not installed: the HF peer and its trace were not checked")
+
+
+def test_categories():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from profile_table import categorise
+
+    assert categorise("__cudnn$fmhaScaleBiasSoftmax") == "attention"
+    assert categorise("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert categorise("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "collectives"
+    assert categorise("gemm_fusion_dot_7", "jit(step)/jvp(TransformerLM.loss)/cond/branch_0_fun/while/body/dot") == "loss"
+    assert categorise("gemm_fusion_dot_7", "jit(step)/jvp(TransformerLM.loss)/TransformerLM.features/x/dot") == "matmul"
+    assert categorise("loop_add_fusion", "jit(step)/tie_fold/add") == "tie"
+    assert categorise("loop_multiply_fusion", "jit(step)/mul") == "optimizer"
+    assert categorise("_rms_norm_forward_kernel") == "norms/RoPE/elementwise"
+    assert categorise("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
