@@ -62,11 +62,11 @@ def _flops_and_peak():
     return step_flops, device_peak
 
 
-def load(tied: bool, batch: int, seq_len: int):
+def load(tied: bool, batch: int, seq_len: int, remat: str = "none"):
     """The Llama-3.2-1B config as benchmarked: its defaults, remat 'none', one process, ``batch x seq_len``."""
     from tieflax.config import load_config
 
-    overrides = [f"model.tie_embeddings={tied}", "model.remat='none'", f"train.global_batch_size={batch}",
+    overrides = [f"model.tie_embeddings={tied}", f"model.remat='{remat}'", f"train.global_batch_size={batch}",
                  f"train.seq_len={seq_len}", "mesh.fsdp=-1"]
     if SMOKE:
         overrides += [f"model.{k}={v}" for k, v in SMOKE_MODEL.items()]
@@ -99,7 +99,7 @@ def tieflax_step(tied: bool, args) -> dict:
     from tieflax.config import model_config
     from tieflax.train import BATCH_KEYS, build, make_train_step, setup_mesh
 
-    config = load(tied, args.batch, args.seq_len)
+    config = load(tied, args.batch, args.seq_len, args.remat)
     t = config.train
     mesh = setup_mesh(config)
     with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
@@ -138,7 +138,8 @@ def tieflax_step(tied: bool, args) -> dict:
     stats = device.memory_stats() or {}
     extra = {"batch": t.global_batch_size, "seq_len": t.seq_len, "compile_s": compile_s,
              "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
-             "loss": float(metrics["loss"]), "jax": jax.__version__, "loss_impl": t.loss_impl}
+             "loss": float(metrics["loss"]), "jax": jax.__version__, "loss_impl": t.loss_impl,
+             "remat": config.model.remat}
     return result(f"tieflax-{'tied' if tied else 'untied'}", times, t.global_batch_size * t.seq_len,
                   stats.get("peak_bytes_in_use"), extra, device.device_kind, model_config(config))
 
@@ -270,7 +271,7 @@ def run_all(args) -> list[dict]:
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-               "--profile-steps", str(args.profile_steps)] + (["--profile", args.profile] if args.profile else [])
+               "--profile-steps", str(args.profile_steps), "--remat", args.remat] + (["--profile", args.profile] if args.profile else [])
         env = dict(os.environ, GPU_STEP_LIGER="1" if liger else "0")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -307,6 +308,7 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps first (compile, autotune)")
     ap.add_argument("--batch", type=int, default=d["batch"], help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per sequence")
+    ap.add_argument("--remat", default="none", help="tieflax's remat policy (HF runs without checkpointing)")
     ap.add_argument("--profile", metavar="DIR", help="also trace a few steps of tieflax tied and HF + Liger here")
     ap.add_argument("--profile-steps", type=int, default=d["profile_steps"], help="steps traced")
     args = ap.parse_args(argv)
