@@ -37,7 +37,7 @@ def test_smoke_step_and_profile_table(tmp_path):
     report = json.loads(out.stdout)
     jax_split = report["splits"][0]
     assert jax_split["kind"] == "jax-cpu" and jax_split["wall_ns"] > 0
-    assert jax_split["by_category"].get("matmul", 0) > 0
+    assert jax_split["by_category"].get("matmul", 0) > 0 and jax_split["by_category"].get("attention", 0) > 0
     assert report["hlo_counts"]["tie"]  # the tied-gradient fold is found by its named scope
     assert report["hlo_counts"]["loss"] and report["hlo_counts"]["optimizer"]
     if HAVE_TORCH:
@@ -57,6 +57,7 @@ def test_categories():
     assert categorise("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "collectives"
     assert categorise("gemm_fusion_dot_7", "jit(step)/jvp(TransformerLM.loss)/cond/branch_0_fun/while/body/dot") == "loss"
     assert categorise("gemm_fusion_dot_7", "jit(step)/jvp(TransformerLM.loss)/TransformerLM.features/x/dot") == "matmul"
+    assert categorise("pallas_call", "jit(step)/transpose(jvp(TransformerLM.loss))/cond/branch_0_fun/ce_dw/x") == "loss"
     assert categorise("loop_add_fusion", "jit(step)/tie_fold/add") == "tie"
     assert categorise("loop_multiply_fusion", "jit(step)/mul") == "optimizer"
     assert categorise("_rms_norm_forward_kernel") == "norms/RoPE/elementwise"

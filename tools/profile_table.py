@@ -40,8 +40,11 @@ CATEGORIES = ("collectives", "attention", "loss", "tie", "optimizer", "casts", "
 # multi_tensor_apply) come from their libraries' naming and are not yet checked against a GPU profile.
 RULES = (
     ("collectives", r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|nccl|allreduce"),
-    ("attention", r"fmha|flash|cudnn|sdpa|scaled_dot_product|dot_product_attention|efficient_attention"),
-    ("loss", r"cross_entropy|crossentropy|nll_loss|log_softmax|transformerlm\.loss\)/(?!transformerlm\.features)"),
+    # ... and tieflax's XLA attention (CPU, or attention='xla'): its two einsums and softmax inside attn/.
+    ("attention", r"fmha|flash|cudnn|sdpa|scaled_dot_product|dot_product_attention|efficient_attention"
+                  r"|/attn/(btkgd,bskd->bkgts|bkgts,bskd->btkgd|exp|reduce_max|.*softmax)"),
+    ("loss", r"cross_entropy|crossentropy|nll_loss|log_softmax|\bce_(stats|dh|dw)\b"
+             r"|transformerlm\.loss\)+/(?!transformerlm\.features)"),
     ("tie", r"tie_fold|untied_view|fold_tied"),
     ("optimizer", r"adam|optax|multi_tensor_apply|_foreach_|clip_grad|optimizer|lpnorm"),
     ("casts", r"convert_element_type|\bconvert[._]|_convert_fusion|aten::_to_copy|aten::to\b|aten::copy_"),
