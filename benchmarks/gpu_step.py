@@ -271,7 +271,8 @@ def run_all(args) -> list[dict]:
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-               "--profile-steps", str(args.profile_steps), "--remat", args.remat] + (["--profile", args.profile] if args.profile else [])
+               "--profile-steps", str(args.profile_steps), "--remat", args.remat]
+        cmd += ["--profile", args.profile] if args.profile else []
         env = dict(os.environ, GPU_STEP_LIGER="1" if liger else "0")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
