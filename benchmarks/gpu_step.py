@@ -17,7 +17,7 @@ memory is that variant's alone and JAX and PyTorch never share the GPU's memory:
   linear cross-entropy, RMSNorm, SwiGLU, RoPE kernels), when liger-kernel imports and a GPU is there.
 
 Per variant: median step time of ``--steps`` steps after ``--warmup`` steps, tokens/s, MFU (model FLOPs as
-tieflax's flops module counts them, over the peak tieflax's targets know for the device; none where
+tieflax.hardware.flops counts them, over the peak tieflax.hardware.targets knows for the device; none where
 unknown, e.g. a CPU), and peak memory: ``device.memory_stats()['peak_bytes_in_use']`` for JAX,
 ``torch.cuda.max_memory_allocated()`` for PyTorch. A peer that cannot run prints one line saying why.
 
@@ -43,23 +43,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tieflax.hardware.flops import step_flops  # noqa: E402 (after the path: this checkout's tieflax)
+from tieflax.hardware.targets import device_peak  # noqa: E402
+
 CONFIG = os.path.join(ROOT, "configs", "models", "llama3_2_1b.py")
 VARIANTS = ("tieflax-tied", "tieflax-untied", "hf", "hf-liger")
 SMOKE = os.environ.get("SMOKE", "") not in ("", "0")
 # The smoke model: the same family and code paths, small enough for a CPU in seconds.
 SMOKE_MODEL = {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128,
                "mlp_chunk": 0}
-
-
-def _flops_and_peak():
-    """(step_flops, device_peak) from tieflax's hardware rooms, wherever this checkout keeps them."""
-    try:
-        from tieflax.hardware.flops import step_flops
-        from tieflax.hardware.targets import device_peak
-    except ImportError:  # before the move to tieflax.hardware
-        from tieflax.flops import step_flops
-        from tieflax.targets import device_peak
-    return step_flops, device_peak
 
 
 def load(tied: bool, batch: int, seq_len: int, remat: str = "none"):
@@ -76,7 +68,6 @@ def load(tied: bool, batch: int, seq_len: int, remat: str = "none"):
 def result(name: str, step_times: list[float], tokens: int, peak_bytes, extra: dict, device_kind: str,
            model) -> dict:
     """One row: median step, tokens/s, model TFLOP/s and MFU (tieflax's count and peaks)."""
-    step_flops, device_peak = _flops_and_peak()
     median = statistics.median(step_times)
     flops = step_flops(model, extra["batch"], extra["seq_len"]).train
     peak = device_peak(device_kind)
