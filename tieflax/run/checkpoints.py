@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 from tieflax import storage
 from tieflax.errors import UserError
 from tieflax.run import layout
+from tieflax.run import identity
 from tieflax.run.identity import save_config
 from tieflax.run.layout import CHECKPOINT_DIR, INITIAL_PARAMS_DIR, UNREADABLE_DIR, check_location
 
@@ -203,11 +204,25 @@ def read_manager(workdir: str, *, this_process_only: bool = False) -> ocp.Checkp
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, loader) -> None:
-    """Saves the train state and the data iterator in the same step (asynchronously)."""
+    """Saves the train state and the data iterator in the same step (asynchronously). The step's metadata
+    names the run's record entry in force (``identity.in_force``), so that a deleted or edited entry is
+    found on resume."""
     import grain  # noqa: PLC0415
 
     manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                               data=grain.checkpoint.CheckpointSave(loader)), force=True)
+                                               data=grain.checkpoint.CheckpointSave(loader)), force=True,
+                 custom_metadata=_record_in_force(manager))
+
+
+def _record_in_force(manager: ocp.CheckpointManager) -> dict:
+    """``{identity.RECORD_KEY: ...}``, read once per manager: the record is written before the first save
+    and does not change while the manager saves."""
+    named = getattr(manager, "_tieflax_record", None)
+    if named is None:
+        workdir = str(manager.directory).rstrip("/").rsplit("/", 1)[0]  # <workdir>/checkpoints
+        named = {identity.RECORD_KEY: identity.in_force(workdir)} if jax.process_index() == 0 else {}
+        manager._tieflax_record = named
+    return named
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, loader) -> Any:

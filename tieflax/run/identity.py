@@ -18,6 +18,14 @@ The record, in the run directory (``tieflax.run.layout``)::
                              the fields (saved, new), the whole new config and data record; create-only
 
 ``load_workdir_config`` returns the config in force: the newest history entry's, else config.json's.
+
+The record proves itself with a digest chain: history entry 1 names the digests of config.json and
+data.json (``previous``), entry n those of entry n-1, and every checkpoint names the files of the entry
+in force when it was saved (its orbax custom metadata, ``RECORD_KEY``). So a deleted, truncated or edited
+file is found on the next read (``verify_record``) and refused in one line naming it and the fixes
+(restore it, or ``--allow-change`` to start a new entry from the last checkpoint), never a silent
+fallback to an older entry. Runs written before the chain (no ``previous``, checkpoints that name no
+entry) are accepted as before, said once; their next checkpoint starts the chain.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from typing import Sequence
 
 import jax
@@ -52,6 +61,10 @@ FREE = {
 }
 SECTIONS = ("model", "train", "data", "seed")
 ALLOW_CHANGE_FLAG = "--allow-change"
+RECORD_KEY = "tieflax_record"  # in a checkpoint's custom metadata: the files of the entry in force
+CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step metadata (holds the custom metadata)
+
+log = logging.getLogger(__name__)
 
 
 class RunChanged(UserError, ValueError):
@@ -108,25 +121,54 @@ def has_trained(workdir: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Resume:
     """What ``check_resume`` found: ``fresh`` (no record yet), or the fields that change (saved, new)
-    with the consent given, to be recorded by ``record`` once the start step is known."""
+    with the consent given, to be recorded by ``record`` once the start step is known. ``restart``: the
+    record was broken (the one line that says how) and ``--allow-change`` starts a new entry from the
+    last checkpoint. ``refused``: result fields refused, held back for ``check_data`` to name together
+    with a change of data (``check_resume(..., data_next=True)``)."""
     fresh: bool
     changed: dict
     before_first_step: bool = False
     allow_change: tuple = ()
+    restart: str | None = None
+    refused: str | None = None
+
+
+def check_allow_change(config: ml_collections.ConfigDict, allow_change: Sequence[str]) -> None:
+    """Refuses an ``--allow-change`` name that is no field or section of the config, in one line naming
+    it and the sections (a typo would otherwise consent to nothing and go unnoticed)."""
+    tree = json.loads(config.to_json_best_effort())
+    fields = _flat({k: tree[k] for k in SECTIONS if k in tree})
+    for name in allow_change:
+        known = name in SECTIONS or any(f == name or f.startswith(name.rstrip(".") + ".") for f in fields)
+        if not known:
+            raise RunChanged(f"{ALLOW_CHANGE_FLAG} {name!r} is not a field of the config: name a field such as "
+                             f"train.learning_rate, or a section ({', '.join(SECTIONS)})")
 
 
 def check_resume(workdir: str, config: ml_collections.ConfigDict, *, allow_change: Sequence[str] = (),
-                 command: str = "train") -> Resume:
+                 command: str = "train", data_next: bool = False) -> Resume:
     """Compares ``config`` with the run's record in ``workdir`` before anything is written.
 
     Returns ``Resume(fresh=True)`` for a new run. A run that has trained (checkpoints or metrics) may go
     on only with the same result fields, unless each changed field is named in ``allow_change`` (a
     field, e.g. ``train.num_steps``, or a section prefix, e.g. ``data``). Imported or converted
     parameters that have not trained yet keep their model; their other settings may be set freely (the
-    difference is recorded). Raises RunChanged naming every refused field."""
-    if not storage.is_file(layout.path(workdir, CONFIG_FILE)):
+    difference is recorded). Raises RunChanged naming every refused field, RecordBroken when a file of
+    the record is missing, damaged or edited (unless ``allow_change`` names a field: then the config
+    becomes a new entry from the last checkpoint, ``Resume.restart``). ``data_next``: the caller calls
+    ``check_data`` next, which then names refused fields and changed data in one line."""
+    check_allow_change(config, allow_change)
+    try:
+        saved = load_workdir_config(workdir)
+    except NotARun:
         return Resume(fresh=True, changed={})
-    diff = changed_fields(load_workdir_config(workdir), config)
+    except RecordBroken as e:
+        if not allow_change:
+            raise
+        best = _best_effort_config(workdir)
+        diff = changed_fields(best, config) if best is not None else {}
+        return Resume(fresh=False, changed=diff, allow_change=tuple(allow_change), restart=str(e))
+    diff = changed_fields(saved, config)
     if not diff:
         return Resume(fresh=False, changed={}, allow_change=tuple(allow_change))
     trained = has_trained(workdir)
@@ -141,64 +183,275 @@ def check_resume(workdir: str, config: ml_collections.ConfigDict, *, allow_chang
         else:
             fix = ("its parameters are of that model: change the model with `tieflax convert` (--untie, --tie, "
                    "--scan-layers) into a new --out, or train this model in a new --workdir")
-        raise RunChanged(f"{where} was trained with other settings (saved -> now: {_shown(refused)}): {fix}")
+        line = f"{where} was trained with other settings (saved -> now: {_shown(refused)}): {fix}"
+        # A change of data settings is named above; other settings wait for check_data's look at the data,
+        # so that one refusal names every difference.
+        if data_next and trained and not any(k.startswith("data.") for k in refused):
+            return Resume(fresh=False, changed=diff, allow_change=tuple(allow_change), refused=line)
+        raise RunChanged(line)
     return Resume(fresh=False, changed=diff, before_first_step=not trained, allow_change=tuple(allow_change))
 
 
 def check_data(workdir: str, data: dict, resume: Resume) -> None:
     """Refuses a run whose data changed under it (the same config, other content: a token store rebuilt
     at the same path, corpus files edited, another tokenizer), unless ``data`` or a ``data.*`` field is
-    allowed to change in ``resume`` (a new data setting is expected to bring new data)."""
-    saved = read_data_record(workdir)
+    allowed to change in ``resume`` (a new data setting is expected to bring new data); a refusal also
+    names the settings ``check_resume`` held back. An allowed change of data joins ``resume.changed``
+    as ``data (key)`` etc., so that it is said and recorded like any other change."""
+    saved = None if resume.fresh or resume.restart else read_data_record(workdir)
     consent = any(a.rstrip(".") == "data" or a.startswith("data.") for a in resume.allow_change)
-    if saved is None or resume.fresh or resume.before_first_step or consent:
-        return
-    diff = {f"data ({k})": (saved.get(k), data.get(k)) for k in ("source", "store", "key", "tokenizer")
-            if saved.get(k) != data.get(k)}
-    if diff:
-        raise RunChanged(f"{layout.path(workdir)} was trained on other data (saved -> now: {_shown(diff)}): "
-                         "point data.* at the data it trained on, train in a new --workdir, or pass "
-                         f"{ALLOW_CHANGE_FLAG} data to go on with this data (recorded in "
-                         f"{CONFIG_HISTORY_DIR}/)")
+    diff = {} if saved is None or resume.before_first_step else {
+        f"data ({k})": (saved.get(k), data.get(k)) for k in ("source", "store", "key", "tokenizer")
+        if saved.get(k) != data.get(k)}
+    if diff and not consent:
+        line = (f"{layout.path(workdir)} was trained on other data (saved -> now: {_shown(diff)}): "
+                "point data.* at the data it trained on, train in a new --workdir, or pass "
+                f"{ALLOW_CHANGE_FLAG} data to go on with this data (recorded in {CONFIG_HISTORY_DIR}/)")
+        raise RunChanged(f"{resume.refused}; and {line}" if resume.refused else line)
+    if resume.refused:
+        raise RunChanged(resume.refused)
+    resume.changed.update(diff)  # on purpose: said and recorded with the fields
 
 
 def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: Resume, step: int) -> None:
     """Process 0 writes the run's record: a fresh run claims ``config.json`` and ``data.json``
     (create-only: two runs cannot claim one prefix); an allowed change becomes the next numbered
-    history entry. Nothing is ever overwritten."""
+    history entry, naming the digests of the entry before it; a restart (``Resume.restart``) an entry
+    that names none. Nothing is ever overwritten."""
     if jax.process_index() != 0:
         return
     if resume.fresh:
         save_config(workdir, config, claim=True)
     data_path = layout.path(workdir, DATA_RECORD_FILE)
-    if not storage.is_file(data_path):
+    if resume.restart is None and not storage.is_file(data_path):  # a run from before data records
         storage.create_new(data_path, json.dumps(data, indent=1, sort_keys=True).encode())
-    saved_data = read_data_record(workdir)
-    data_changed = saved_data is not None and saved_data != data
-    if not resume.changed and not data_changed:
+    if resume.restart is None:
+        saved_data = read_data_record(workdir)
+        if saved_data is not None and saved_data != data:  # a new tokenizer or data setting: on purpose
+            for k in ("source", "store", "key", "tokenizer"):
+                if saved_data.get(k) != data.get(k):
+                    resume.changed.setdefault(f"data ({k})", (saved_data.get(k), data.get(k)))
+    if not resume.changed and resume.restart is None:
         return
-    entries = history(workdir)
-    n = (entries[-1]["number"] if entries else 0) + 1
+    found = _read_record(workdir)
+    taken = [int(name.split("/")[-1].removesuffix(".json")) for name in found.files if name.startswith(CONFIG_HISTORY_DIR)]
+    n = max([*taken, found.claimed_entry or 0]) + 1  # never a number a checkpoint or a damaged file holds
     entry = {"number": n, "step": int(step), "changed": {k: list(v) for k, v in resume.changed.items()},
              "reason": "set before the first step" if resume.before_first_step else ALLOW_CHANGE_FLAG,
              "data": data, "config": json.loads(config.to_json_best_effort())}
+    if resume.restart is not None:
+        entry["restarted"] = resume.restart  # the chain starts again here: nothing before it is named
+        entry["previous"] = {}
+        log.warning("the run's record was broken (%s); %s starts it again as %s/%d.json from step %d",
+                    resume.restart, ALLOW_CHANGE_FLAG, CONFIG_HISTORY_DIR, n, step)
+    else:
+        entry["previous"] = in_force(workdir)["files"]
     text = json.dumps(entry, indent=1, sort_keys=True).encode()
     if not storage.create_new(layout.path(workdir, CONFIG_HISTORY_DIR, f"{n}.json"), text):
         raise WorkdirError(f"{layout.path(workdir, CONFIG_HISTORY_DIR, f'{n}.json')} was written by another "
                            "command at the same time: only one command may continue a run")
 
 
-def history(workdir: str) -> list[dict]:
-    """The run's config-history entries, oldest first (``[]`` when its config never changed)."""
+# ------------------------------------------------------------------------------------- the digest chain
+
+class RecordBroken(WorkdirError):
+    """A file of the run's record is missing, damaged or edited after a later file or a checkpoint named
+    its digest; the message names the file and the fixes."""
+
+
+def digest(raw: bytes) -> str:
+    """The digest the chain names a file by: sha256 of its bytes, hex."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _entry_name(n: int) -> str:
+    return f"{CONFIG_HISTORY_DIR}/{n}.json"
+
+
+def _fix() -> str:
+    return (f"restore it from a backup, or rerun with --config FILE and {ALLOW_CHANGE_FLAG} FIELD to go on from "
+            f"the last checkpoint with that config, recorded as a new entry in {CONFIG_HISTORY_DIR}/")
+
+
+@dataclasses.dataclass
+class _Found:
+    """The record's files as read: bytes by name relative to the run, entries by number, the newest
+    checkpoint's step and what it names (None: no checkpoint, or one saved before the chain)."""
+    files: dict
+    entries: dict
+    damaged: dict  # name -> why, for files that do not parse
+    claimed_step: int | None = None
+    claim: dict | None = None
+
+    @property
+    def claimed_entry(self) -> int | None:
+        return self.claim.get("entry") if isinstance(self.claim, dict) else None
+
+
+def _read_optional(path: str) -> bytes | None:
+    try:
+        return storage.read_bytes(path)
+    except FileNotFoundError:
+        return None
+
+
+def _parse(raw: bytes) -> tuple[dict | None, str | None]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+    except UnicodeDecodeError:
+        return None, "not text"
+    return (value, None) if isinstance(value, dict) else (None, "holds no JSON object")
+
+
+def _newest_checkpoint_claim(workdir: str) -> tuple[int | None, dict | None]:
+    """``(step, record)`` of the newest checkpoint whose orbax metadata reads; the record is None for a
+    checkpoint saved before the chain."""
+    folder = layout.path(workdir, CHECKPOINT_DIR)
+    for step in sorted((int(n.rstrip("/")) for n in storage.listdir(folder) if n.rstrip("/").isdigit()),
+                       reverse=True):
+        raw = _read_optional(storage.join(folder, str(step), CHECKPOINT_METADATA_FILE))
+        meta = _parse(raw)[0] if raw is not None else None
+        if meta is not None:
+            return step, (meta.get("custom_metadata") or {}).get(RECORD_KEY)
+    return None, None
+
+
+def _read_record(workdir: str) -> _Found:
+    found = _Found(files={}, entries={}, damaged={})
+    for name in (CONFIG_FILE, DATA_RECORD_FILE):
+        raw = _read_optional(layout.path(workdir, name))
+        if raw is not None:
+            found.files[name] = raw
+            value, why = _parse(raw)
+            if why:
+                found.damaged[name] = why
     folder = layout.path(workdir, CONFIG_HISTORY_DIR)
-    names = sorted((n for n in storage.listdir(folder) if n.removesuffix(".json").isdigit()),
-                   key=lambda n: int(n.removesuffix(".json")))
-    return [json.loads(storage.read_text(storage.join(folder, n))) for n in names]
+    for n in sorted(int(x.removesuffix(".json")) for x in storage.listdir(folder)
+                    if x.endswith(".json") and x.removesuffix(".json").isdigit()):
+        raw = _read_optional(storage.join(folder, f"{n}.json"))
+        if raw is None:
+            continue
+        found.files[_entry_name(n)] = raw
+        value, why = _parse(raw)
+        if why:
+            found.damaged[_entry_name(n)] = why
+        else:
+            found.entries[n] = value
+    found.claimed_step, found.claim = _newest_checkpoint_claim(workdir)
+    return found
+
+
+def _broken(workdir: str, name: str, what: str) -> RecordBroken:
+    return RecordBroken(f"{layout.path(workdir, name)} {what}: {_fix()}")
+
+
+def _check_named(workdir: str, found: _Found, named: dict, by: str) -> None:
+    for name, want in sorted(named.items()):
+        raw = found.files.get(name)
+        if raw is None:
+            raise _broken(workdir, name, f"is missing ({by} names it in the run's record)")
+        if digest(raw) != want:
+            why = found.damaged.get(name)
+            what = f"is damaged, {why}" if why else "was edited"
+            raise _broken(workdir, name, f"{what} (its digest differs from the one {by} names)")
+
+
+_LEGACY_SAID: set = set()
+
+
+def verify_record(workdir: str) -> list[dict]:
+    """Checks the run's record against its digest chain and returns the history entries in force (oldest
+    first, from the newest restart on). Raises NotARun when the folder holds no run, RecordBroken naming
+    the file when one is missing, damaged or edited (config.json missing from a run that has trained
+    included: that is not a fresh run). Links written before the chain are accepted, said once."""
+    found = _read_record(workdir)
+    numbers = sorted(set(found.entries) | {int(n.split("/")[1].removesuffix(".json")) for n in found.damaged
+                                           if n.startswith(CONFIG_HISTORY_DIR)})
+    restarts = [n for n in numbers if n in found.entries and "restarted" in found.entries[n]]
+    first = restarts[-1] if restarts else 1
+    if not restarts:
+        if CONFIG_FILE not in found.files:
+            if has_trained(workdir) or storage.exists(layout.path(workdir, layout.INITIAL_PARAMS_DIR)):
+                raise _broken(workdir, CONFIG_FILE, "is missing, yet the run has trained (checkpoints or "
+                              "metrics): it is not a fresh run")
+            if not numbers:
+                path = layout.path(workdir, CONFIG_FILE)
+                raise NotARun(2, f"{path} does not exist: {layout.path(workdir)} is not a tieflax run (train "
+                                 "into it with --config first, or save_initial_params there)", path)
+        for name in (CONFIG_FILE, DATA_RECORD_FILE):
+            if name in found.damaged:
+                raise _broken(workdir, name, f"is damaged, {found.damaged[name]}")
+    for n in range(first, (numbers[-1] if numbers else 0) + 1):
+        name = _entry_name(n)
+        if name in found.damaged:
+            raise _broken(workdir, name, f"is damaged, {found.damaged[name]}")
+        if n not in found.entries:
+            raise _broken(workdir, name, f"is missing ({CONFIG_HISTORY_DIR}/ holds {numbers[-1]}.json after it)")
+    legacy = []
+    for n in range(first, (numbers[-1] if numbers else 0) + 1):
+        previous = found.entries[n].get("previous")
+        if previous is None:
+            legacy.append(_entry_name(n))
+        else:
+            _check_named(workdir, found, previous, _entry_name(n))
+    if found.claimed_step is not None:
+        by = f"{CHECKPOINT_DIR}/{found.claimed_step}"
+        if found.claim is None:
+            legacy.append(by)
+        elif (found.claimed_entry or 0) >= (restarts[-1] if restarts else 0):
+            _check_named(workdir, found, found.claim.get("files", {}), by)
+            if found.claimed_entry and found.claimed_entry not in found.entries:
+                raise _broken(workdir, _entry_name(found.claimed_entry), f"is missing ({by} names it)")
+    where = layout.path(workdir)
+    if legacy and where not in _LEGACY_SAID:
+        _LEGACY_SAID.add(where)
+        log.warning("%s was written before the run's record carried digests (%s): its record is trusted as it "
+                    "is; checkpoints saved from now on name it", where, ", ".join(legacy))
+    return [found.entries[n] for n in range(first, (numbers[-1] if numbers else 0) + 1)]
+
+
+def in_force(workdir: str) -> dict:
+    """What a checkpoint names (``RECORD_KEY`` in its custom metadata): ``{'entry': n, 'files': {name:
+    digest}}`` of the entry in force (n = 0: config.json and data.json)."""
+    found = _read_record(workdir)
+    if found.entries:
+        n = max(found.entries)
+        return {"entry": n, "files": {_entry_name(n): digest(found.files[_entry_name(n)])}}
+    return {"entry": 0, "files": {name: digest(found.files[name]) for name in (CONFIG_FILE, DATA_RECORD_FILE)
+                                  if name in found.files}}
+
+
+def _best_effort_config(workdir: str) -> ml_collections.ConfigDict | None:
+    """The newest config that still reads (a broken record's), for naming what a restart changes."""
+    found = _read_record(workdir)
+    for n in sorted(found.entries, reverse=True):
+        if isinstance(found.entries[n].get("config"), dict):
+            return _completed(found.entries[n]["config"])
+    if CONFIG_FILE in found.files and CONFIG_FILE not in found.damaged:
+        return _completed(json.loads(found.files[CONFIG_FILE]))
+    return None
+
+
+def history(workdir: str) -> list[dict]:
+    """The run's config-history entries in force, oldest first (``[]`` when its config never changed);
+    RecordBroken when the record does not hold (``verify_record``)."""
+    try:
+        return verify_record(workdir)
+    except NotARun:
+        return []
+
+
+def _changed_text(entry: dict) -> str:
+    text = _shown({k: tuple(v) for k, v in entry.get("changed", {}).items()})
+    return text or "no result field (the same settings)"
 
 
 def history_lines(workdir: str) -> list[str]:
     """One sentence per config change, for ``tieflax analyze`` and the study's report."""
-    return [f"config changed at step {e['step']} ({e['reason']}): " + _shown({k: tuple(v) for k, v in e["changed"].items()})
+    return [(f"config record restarted at step {e['step']} ({e['restarted']}): " if "restarted" in e else
+             f"config changed at step {e['step']} ({e['reason']}): ") + _changed_text(e)
             for e in history(workdir)]
 
 
@@ -239,25 +492,19 @@ def save_config(workdir: str, config: ml_collections.ConfigDict, *, claim: bool 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     """The config in force in ``workdir`` (the newest history entry's, else config.json's), completed
-    with today's defaults for fields added since. Raises NotARun (a FileNotFoundError and a UserError)
-    when the folder holds no config.json."""
-    path = layout.path(workdir, CONFIG_FILE)
-    try:
-        text = storage.read_text(path)
-    except FileNotFoundError:
-        raise NotARun(2, f"{path} does not exist: {layout.path(workdir)} is not a tieflax run (train into "
-                         "it with --config first, or save_initial_params there)", path) from None
-    entries = history(workdir)
+    with today's defaults for fields added since, once the record holds (``verify_record``). Raises
+    NotARun (a FileNotFoundError and a UserError) when the folder holds no run, RecordBroken naming the
+    file when the record is broken."""
+    entries = verify_record(workdir)
     if entries:
-        text = json.dumps(entries[-1]["config"])
-    try:
-        saved = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise WorkdirError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): restore "
-                              "it from a backup or rewrite it with `tieflax train --config ... --workdir` "
-                              "using the run's original config") from None
-    if not isinstance(saved, dict):
-        raise WorkdirError(f"{path} holds no config object: restore it from a backup")
+        saved = entries[-1].get("config")
+        if not isinstance(saved, dict):
+            raise _broken(workdir, _entry_name(entries[-1].get("number", len(entries))), "holds no config")
+        return _completed(saved)
+    return _completed(json.loads(storage.read_text(layout.path(workdir, CONFIG_FILE))))
+
+
+def _completed(saved: dict) -> ml_collections.ConfigDict:
     config = default_config()
     _merge(config, saved, "config")
     return config
