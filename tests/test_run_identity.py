@@ -128,9 +128,18 @@ def test_data_that_changed_under_the_same_config_is_refused(data_dir, tmp_path, 
     with pytest.raises(identity.RunChanged, match=r"trained on other data \(saved -> now: data \(key\) "):
         train_and_evaluate(config, run)
     assert identity.read_data_record(run) == saved
+    # Two differences (a setting and the data) are named in one refusal, not one per rerun.
+    config.train.learning_rate = 0.002
+    with pytest.raises(identity.RunChanged) as refused:
+        train_and_evaluate(config, run)
+    assert "train.learning_rate 0.01 -> 0.002" in str(refused.value) and "data (key)" in str(refused.value)
+    config.train.learning_rate = 0.01
     train_and_evaluate(config, run, allow_change=("data",))  # on purpose: recorded with the new key
     (entry,) = identity.history(run)
-    assert entry["data"]["key"] != saved["key"] and entry["changed"] == {}
+    assert entry["data"]["key"] != saved["key"]
+    assert entry["changed"] == {"data (key)": [saved["key"], entry["data"]["key"]]}  # what changed, said
+    (line,) = identity.history_lines(run)
+    assert line.startswith("config changed at step 4 (--allow-change): data (key) "), line
 
 
 def test_imported_parameters_take_training_settings_before_their_first_step(finished, tmp_path, capsys):
@@ -163,3 +172,112 @@ def test_a_bucket_run_resumes_with_no_argument_and_so_does_an_untied_copy(finish
     assert "starting from initial_params/" in out and json.loads(out.strip().splitlines()[-1])["step"] == STEPS
     assert main(["train", "--workdir", untied]) == 0  # finished: resumes at the end
     assert f"resuming from step {STEPS}" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------- the record proves itself
+
+@pytest.fixture(scope="module")
+def changed_twice(finished, tmp_path_factory):
+    """A run with two history entries (learning rate, then steps), checkpoints naming the second."""
+    run = _copy(finished, tmp_path_factory.mktemp("changed") / "run")
+    assert main(["train", "--workdir", run, "--config.train.num_steps=6", "--config.train.learning_rate=0.001",
+                 "--allow-change", "train.num_steps,train.learning_rate"]) == 0
+    assert main(["train", "--workdir", run, "--config.train.num_steps=8", "--allow-change", "train.num_steps"]) == 0
+    assert [e["number"] for e in identity.history(run)] == [1, 2]
+    return run
+
+
+def _damage(path: str, how: str) -> None:
+    if how == "delete":
+        os.remove(path)
+    elif how == "truncate":
+        text = open(path, "rb").read()
+        open(path, "wb").write(text[: len(text) // 2])
+    else:  # a hand edit that still parses: another learning rate or another key
+        entry = json.loads(open(path).read())
+        target = entry.get("config", entry).get("train", entry)
+        target["learning_rate" if "learning_rate" in target else "key"] = 0.5
+        open(path, "w").write(json.dumps(entry, indent=1))
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "edit"])
+@pytest.mark.parametrize("name", [CONFIG_FILE, DATA_RECORD_FILE, f"{CONFIG_HISTORY_DIR}/1.json",
+                                  f"{CONFIG_HISTORY_DIR}/2.json"])
+def test_a_deleted_truncated_or_edited_record_file_is_one_line_naming_it(changed_twice, tmp_path, capsys, name, how):
+    """Before the chain, a deleted or edited entry silently became the settings in force (steps trained at
+    an older or a hand-written learning rate), a truncated one was named by line and column only."""
+    run = _copy(changed_twice, tmp_path / "run")
+    _damage(os.path.join(run, name), how)
+    with pytest.raises(identity.RecordBroken) as broken:
+        identity.load_workdir_config(run)
+    line = str(broken.value)
+    assert os.path.join(run, name) in line and "restore it" in line and "--allow-change" in line, line
+    listing = sorted(os.listdir(run))
+    err = _one_line(capsys, ["train", "--workdir", run])
+    assert os.path.join(run, name) in err, err
+    err = _one_line(capsys, ["train", "--workdir", run, "--config.train.num_steps=8"])
+    assert os.path.join(run, name) in err, err
+    assert sorted(os.listdir(run)) == listing  # nothing written
+
+
+def test_a_deleted_history_folder_or_config_without_history_is_refused(finished, changed_twice, tmp_path):
+    run = _copy(changed_twice, tmp_path / "history")
+    import shutil
+
+    shutil.rmtree(os.path.join(run, CONFIG_HISTORY_DIR))
+    with pytest.raises(identity.RecordBroken, match=r"config_history/2.json is missing \(checkpoints/8 names"):
+        identity.load_workdir_config(run)
+    plain = _copy(finished, tmp_path / "plain")  # no history: the checkpoint names config.json itself
+    _damage(os.path.join(plain, CONFIG_FILE), "edit")
+    with pytest.raises(identity.RecordBroken, match=r"config.json was edited \(its digest differs from the one "
+                                                     r"checkpoints/4 names\)"):
+        identity.load_workdir_config(plain)
+
+
+def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(data_dir, finished, tmp_path, capsys):
+    """It used to resume with whatever the command line said and write a new config.json claiming those
+    as the run's starting settings, with a history entry of no change."""
+    run = _copy(finished, tmp_path / "run")
+    os.remove(os.path.join(run, CONFIG_FILE))
+    config = _config(data_dir, learning_rate=0.05)
+    with pytest.raises(identity.RecordBroken, match="config.json is missing, yet the run has trained"):
+        train_and_evaluate(config, run)
+    assert not os.path.exists(os.path.join(run, CONFIG_FILE))
+    # The fix it names: go on from the last checkpoint with this config, a new entry that says so.
+    config.train.num_steps = 6
+    result = train_and_evaluate(config, run, allow_change=("train.num_steps",))
+    assert result["step"] == 6 and not os.path.exists(os.path.join(run, CONFIG_FILE))
+    (entry,) = identity.history(run)
+    assert entry["step"] == STEPS and "config.json is missing" in entry["restarted"], entry
+    assert identity.load_workdir_config(run).train.learning_rate == 0.05
+    assert identity.history_lines(run)[0].startswith("config record restarted at step 4 (")
+    assert main(["train", "--workdir", run]) == 0  # and it resumes from its record again
+    assert "resuming from step 6" in capsys.readouterr().out
+
+
+def test_allow_change_names_real_fields_only(finished, tmp_path, capsys):
+    run = _copy(finished, tmp_path / "run")
+    err = _one_line(capsys, ["train", "--workdir", run, "--config.train.learning_rate=0.001",
+                             "--allow-change", "train.learning_rat"])
+    assert "--allow-change 'train.learning_rat' is not a field" in err, err
+    assert not os.path.exists(os.path.join(run, CONFIG_HISTORY_DIR))
+
+
+def test_a_run_written_before_the_chain_resumes_and_says_so_once(changed_twice, tmp_path, caplog):
+    """No digests anywhere (entries without 'previous', checkpoints naming no entry): accepted as before."""
+    run = _copy(changed_twice, tmp_path / "run")
+    for n in (1, 2):
+        path = os.path.join(run, CONFIG_HISTORY_DIR, f"{n}.json")
+        entry = json.loads(open(path).read())
+        del entry["previous"]
+        open(path, "w").write(json.dumps(entry, indent=1, sort_keys=True))
+    for step in os.listdir(os.path.join(run, "checkpoints")):
+        path = os.path.join(run, "checkpoints", step, identity.CHECKPOINT_METADATA_FILE)
+        meta = json.loads(open(path).read())
+        meta.get("custom_metadata", {}).pop(identity.RECORD_KEY, None)
+        open(path, "w").write(json.dumps(meta))
+    with caplog.at_level("WARNING", logger=identity.__name__):
+        assert identity.load_workdir_config(run).train.num_steps == 8
+        assert identity.load_workdir_config(run).train.num_steps == 8
+    said = [r for r in caplog.records if "before the run's record carried digests" in r.getMessage()]
+    assert len(said) == 1, caplog.records

@@ -94,7 +94,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, held,
     mc = model_config(config)
     report = param_report(mc).as_dict()
     mesh = setup_mesh(config)
-    resume = identity.check_resume(workdir, config, allow_change=allow_change)  # before anything is written
+    resume = identity.check_resume(workdir, config, allow_change=allow_change, data_next=True)  # before any write
 
     # ---------------------------------------------------------------------------------------- input
     prepared = prepare_dataset(config.data, workdir, vocab_size=mc.vocab_size)
