@@ -85,7 +85,22 @@ def validate_config(config: ml_collections.ConfigDict) -> ModelConfig:
                               "remaining devices.")
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
         raise ConfigError(f"config.seed = {config.seed!r} must be an integer in [0, 2**32).")
+    _validate_across_sections(config, mc)
     return mc
+
+
+def _validate_across_sections(config: ml_collections.ConfigDict, mc: ModelConfig) -> None:
+    """Fields that are each in range but do not fit together: a row longer than the model is made for,
+    a profiler window outside the steps the run takes."""
+    t = config.train
+    if t.seq_len > mc.max_seq_len:
+        raise ConfigError(f"config.train.seq_len = {t.seq_len} exceeds config.model.max_seq_len = {mc.max_seq_len} "
+                          "(the longest row the model is made for): lower train.seq_len or raise model.max_seq_len")
+    window = t.get("profile_steps", ())
+    if window and window[1] > t.num_steps:
+        raise ConfigError(f"config.train.profile_steps = {tuple(window)!r} lies outside the run's steps 1..{t.num_steps} "
+                          f"(config.train.num_steps): no trace would be written there; choose steps within it, or () "
+                          "for no trace")
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -103,20 +118,7 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path!r} does not exist; pass a path such as "
                                 "configs/experiments/tiny.py")
-    spec = importlib.util.spec_from_file_location(f"tieflax_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} has no get_config() function")
-    if arg and not inspect.signature(module.get_config).parameters:
-        raise ConfigError(f"config file {path!r} has no variants (its get_config() takes no argument): drop "
-                          f"':{arg}' from --config")
-    try:
-        config = module.get_config(arg) if arg else module.get_config()
-    except ValueError as e:  # a config file's own refusal (an unknown ':arg'): one line naming the file
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"config file {path!r}{':' + arg if arg else ''}: {e}") from None
+    config = _run_config_file(path, arg)
     for item in overrides:
         apply_override(config, item)
     if "train" in config and "data" in config:
@@ -124,6 +126,46 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
     else:
         model_config(config)  # a model-only config (configs/models)
     return config
+
+
+def _run_config_file(path: str, arg: str) -> ml_collections.ConfigDict:
+    """Runs the config file's ``get_config([arg])``, the one guarded place a config file's Python runs:
+    a syntax error, or an exception while the file runs, is one ConfigError naming the file and line."""
+    spec = importlib.util.spec_from_file_location(f"tieflax_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path!r} line {e.lineno}: syntax error ({e.msg}): fix the file") from None
+    except Exception as e:  # noqa: BLE001 (the file's own code: a failure of the input, named by line)
+        raise _failed_in(path, "", e, "while it was imported") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"config file {path!r} has no get_config() function")
+    if arg and not inspect.signature(module.get_config).parameters:
+        raise ConfigError(f"config file {path!r} has no variants (its get_config() takes no argument): drop "
+                          f"':{arg}' from --config")
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except ConfigError:
+        raise
+    except ValueError as e:  # a config file's own refusal (an unknown ':arg'): one line naming the file
+        raise ConfigError(f"config file {path!r}{':' + arg if arg else ''}: {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise _failed_in(path, arg, e, "in get_config()") from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"config file {path!r}: get_config() returned {type(config).__name__}, not an "
+                          "ml_collections.ConfigDict (build it on tieflax.config.default_config())")
+    return config
+
+
+def _failed_in(path: str, arg: str, e: Exception, when: str) -> ConfigError:
+    """One line: the file, the line of it that raised (the innermost frame in that file), and the error."""
+    import traceback  # noqa: PLC0415
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(path)]
+    line = f" line {frames[-1].lineno}" if frames else ""
+    what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return ConfigError(f"config file {path!r}{':' + arg if arg else ''}{line}: {what} ({when}): fix the file")
 
 
 def apply_override(config: ml_collections.ConfigDict, item: str) -> None:

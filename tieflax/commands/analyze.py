@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from tieflax.commands.flags import integer
+
 HELP = "embedding diagnostics of a checkpoint"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", required=True, help="a tieflax run folder (with checkpoints/)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--step", type=integer(0), default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--out", default=None, help="output folder (default: WORKDIR/analysis)")
-    parser.add_argument("--val-batches", type=int, default=2,
+    parser.add_argument("--val-batches", type=integer(0), default=2,
                         help="validation batches for the softmax statistics (default: 2)")
-    parser.add_argument("--buckets", type=int, default=4, help="frequency buckets, rarest first (default: 4)")
-    parser.add_argument("--max-rows", type=int, default=2048,
+    parser.add_argument("--buckets", type=integer(1), default=4, help="frequency buckets, rarest first (default: 4)")
+    parser.add_argument("--max-rows", type=integer(0, " (0 = every row)"), default=2048,
                         help="row sample for pairwise cosines and spectra; 0 = every row (default: 2048)")
     parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
 

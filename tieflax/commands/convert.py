@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from tieflax.commands.flags import positive_number, refuse_overrides
+
 HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layouts of checkpoints"
 FULL_DISK_FIX = "free space on that disk, or write to another one (nothing half-written is left)"
 # A stop removes what the command wrote; the destination is published whole or not at all.
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output folder: the HF folder (--to-hf) or the new workdir (surgery)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="--to-hf: tensor dtype to write (default: the parameters' own)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: shard above this size")
+    parser.add_argument("--max-shard-gb", type=positive_number, default=5.0, help="--to-hf: shard above this size")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace what the destination folder holds (default: refuse a non-empty one)")
 
@@ -49,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
                                          untie_workdir)
 
     overrides = list(getattr(args, "overrides", []) or [])
+    if args.to_hf:
+        refuse_overrides(args, "convert --to-hf", "it exports the run's parameters with the run's own config")
     overwrite = getattr(args, "overwrite", False)
     if args.from_hf:
         report = import_hf(args.from_hf, args.workdir, overrides, overwrite=overwrite)

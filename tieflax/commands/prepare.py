@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from tieflax.commands.flags import location
+
 HELP = "tokenise a config's corpus into a token store (parallel, resumable, local or gs://)"
 FULL_DISK_FIX = ("free space on that disk, or choose another --out; rerun the same command to resume (the "
                  "input shards already tokenised are kept)")
@@ -25,7 +27,7 @@ FULL_DISK_FIX = ("free space on that disk, or choose another --out; rerun the sa
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a config file; its data section says what to tokenise")
-    parser.add_argument("--out", required=True, help="the store: a folder, gs://bucket/prefix or s3://...")
+    parser.add_argument("--out", required=True, type=location, help="the store: a folder, gs://bucket/prefix or s3://...")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (one core each)")
     parser.add_argument("--shard", default="0/1", help="i/N: tokenise only every N-th input shard from i "
                         "(one machine's share); finalize with --finalize when all are done")

@@ -19,6 +19,8 @@ finishes the current step, saves a checkpoint and exits 0; a first Ctrl-C (SIGIN
 from __future__ import annotations
 
 import argparse
+
+from tieflax.commands.flags import integer
 import os
 
 HELP = "train a model (resumes from the workdir's latest checkpoint)"
@@ -37,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print only the final line (and resume/preemption/failure lines): "
                              "--config.train.console=quiet")
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-process)")
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument("--num-processes", type=integer(1), default=None)
+    parser.add_argument("--process-id", type=integer(0), default=None)
 
 
 def load_run_config(config_path, workdir: str, overrides):

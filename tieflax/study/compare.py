@@ -87,6 +87,16 @@ def default_compare_config() -> ml_collections.ConfigDict:
     return c
 
 
+# Counts of config.compare and their least value (what each means, for the error line).
+_COUNTS = {"analysis_points": 1, "grad_batches": 1, "val_batches": 0, "analysis_sequences": 1, "n_bins": 1,
+           "max_rows": 0, "bootstrap": 1, "lens_fit_tokens": 0, "lens_score_tokens": 0, "knn": 1}
+_COUNTS_WHY = {"analysis_points": "checkpoints kept per run", "grad_batches": "held-out batches of the gradient "
+               "measures", "val_batches": "0 = the whole split", "analysis_sequences": "sequences per gradient batch",
+               "n_bins": "frequency bins", "max_rows": "0 = every row", "bootstrap": "replicates per interval",
+               "lens_fit_tokens": "0 = no lens", "lens_score_tokens": "0 = the whole second half",
+               "knn": "neighbours compared"}
+
+
 def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """``config.compare`` completed with the defaults; errors name the bad field."""
     cc = section_with_defaults(config, "compare", default_compare_config())
@@ -100,10 +110,17 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
                                "comparison is paired against it; add it, e.g. ('tied', 'untied')")
     if not cc.seeds:
         raise ConfigValueError("config.compare.seeds is empty: give at least one seed, e.g. (0, 1, 2)")
-    if cc.analysis_points < 1:
-        raise ConfigValueError(f"config.compare.analysis_points = {cc.analysis_points}: must be >= 1")
-    if cc.grad_batches < 1:
-        raise ConfigValueError(f"config.compare.grad_batches = {cc.grad_batches}: must be >= 1")
+    for name, low in _COUNTS.items():  # before the first run trains: a bad count fails here, not at the report
+        value = cc[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigValueError(f"config.compare.{name} = {value!r}: must be a whole number >= {low} "
+                                   f"({_COUNTS_WHY[name]})")
+    vocab = config.model.vocab_size if "model" in config else None
+    if vocab is not None and cc.n_bins > vocab:
+        raise ConfigValueError(f"config.compare.n_bins = {cc.n_bins}: more frequency bins than the {vocab} tokens of "
+                               "the vocabulary; use at most that many (default 8)")
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32 for s in cc.seeds):
+        raise ConfigValueError(f"config.compare.seeds = {tuple(cc.seeds)!r}: give whole numbers in [0, 2**32)")
     if isinstance(cc.input_grad_scale, bool) or not isinstance(cc.input_grad_scale, (int, float)) \
             or not cc.input_grad_scale > 0:
         raise ConfigValueError(f"config.compare.input_grad_scale = {cc.input_grad_scale!r}: must be a number > 0 "
