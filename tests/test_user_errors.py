@@ -3,6 +3,7 @@ lock. Nothing here trains or compiles: each case fails before that, which is the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -14,6 +15,7 @@ import pytest
 from test_train_support import REPO
 from tieflax import cli
 from tieflax.cli import main
+from tieflax.commands import flags
 from tieflax.errors import UserError
 
 COMPARE = os.path.join(REPO, "configs", "experiments", "tie_vs_untie.py")
@@ -57,6 +59,10 @@ def test_every_error_type_of_the_package_is_a_user_error():
     ("compare.variants=('untied',)", "must include 'tied'"),
     ("compare.seeds=()", "config.compare.seeds is empty"),
     ("compare.bogus=1", "no field 'bogus' in config.compare"),
+    # Once found after training the first run (n_bins) or all of them (bootstrap, a traceback at the report).
+    ("compare.n_bins=-1", "config.compare.n_bins = -1: must be a whole number >= 1"),
+    ("compare.bootstrap=0", "config.compare.bootstrap = 0: must be a whole number >= 1"),
+    ("compare.n_bins=100000", "more frequency bins than the"),
 ])
 def test_compare_config_errors_are_one_line_and_leave_no_workdir(tmp_path, capsys, override, expected):
     workdir = tmp_path / "compare"
@@ -230,3 +236,167 @@ def test_a_hub_dataset_without_a_network_is_one_line_at_once(tmp_path, capsys, m
                              "--config.data.source=hf", "--config.data.hf.path=wikitext"])
     assert "huggingface.co cannot be reached (Network is unreachable)" in err and "HF_DATASETS_OFFLINE=1" in err
     assert time.time() - started < 20
+
+
+# ------------------------------------------------------------------------- every value checked before work
+
+def test_a_config_file_with_a_syntax_error_or_a_raising_get_config_is_one_line_naming_file_and_line(tmp_path,
+                                                                                                     capsys):
+    broken = tmp_path / "broken.py"
+    broken.write_text("from tieflax.config import default_config\n\ndef get_config(\n    return default_config()\n")
+    err = _one_line(capsys, ["params", "--config", str(broken)])
+    assert f"config file '{broken}' line 3: syntax error" in err, err
+    raising = tmp_path / "raising.py"
+    raising.write_text("from tieflax.config import default_config\n\n\ndef get_config():\n"
+                       "    c = default_config()\n    return c.model.no_such_field\n")
+    err = _one_line(capsys, ["train", "--config", str(raising), "--workdir", str(tmp_path / "run")])
+    assert f"config file '{raising}' line 6: AttributeError" in err and "(in get_config())" in err, err
+    importing = tmp_path / "importing.py"
+    importing.write_text("import no_such_module_here\n")
+    err = _one_line(capsys, ["params", "--config", str(importing)])
+    assert "line 1: ModuleNotFoundError" in err and "while it was imported" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("--config.mesh.data=3", "config.mesh data*fsdp*tensor = 3 but 8 devices are available"),
+    ("--config.train.seq_len=4096", "config.train.seq_len = 4096 exceeds config.model.max_seq_len"),
+    ("--config.train.profile_steps=(5, 100000)", "config.train.profile_steps = (5, 100000) lies outside the run's "
+                                                 "steps"),
+])
+def test_values_that_do_not_fit_together_are_one_line_before_anything_is_written(tmp_path, capsys, override,
+                                                                                  expected):
+    """The mesh was a 25-line traceback (plan said it in one), seq_len above max_seq_len and a profiler
+    window past the last step were accepted (no trace written, nothing said)."""
+    workdir = tmp_path / "run"
+    err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(workdir), override])
+    assert expected in err, err
+    assert not workdir.exists() or not os.listdir(workdir)
+
+
+def _argparse_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["analyze", "--workdir", "w", "--buckets", "0"], "argument --buckets: 0 must be >= 1"),
+    (["analyze", "--workdir", "w", "--max-rows", "-5"], "argument --max-rows: -5 must be >= 0"),
+    (["analyze", "--workdir", "w", "--val-batches", "-1"], "argument --val-batches: -1 must be >= 0"),
+    (["convert", "--to-hf", "--workdir", "w", "--out", "o", "--max-shard-gb", "nan"], "--max-shard-gb: nan must be"),
+    (["convert", "--to-hf", "--workdir", "w", "--out", "o", "--max-shard-gb", "0"], "--max-shard-gb: 0 must be"),
+    (["convert", "--to-hf", "--workdir", "w", "--out", "o", "--max-shard-gb", "-1"], "--max-shard-gb: -1 must be"),
+    (["prepare", "--config", TINY, "--out", ""], "argument --out: is empty"),
+])
+def test_command_line_values_are_checked_while_parsing(capsys, argv, expected):
+    assert expected in _argparse_error(capsys, argv)
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["convert", "--to-hf", "--workdir", "w", "--out", "o", "--config.train.learning_rate=0.1"], "convert --to-hf"),
+    (["sample", "--workdir", "w", "--prompt", "hi", "--config.seed=3"], "sample"),
+    (["evaluate", "--workdir", "w", "--tasks", "arc_easy", "--config.seed=3"], "evaluate"),
+])
+def test_overrides_a_command_does_not_read_are_refused(capsys, argv, command):
+    err = _one_line(capsys, argv)
+    assert f"{command} does not read --config.* overrides" in err, err
+
+
+# Flags a command checks itself before any work, in its own words (prepare's check_arguments; evaluate's and
+# sample's: tests/test_eval_harness.py sweeps them).
+CHECKED_BEFORE_WORK = {("prepare", "--workers"), ("prepare", "--shard-mb"), *(
+    ("evaluate", f) for f in ("--num-fewshot", "--limit", "--batch-size", "--token-budget", "--step")), *(
+    ("sample", f) for f in ("--max-new-tokens", "--temperature", "--step"))}
+SWEEP_VALUES = ("0", "-1", "nan", "inf", "1e30", "99999999999999999999", "abc", "")
+
+
+def _numeric_flags():
+    """(command, flag, argparse action) of every option whose value is a number, over every command."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for command, command_parser in sub.choices.items():
+        for action in command_parser._actions:
+            if action.option_strings and action.type not in (None, str, flags.location):
+                yield command, action.option_strings[-1], action
+
+
+def test_every_numeric_flag_of_every_command_is_checked_while_parsing(capsys):
+    """A sweep of every command's numeric flags (zero, negative, nan, inf, huge, wrong type): each value is
+    either taken (parsing only: in range) or refused by argparse naming the flag, never a traceback; and
+    no flag is a bare int/float, which would let 0, -1 or nan through to the work."""
+    flags = list(_numeric_flags())
+    assert len(flags) >= 15, flags
+    bare = [(c, f) for c, f, a in flags if a.type in (int, float) and (c, f) not in CHECKED_BEFORE_WORK]
+    assert not bare, f"flags parsed without a range check: {bare}"
+    parser = cli.build_parser()
+    for command, flag, action in flags:
+        if (command, flag) in CHECKED_BEFORE_WORK:
+            continue
+        for value in SWEEP_VALUES:
+            try:
+                parsed = action.type(value)
+            except Exception as e:  # noqa: BLE001
+                assert type(e).__name__ == "ArgumentTypeError", (command, flag, value, e)
+                continue
+            assert parsed == parsed and abs(parsed) != float("inf"), (command, flag, value)  # no nan, no inf
+            assert parsed >= 0, (command, flag, value)
+        with pytest.raises(SystemExit):  # and through the real parser: argparse's error, naming the flag
+            parser.parse_args([command, *(["--config", TINY] if command != "params" else []), flag, "nan"])
+        assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--workers", "--shard-mb"])
+def test_prepares_own_checks_take_or_refuse_any_value_in_one_line(tmp_path, flag):
+    import argparse
+
+    from tieflax.commands.prepare import add_arguments, check_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for value in ("0", "-1", "nan", "inf", "1e30"):
+        try:
+            args = parser.parse_args(["--config", TINY, "--out", str(tmp_path / "store"), flag, value])
+        except SystemExit:  # a wrong type: argparse's error
+            continue
+        with pytest.raises(UserError) if value != "1e30" else contextlib.nullcontext():
+            check_arguments(args)
+
+
+def test_every_config_field_takes_or_refuses_any_value_in_one_line():
+    """Every field of every section (model, train, data, mesh, seed, compare) set to zero, negative, nan,
+    inf, huge, a string, a tuple or a bool: the config is taken or refused with a UserError, never
+    another exception (a traceback)."""
+    import copy
+
+    from tieflax.config import apply_override, load_config, validate_config
+    from tieflax.study.compare import compare_config, default_compare_config
+
+    base = load_config(TINY)
+    base.compare = default_compare_config()
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if hasattr(value, "items"):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    fields = list(leaves(base))
+    assert len(fields) > 100
+    failures = []
+    for field in fields:
+        for value in ("0", "-1", "nan", "inf", "10**30", "'abc'", "(1, 2)", "True", "''"):
+            config = copy.deepcopy(base)
+            try:
+                apply_override(config, f"{field}={value}")
+                validate_config(config)
+                compare_config(config)
+            except UserError:
+                pass
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{field}={value}: {type(e).__name__}: {e}")
+    assert not failures, failures[:20]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import integer, non_negative_number, refuse_overrides
+from tieflax.commands.flags import integer, refuse_overrides
 
 HELP = "lm-evaluation-harness tasks (MMLU, HellaSwag, local YAMLs) on a run's checkpoint"
 FULL_DISK_FIX = "free space on that disk, or choose another --output"
@@ -26,15 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", required=True, help="a run folder written by `tieflax train`")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
     parser.add_argument("--include-path", default=None, help="a folder of extra task YAML files")
-    parser.add_argument("--num-fewshot", type=integer(0), default=None, help="few-shot examples per prompt")
-    parser.add_argument("--limit", type=non_negative_number, default=None, help="items per task (a fraction if < 1)")
-    parser.add_argument("--batch-size", type=integer(1), default=8, help="sequences per generation batch")
-    parser.add_argument("--token-budget", type=integer(1), default=4096,
+    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")
+    parser.add_argument("--limit", type=float, default=None, help="items per task (a fraction if < 1)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per generation batch")
+    parser.add_argument("--token-budget", type=int, default=4096,
                         help="tokens per loglikelihood batch (rows = budget / padded length)")
     parser.add_argument("--log-samples", action="store_true", help="keep per-sample records (with --output)")
     parser.add_argument("--output", default=None,
                         help="folder (local, gs:// or s3://) for lm-eval's results (and samples) files")
-    parser.add_argument("--step", type=integer(0), default=None, help="a checkpoint step (default: the latest)")
+    parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")
     parser.add_argument("--seed", type=integer(0), default=0, help="seed of sampled generations")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import integer, non_negative_number, refuse_overrides
+from tieflax.commands.flags import integer, refuse_overrides
 
 HELP = "generate text from a checkpoint"
 ON_INTERRUPT = "nothing was written: rerun the same command"
@@ -17,10 +17,10 @@ ON_INTERRUPT = "nothing was written: rerun the same command"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", required=True, help="a run folder written by `tieflax train`")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=integer(1), default=64, help="at most this many new tokens")
-    parser.add_argument("--temperature", type=non_negative_number, default=0.0, help="0 = greedy; > 0 samples")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
     parser.add_argument("--seed", type=integer(0), default=0, help="seed of the sampling")
-    parser.add_argument("--step", type=integer(0), default=None, help="a checkpoint step (default: the latest)")
+    parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")
 
 
 def run(args: argparse.Namespace) -> int:
