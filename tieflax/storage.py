@@ -612,6 +612,62 @@ def no_answer(path: str, action: str, seconds: float) -> str:
             f"the command (work done so far is kept; {DEADLINE_ENV} sets the deadline)")
 
 
+# What a store that stopped answering looks like from the libraries underneath orbax (gcsfs/aiohttp, tensorstore's
+# curl transport, google-auth): a connection reset or refused, a timeout, a 5xx/408/429, curl's "too slow".
+_NO_ANSWER_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+                     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN}
+_NO_ANSWER_TEXT = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|5\d\d|408|429)\b|timed? ?out|timeout|too slow|"
+                             r"server disconnected|connection (reset|refused|aborted|closed)|cannot connect|"
+                             r"temporarily unavailable|broken pipe", re.IGNORECASE)
+_NO_ANSWER_TYPES = ("ClientError", "ClientOSError", "ServerDisconnectedError", "ServerTimeoutError",
+                    "ClientConnectorError", "ClientPayloadError", "TimeoutError", "ConnectionError",
+                    "TransportError", "RetryError")
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def is_no_answer(e: BaseException) -> bool:
+    """True when ``e`` (or an exception it was raised from) says a store did not answer (a transient
+    outage: worth retrying within the deadline), not that it refused (no permission, no bucket) or that
+    a disk is full."""
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return False
+        if re.search(r"\b(401|403|404)\b|forbidden|permission|access denied|not found|no such bucket", str(x),
+                     re.IGNORECASE):
+            return False
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in _NO_ANSWER_ERRNOS:
+            return True
+        if any(t.__name__ in _NO_ANSWER_TYPES for t in type(x).__mro__) or _NO_ANSWER_TEXT.search(str(x)):
+            return True
+    return False
+
+
+def object_named_in(e: BaseException, under: str) -> str | None:
+    """The object under ``under`` (a gs:// or s3:// prefix) that ``e``'s messages name, as a URL, if any
+    (gcsfs names it as ``bucket/key``, tensorstore as ``gs://bucket/key`` or in an HTTP URL)."""
+    scheme, bucket, _ = bucket_and_key(under)
+    key_text = r"[^\s\"',\]\)]+"
+    patterns = (rf"{scheme}://{re.escape(bucket)}/({key_text})", rf"/b/{re.escape(bucket)}/o/({key_text})",
+                rf"/b/{re.escape(bucket)}/o\?(?:[^\s]*&)?name=([^\s&\"']+)", rf"(?<![\w/]){re.escape(bucket)}/({key_text})")
+    for x in _chain(e):
+        for pattern in patterns:
+            match = re.search(pattern, str(x))
+            if match:
+                import urllib.parse  # noqa: PLC0415
+
+                key = urllib.parse.unquote(match.group(1).split("?", 1)[0]).rstrip(":.;")
+                return f"{scheme}://{bucket}/{key}"
+    return None
+
+
 def _gcs_credentials_configured() -> bool:
     if os.environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
         return True

@@ -24,6 +24,8 @@ Contract for converters and notebooks:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -45,6 +47,7 @@ from tieflax.run.identity import save_config
 from tieflax.run.layout import CHECKPOINT_DIR, INITIAL_PARAMS_DIR, UNREADABLE_DIR, check_location
 
 ITEMS = ("state", "data")
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -468,6 +471,11 @@ class SaveWatch:
         self.manager = manager
         self.pending: int | None = None
         self._started = 0.0  # when the pending save started (monotonic)
+        # A bucket that stops answering for less than the checkpoint deadline is ridden out: the save it broke
+        # is said in one line, training goes on, the next save tries again (the last one is retried here);
+        # _outage_since: when the first save of such an outage started.
+        self._outage_since: float | None = None
+        self._saving: tuple | None = None  # (step, state, loader) of the pending save
         self._quiet = _QuietOrbaxSaveErrors()
         logging.getLogger("absl").addFilter(self._quiet)
 
@@ -475,13 +483,18 @@ class SaveWatch:
         self._raise_if_failed(wait=True)  # orbax waits for the previous save anyway
         # A bucket that stops answering would hold orbax's start of a save (gcsfs, tensorstore) forever:
         # past the storage deadline the process says so in one line and exits 1 (the step not committed).
+        self._started = time.monotonic()
         with storage.watchdog(self._where(), f"save checkpoint {step} to"):
             try:
                 save(self.manager, step, state, loader)
             except Exception as e:  # noqa: BLE001
+                if self._ride_out(step, e):
+                    self._saving = (step, state, loader)
+                    return
                 raise self._error(step, e) from e
         self.pending = step
         self._started = time.monotonic()
+        self._saving = (step, state, loader)
 
     def _where(self) -> str:
         return str(getattr(self.manager, "directory", "")) or "checkpoints"
@@ -523,9 +536,11 @@ class SaveWatch:
             return e
         return None
 
-    def _raise_if_failed(self, wait: bool) -> None:
+    def _raise_if_failed(self, wait: bool) -> bool:
+        """Waits for the pending save; raises CheckpointError if it failed, except for a bucket that stopped
+        answering within the checkpoint deadline: then True (ridden out, said in one line)."""
         if self.pending is None:
-            return
+            return False
         step, self.pending = self.pending, None
         # The rest of a save (its arrays, its commit marker) may take long on a large model, but not
         # forever: TIEFLAX_CHECKPOINT_DEADLINE_S (default 30 min), then one line and exit 1.
@@ -533,14 +548,50 @@ class SaveWatch:
             try:
                 self.manager.wait_until_finished()
             except Exception as e:  # noqa: BLE001
+                if self._ride_out(step, e):
+                    return True
                 raise self._error(step, e) from e
+        self._outage_since = None  # a save went through: any outage is over
+        return False
 
-    def abandon(self) -> None:
-        """After a failure every process agreed on: the pending save is not waited for (on the healthy
-        processes it waits at orbax's commit barrier for the failed one, forever), nor is the manager
-        closed. The process must then exit without joining orbax's save thread (``os._exit``)."""
-        self.pending = None
-        self._abandoned = True
+    def _ride_out(self, step: int, e: BaseException) -> bool:
+        """True when ``e`` is a bucket that did not answer and the outage (since the first save it broke
+        started) is still within the checkpoint deadline; past it, CheckpointError naming the object,
+        the bucket and the deadline. One process only: several must agree (``failure``), and stop."""
+        where = self._where()
+        if jax.process_count() > 1 or not storage.is_remote(where) or not storage.is_no_answer(e):
+            return False
+        since = self._started if self._outage_since is None else self._outage_since
+        seconds = save_deadline_seconds()
+        if time.monotonic() - since >= seconds:
+            raise CheckpointError(self._no_answer_line(step, e, seconds)) from e
+        self._outage_since = since
+        log.warning("checkpoint %d was not saved: no answer from %s (%s); training goes on and the next save "
+                    "tries again, within the %g s checkpoint deadline (%s)", step, _bucket_of(where),
+                    storage.object_named_in(e, where) or where, seconds, SAVE_DEADLINE_ENV)
+        return True
+
+    def _no_answer_line(self, step: int, e: BaseException, seconds: float) -> str:
+        where = self._where()
+        return (f"saving checkpoint {step} failed, training stopped: no answer from {_bucket_of(where)} within "
+                f"the {seconds:g} s checkpoint deadline ({SAVE_DEADLINE_ENV}) for "
+                f"{storage.object_named_in(e, where) or where}; check the network and that the bucket is reachable, "
+                "then rerun to resume from the last checkpoint")
+
+    def _retry_last(self) -> None:
+        """The last save broken by a bucket that stopped answering: saved again (its partial objects first
+        deleted) until it goes through or the checkpoint deadline since the outage began has passed."""
+        step, state, loader = self._saving
+        pause = 1.0
+        while True:
+            time.sleep(pause)
+            pause = min(2 * pause, 15.0)
+            with contextlib.suppress(Exception):  # the bucket may still be silent: the save says so itself
+                with storage.deadline_within(pause):
+                    storage.rmtree(storage.join(checkpoint_dir_of(self.manager), str(step)))
+            self.start(step, state, loader)  # rides out (nothing pending) or raises past the deadline
+            if self.pending is not None and not self._raise_if_failed(wait=True):
+                return
 
     def close(self) -> None:
         """Waits for the last save and closes the manager; a failure is raised after the manager closed."""
@@ -549,7 +600,8 @@ class SaveWatch:
             return
         error = None
         try:
-            self._raise_if_failed(wait=True)
+            if self._raise_if_failed(wait=True):
+                self._retry_last()
         except CheckpointError as e:
             error = e
         try:
@@ -561,11 +613,12 @@ class SaveWatch:
         if error is not None:
             raise error
 
-    @staticmethod
-    def _error(step: int, e: BaseException) -> CheckpointError:
+    def _error(self, step: int, e: BaseException) -> CheckpointError:
         where = f"saving checkpoint {step}" if step >= 0 else "finishing the last checkpoint"
+        if storage.is_remote(self._where()) and storage.is_no_answer(e):  # never a disk's advice for a bucket
+            return CheckpointError(self._no_answer_line(step, e, save_deadline_seconds()))
         os_error = _os_error_of(e)
-        if os_error is not None:
+        if os_error is not None and not (storage.is_remote(self._where()) and _is_network(e)):
             fix = "free space on that disk (or fix the mount), then rerun to resume from the last checkpoint"
             return CheckpointError(f"{where} failed, training stopped ({fix}): {os_error}")
         why = _why(e)
@@ -575,6 +628,19 @@ class SaveWatch:
                                    f"to resume from the last checkpoint): {why}")
         return CheckpointError(f"{where} failed, training stopped (rerun to resume from the last checkpoint): "
                                f"{why}")
+
+
+def _bucket_of(where: str) -> str:
+    scheme, bucket, _ = storage.bucket_and_key(where)
+    return f"{scheme}://{bucket}"
+
+
+def _is_network(e: BaseException) -> bool:
+    return not any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in storage._chain(e))
+
+
+def checkpoint_dir_of(manager: ocp.CheckpointManager) -> str:
+    return str(manager.directory).rstrip("/")
 
 
 # tensorstore reports an OS failure inside a ValueError: '... "<file>": Failed writing: ... <strerror>
