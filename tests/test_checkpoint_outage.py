@@ -142,3 +142,34 @@ def test_a_bucket_frozen_for_seconds_during_a_checkpoint_write_is_ridden_out(tmp
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
         server.stop()
+
+
+def test_a_lease_renewal_that_timed_out_but_landed_is_still_this_process_lease(tmp_path, monkeypatch):
+    """A 91 s outage under the 180 s deadline ended the run with "the lease ... was taken over by another
+    process" naming this very process: the renewal sent during the outage was written once the bucket
+    answered again, its reply had timed out, and the next renewal's precondition (the old generation)
+    failed."""
+    from tieflax import lease as lease_module
+
+    path = str(tmp_path / "tieflax.lock")
+    held = lease_module.Lease(path, lease_module.holder_record(command="train"), owner=str(tmp_path),
+                              refuse=lambda holder, age: RuntimeError("held"), heartbeat_seconds=0.05)
+    assert held.acquire()
+    real = storage.compare_and_set
+    calls = []
+
+    def lands_then_times_out(p, data, expected):
+        calls.append(p)
+        if len(calls) == 1:
+            real(p, data, expected)  # written, but the answer never came back
+            raise storage.StorageError(f"cannot write {p}: no answer within 3 s")
+        return real(p, data, expected)
+
+    monkeypatch.setattr(storage, "compare_and_set", lands_then_times_out)
+    t0 = time.monotonic()
+    while len(calls) < 4 and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    assert len(calls) >= 4 and held.lost is None, held.lost
+    monkeypatch.setattr(storage, "compare_and_set", real)
+    held.release()
+    assert not os.path.exists(path)

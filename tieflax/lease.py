@@ -82,6 +82,14 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _mine(self, data: bytes | None) -> bool:
+        try:
+            holder = json.loads(data) if data else None
+        except ValueError:
+            return False
+        mine = json.loads(json.dumps(self.record))
+        return isinstance(holder, dict) and {k: v for k, v in holder.items() if k != "heartbeat"} == mine
+
     def _content(self) -> bytes:
         return json.dumps({**self.record, "heartbeat": time.time()}).encode()
 
@@ -121,7 +129,10 @@ class Lease:
             except storage.StorageError:
                 continue  # a transient failure: the next heartbeat retries well within the lease
             if stamp is None:
-                data, _ = storage.read_with_stamp(self.path)
+                data, now = storage.read_with_stamp(self.path)
+                if self._mine(data):  # a renewal that timed out but landed: the lease is still ours
+                    self.stamp = now
+                    continue
                 self.lost = (f"the lease on {self.owner} was taken over by another process "
                              f"({(data or b'').decode(errors='replace')[:200]}); this command stopped: check "
                              "that only one command writes there")
