@@ -354,7 +354,7 @@ def _check_named(workdir: str, found: _Found, named: dict, by: str) -> None:
             raise _broken(workdir, name, f"is missing ({by} names it in the run's record)")
         if digest(raw) != want:
             why = found.damaged.get(name)
-            what = f"is damaged, {why}" if why else "was edited"
+            what = f"is {why}" if why else "was edited"
             raise _broken(workdir, name, f"{what} (its digest differs from the one {by} names)")
 
 
@@ -373,7 +373,7 @@ def verify_record(workdir: str) -> list[dict]:
     first = restarts[-1] if restarts else 1
     if not restarts:
         if CONFIG_FILE not in found.files:
-            if has_trained(workdir) or storage.exists(layout.path(workdir, layout.INITIAL_PARAMS_DIR)):
+            if _left_steps(workdir):
                 raise _broken(workdir, CONFIG_FILE, "is missing, yet the run has trained (checkpoints or "
                               "metrics): it is not a fresh run")
             if not numbers:
@@ -382,11 +382,11 @@ def verify_record(workdir: str) -> list[dict]:
                                  "into it with --config first, or save_initial_params there)", path)
         for name in (CONFIG_FILE, DATA_RECORD_FILE):
             if name in found.damaged:
-                raise _broken(workdir, name, f"is damaged, {found.damaged[name]}")
+                raise _broken(workdir, name, f"is {found.damaged[name]}")
     for n in range(first, (numbers[-1] if numbers else 0) + 1):
         name = _entry_name(n)
         if name in found.damaged:
-            raise _broken(workdir, name, f"is damaged, {found.damaged[name]}")
+            raise _broken(workdir, name, f"is {found.damaged[name]}")
         if n not in found.entries:
             raise _broken(workdir, name, f"is missing ({CONFIG_HISTORY_DIR}/ holds {numbers[-1]}.json after it)")
     legacy = []
@@ -410,6 +410,16 @@ def verify_record(workdir: str) -> list[dict]:
         log.warning("%s was written before the run's record carried digests (%s): its record is trusted as it "
                     "is; checkpoints saved from now on name it", where, ", ".join(legacy))
     return [found.entries[n] for n in range(first, (numbers[-1] if numbers else 0) + 1)]
+
+
+def _left_steps(workdir: str) -> bool:
+    """True when training left something behind: a checkpoint step, a metrics segment or file, initial
+    parameters (an empty checkpoints/ folder, made before a first run failed, is not a trained run)."""
+    if any(n.rstrip("/").isdigit() for n in storage.listdir(layout.path(workdir, CHECKPOINT_DIR))):
+        return True
+    if storage.listdir(layout.path(workdir, METRICS_DIR)) or storage.is_file(layout.path(workdir, LEGACY_METRICS_FILE)):
+        return True
+    return storage.exists(layout.path(workdir, layout.INITIAL_PARAMS_DIR))
 
 
 def in_force(workdir: str) -> dict:
