@@ -291,6 +291,8 @@ def _argparse_error(capsys, argv) -> str:
     (["convert", "--to-hf", "--workdir", "w", "--out", "o", "--max-shard-gb", "0"], "--max-shard-gb: 0 must be"),
     (["convert", "--to-hf", "--workdir", "w", "--out", "o", "--max-shard-gb", "-1"], "--max-shard-gb: -1 must be"),
     (["prepare", "--config", TINY, "--out", ""], "argument --out: is empty"),
+    (["train", "--config", TINY, "--workdir", " "], "argument --workdir: is empty"),  # was: train in the cwd
+    (["convert", "--untie", "--workdir", "w", "--out", ""], "argument --out: is empty"),
 ])
 def test_command_line_values_are_checked_while_parsing(capsys, argv, expected):
     assert expected in _argparse_error(capsys, argv)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import integer
+from tieflax.commands.flags import integer, location
 
 HELP = "embedding diagnostics of a checkpoint"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", required=True, help="a tieflax run folder (with checkpoints/)")
+    parser.add_argument("--workdir", type=location, required=True, help="a tieflax run folder (with checkpoints/)")
     parser.add_argument("--step", type=integer(0), default=None, help="checkpoint step (default: the latest)")
-    parser.add_argument("--out", default=None, help="output folder (default: WORKDIR/analysis)")
+    parser.add_argument("--out", type=location, default=None, help="output folder (default: WORKDIR/analysis)")
     parser.add_argument("--val-batches", type=integer(0), default=2,
                         help="validation batches for the softmax statistics (default: 2)")
     parser.add_argument("--buckets", type=integer(1), default=4, help="frequency buckets, rarest first (default: 4)")

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 
+from tieflax.commands.flags import location
+
 HELP = "the tied-vs-untied study: train the variants and write a report with plots"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/experiments/tie_vs_untie.py",
                         help="experiment config with a `compare` section (default: %(default)s)")
-    parser.add_argument("--workdir", required=True, help="output folder (or gs:// / s3:// prefix): runs, "
+    parser.add_argument("--workdir", type=location, required=True, help="output folder (or gs:// / s3:// prefix): runs, "
                                                          "report.md, PNGs")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite report.md and the plots from WORKDIR/summary.json without training")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import positive_number, refuse_overrides
+from tieflax.commands.flags import location, positive_number, refuse_overrides
 
 HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layouts of checkpoints"
 FULL_DISK_FIX = "free space on that disk, or write to another one (nothing half-written is left)"
@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="tie --workdir's model into --out, keeping this matrix")
     mode.add_argument("--scan-layers", action="store_true", help="stack --workdir's layers (scan_layers) into --out")
     mode.add_argument("--unscan-layers", action="store_true", help="unstack --workdir's layers into --out")
-    parser.add_argument("--workdir", required=True, help="the tieflax workdir to write (--from-hf) or read")
-    parser.add_argument("--out", help="output folder: the HF folder (--to-hf) or the new workdir (surgery)")
+    parser.add_argument("--workdir", type=location, required=True, help="the tieflax workdir to write (--from-hf) or read")
+    parser.add_argument("--out", type=location, help="output folder: the HF folder (--to-hf) or the new workdir (surgery)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="--to-hf: tensor dtype to write (default: the parameters' own)")
     parser.add_argument("--max-shard-gb", type=positive_number, default=5.0, help="--to-hf: shard above this size")

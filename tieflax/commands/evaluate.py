@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import integer, refuse_overrides
+from tieflax.commands.flags import integer, location, refuse_overrides
 
 HELP = "lm-evaluation-harness tasks (MMLU, HellaSwag, local YAMLs) on a run's checkpoint"
 FULL_DISK_FIX = "free space on that disk, or choose another --output"
@@ -23,7 +23,7 @@ ON_INTERRUPT = ("no scores are kept (--output gets lm-eval's files only once eve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", required=True, help="a run folder written by `tieflax train`")
+    parser.add_argument("--workdir", type=location, required=True, help="a run folder written by `tieflax train`")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
     parser.add_argument("--include-path", default=None, help="a folder of extra task YAML files")
     parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import integer, refuse_overrides
+from tieflax.commands.flags import integer, location, refuse_overrides
 
 HELP = "generate text from a checkpoint"
 ON_INTERRUPT = "nothing was written: rerun the same command"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", required=True, help="a run folder written by `tieflax train`")
+    parser.add_argument("--workdir", type=location, required=True, help="a run folder written by `tieflax train`")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from tieflax.commands.flags import location
+
 HELP = "tied vs untied across model sizes: loss-vs-parameters curves and the crossover estimate"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/experiments/tie_scaling.py",
                         help="experiment config with a `sweep` section (default: %(default)s)")
-    parser.add_argument("--workdir", required=True, help="output folder (or gs:// / s3:// prefix): runs, "
+    parser.add_argument("--workdir", type=location, required=True, help="output folder (or gs:// / s3:// prefix): runs, "
                                                          "sweep_report.md, PNGs")
     parser.add_argument("--resume", action="store_true", help="continue a partial sweep in WORKDIR")
     parser.add_argument("--retrain-changed", action="store_true",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import integer
+from tieflax.commands.flags import integer, location
 import os
 
 HELP = "train a model (resumes from the workdir's latest checkpoint)"
@@ -31,7 +31,7 @@ FULL_DISK_FIX = ("free space on that disk, or point --workdir at another one; re
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="experiment config file[:arg], e.g. configs/experiments/tiny.py; "
                                          "default: <workdir>/config.json")
-    parser.add_argument("--workdir", required=True, help="run folder: config, checkpoints, metrics")
+    parser.add_argument("--workdir", type=location, required=True, help="run folder: config, checkpoints, metrics")
     parser.add_argument("--allow-change", action="append", default=[], metavar="FIELD[,FIELD]",
                         help="continue this run with these result fields changed on purpose (e.g. "
                              "train.num_steps, train.learning_rate, data): recorded in config_history/")

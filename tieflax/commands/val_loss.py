@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 
+from tieflax.commands.flags import location
+
 HELP = "validation loss and perplexity of a workdir's latest checkpoint"
 ON_INTERRUPT = "nothing was written: rerun the same command"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", required=True, help="a run folder written by `tieflax train`")
+    parser.add_argument("--workdir", type=location, required=True, help="a run folder written by `tieflax train`")
 
 
 def run(args: argparse.Namespace) -> int:
