@@ -593,6 +593,13 @@ class SaveWatch:
             if self.pending is not None and not self._raise_if_failed(wait=True):
                 return
 
+    def abandon(self) -> None:
+        """After a failure every process agreed on: the pending save is not waited for (on the healthy
+        processes it waits at orbax's commit barrier for the failed one, forever), nor is the manager
+        closed. The process must then exit without joining orbax's save thread (``os._exit``)."""
+        self.pending = None
+        self._abandoned = True
+
     def close(self) -> None:
         """Waits for the last save and closes the manager; a failure is raised after the manager closed."""
         if getattr(self, "_abandoned", False):
