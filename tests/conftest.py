@@ -24,13 +24,49 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # The longest files first: with two workers taking a file at a time (setup.cfg), a long file started last
-# would leave one worker running alone at the end.
-_LONGEST_FILES_FIRST = ("test_train.py", "test_notebooks.py", "test_eval_harness.py", "test_memory_options.py",
-                        "test_multiprocess_train.py", "test_compare_tasks.py", "test_decode.py",
-                        "test_compare.py", "test_model.py", "test_bucket_run.py", "test_scan.py")
+# would leave one worker running alone at the end. Ordered by the seconds each file took in one whole-suite
+# run (`--durations=0`, summed per file, on a loaded machine: relative figures).
+_LONGEST_FILES_FIRST = ("test_train.py", "test_compare.py", "test_multiprocess_train.py", "test_notebooks.py",
+                        "test_storage_deadline.py", "test_train_observers.py", "test_compare_tasks.py",
+                        "test_cross_entropy.py", "test_memory_options.py", "test_convert.py", "test_model.py",
+                        "test_pod_launcher.py", "test_analysis.py", "test_token_store.py", "test_decode.py",
+                        "test_scan.py", "test_eval_harness.py")
+
+# Tiers. `slow` marks what drives the CLI, trains a model, spawns processes (a second Python, a notebook
+# kernel, a test server's launcher) or compiles for a TPU topology; the rest is the fast tier,
+# `python -m pytest -m "not slow"` (the unit tests of kernels, model, data, analysis: under 3 minutes on
+# 2 cores). `python -m pytest` runs both. A file whose every test is slow is named in SLOW_FILES; a slow
+# test in an otherwise fast file is named in SLOW_TESTS (its function name: every parametrisation).
+# tests/test_tiers.py checks that every name here still exists, so a rename cannot move a test silently.
+SLOW_FILES = frozenset({
+    "test_bucket_run.py", "test_clean_output.py", "test_compare.py", "test_compare_tasks.py",
+    "test_convert.py", "test_data_multiprocess.py", "test_eval_harness.py", "test_multiprocess_train.py",
+    "test_notebooks.py", "test_path_layer.py", "test_plan.py", "test_pod_launcher.py",
+    "test_prepare_settings.py", "test_prepare_stops.py", "test_reliability.py", "test_run_identity.py",
+    "test_slurm.py", "test_storage_deadline.py", "test_store_changes.py", "test_token_store.py",
+    "test_train.py", "test_train_observers.py", "test_user_errors.py",
+})
+SLOW_TESTS = {
+    "test_attention.py": ("test_auto_picks_splash_when_compiled_for_a_tpu",),
+    "test_cross_entropy.py": ("test_auto_compiles_the_pallas_kernels_for_a_tpu_with_small_temporaries",
+                              "test_a_replicated_head_is_read_in_place_on_a_tpu",
+                              "test_xla_path_compiled_for_a_tpu_makes_no_bf16_copy_of_an_fp32_head",
+                              "test_dw_is_reduced_block_by_block_on_a_tpu"),
+    "test_flops.py": ("test_a_training_log_carries_tflops_per_device",),
+    "test_memory_options.py": ("test_the_tpu_compiler_keeps_offloaded_layer_inputs_in_host_memory",),
+    "test_params.py": ("test_cli_json",),
+}
+
+
+def is_slow(file_name: str, test_name: str) -> bool:
+    """Whether a test (its file's base name, its function's name without parameters) is in the slow tier."""
+    return file_name in SLOW_FILES or test_name in SLOW_TESTS.get(file_name, ())
 
 
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if is_slow(item.path.name, getattr(item, "originalname", item.name)):
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(_LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 

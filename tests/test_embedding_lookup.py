@@ -1,9 +1,12 @@
-"""tieflax.ops.embedding_lookup.vocab_parallel_embed: values and table gradients against NumPy, 1-8 devices."""
+"""tieflax.ops.embedding_lookup.vocab_parallel_embed: values and table gradients against NumPy, 1-8 devices,
+with and without jit (chex variants)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from tieflax.ops.embedding_lookup import vocab_parallel_embed
 from tieflax.sharding import make_mesh
@@ -25,21 +28,25 @@ def _data():
     return table, ids, cot
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_matches_take_and_scatter_add(mesh_name):
-    shape = MESHES[mesh_name]
-    mesh = None if shape is None else make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
-    table, ids, cot = _data()
+class VocabParallelEmbedTest(chex.TestCase):
+    """chex variants: the lookup and its gradient, traced under jit and run op by op, on every mesh."""
 
-    def f(tab, ids):
-        out = vocab_parallel_embed(tab, ids, mesh=mesh)
-        return jnp.sum(out * cot), out
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*MESHES.items())
+    def test_matches_take_and_scatter_add(self, shape):
+        mesh = None if shape is None else make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+        table, ids, cot = _data()
 
-    (_, out), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(table, ids)
-    np.testing.assert_array_equal(np.asarray(out), table[ids])  # a lookup is exact: no tolerance
-    want = np.zeros((V_PAD, D), np.float64)
-    np.add.at(want, ids.reshape(-1), cot.reshape(-1, D).astype(np.float64))
-    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-6, atol=1e-6)
+        def f(tab, ids):
+            out = vocab_parallel_embed(tab, ids, mesh=mesh)
+            return jnp.sum(out * cot), out
+
+        (_, out), grad = self.variant(jax.value_and_grad(f, has_aux=True))(table, ids)
+        chex.assert_shape(out, (B, T, D))
+        chex.assert_trees_all_equal(out, table[ids])  # a lookup is exact: no tolerance
+        want = np.zeros((V_PAD, D), np.float64)
+        np.add.at(want, ids.reshape(-1), cot.reshape(-1, D).astype(np.float64))
+        chex.assert_trees_all_close(grad, want, rtol=1e-6, atol=1e-6)
 
 
 def test_bf16_table_keeps_dtype():

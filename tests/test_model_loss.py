@@ -1,10 +1,13 @@
-"""The model's fused loss path: tied and untied share it, and it equals the dense loss from logits."""
+"""The model's fused loss path: tied and untied share it, and it equals the dense loss from logits, with and
+without jit (chex variants)."""
 
+import functools
+
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
+from absl.testing import parameterized
 
 from tieflax.model import ModelConfig, TransformerLM
 from tieflax.model.surgery import untie
@@ -35,27 +38,31 @@ def fused_loss(c, params, mesh=None):
     return loss.sum(), aux
 
 
-@pytest.fixture(scope="module")
+@functools.cache
 def tied_params():
     params = nn.unbox(TransformerLM(config(True)).init(jax.random.key(0), TOKENS))["params"]
     params["head_bias"] = 0.1 * jax.random.normal(jax.random.key(2), params["head_bias"].shape)
     return params
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 1, 4)])
-@pytest.mark.parametrize("tied", [True, False])
-def test_fused_loss_equals_dense_loss(tied_params, tied, mesh_shape):
-    c = config(tied)
-    params = tied_params if tied else untie(tied_params)
-    mesh = make_mesh(*mesh_shape) if mesh_shape else None
-    want, want_grads = jax.value_and_grad(dense_loss, argnums=1)(c, params)
-    (got, aux), grads = jax.jit(jax.value_and_grad(fused_loss, argnums=1, has_aux=True),
-                                static_argnums=(0, 2))(c, params, mesh)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert int(aux["invalid_label_count"]) == 0
-    flat_want, flat_got = jax.tree.leaves(want_grads), jax.tree.leaves(grads)
-    for w, g in zip(flat_want, flat_got):
-        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)
-    # Padded vocabulary rows get no gradient, whichever matrix they belong to.
-    for name in ("embed",) + (() if tied else ("lm_head",)):
-        assert float(jnp.abs(grads[name]["embedding"][V:]).max()) == 0.0
+class FusedLossTest(chex.TestCase):
+    """chex variants: the fused loss and its gradients, traced under jit and run op by op."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("tied_1dev", True, None), ("tied_2x1x4", True, (2, 1, 4)),
+                                    ("untied_1dev", False, None), ("untied_2x1x4", False, (2, 1, 4)))
+    def test_fused_loss_equals_dense_loss(self, tied, mesh_shape):
+        c = config(tied)
+        params = tied_params() if tied else untie(tied_params())
+        mesh = make_mesh(*mesh_shape) if mesh_shape else None
+        want, want_grads = jax.value_and_grad(dense_loss, argnums=1)(c, params)
+        (got, aux), grads = self.variant(jax.value_and_grad(fused_loss, argnums=1, has_aux=True),
+                                         static_argnums=(0, 2))(c, params, mesh)
+        chex.assert_shape(got, ())
+        chex.assert_trees_all_close(got, want, rtol=1e-5)
+        assert int(aux["invalid_label_count"]) == 0
+        chex.assert_trees_all_equal_structs(grads, want_grads)
+        chex.assert_trees_all_close(grads, want_grads, rtol=2e-4, atol=2e-6)
+        # Padded vocabulary rows get no gradient, whichever matrix they belong to.
+        for name in ("embed",) + (() if tied else ("lm_head",)):
+            assert float(jnp.abs(grads[name]["embedding"][V:]).max()) == 0.0
