@@ -248,7 +248,9 @@ def test_residual_stream_runs_from_the_embedding_to_before_the_final_norm(family
     scanned = config.replace(scan_layers=True)  # gemma2: 2 steps of a (local, global) pair
     xs_scanned = TransformerLM(scanned).apply({"params": stack_layers(params, scanned)}, TOKENS,
                                               method="residual_stream")
-    np.testing.assert_allclose(xs_scanned, xs, atol=2e-6, rtol=0)
+    # Scanned and unrolled layers may reassociate fp32 sums, an error of a few ulps of the stream's values
+    # (large after Gemma's sqrt(d) input scale), so the bound is relative as well as absolute.
+    np.testing.assert_allclose(xs_scanned, xs, atol=2e-6, rtol=1e-6)
 
 
 def test_surgery_roundtrip():
