@@ -36,6 +36,23 @@ COMMANDS = {
 # Old name -> new name: the old one still works for a release and says the new one on stderr.
 RENAMED = {"eval": "val-loss"}
 DEBUG_HELP = "show the full traceback of a failure (also: TIEFLAX_DEBUG=1)"
+# One example of the --config.FIELD=VALUE overrides per command that takes them (shown by its --help); the
+# others read a run's own config.json and say so.
+OVERRIDE_EXAMPLES = {
+    "params": "--config.model.tie_embeddings=False", "train": "--config.train.num_steps=100",
+    "eval": "--config.train.eval_batches=4", "val-loss": "--config.train.eval_batches=4",
+    "compare": "--config.train.num_steps=100", "sweep": "--config.train.num_steps=50",
+    "convert": "--config.train.learning_rate=3e-4", "plan": "--config.train.seq_len=8192",
+    "prepare": "--config.data.tokenizer.vocab_size=16384",
+}
+
+
+def overrides_help(command: str) -> str:
+    """The epilog of ``command``'s --help: how it takes config overrides, with one example."""
+    example = OVERRIDE_EXAMPLES.get(command)
+    if example is None:
+        return "--config.FIELD=VALUE overrides do not apply: this command reads the run's own config.json."
+    return f"Set any config field with --config.FIELD=VALUE (as many as needed), e.g. {example}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         aliases = [old for old, new in RENAMED.items() if new == name]
         command_parser = sub.add_parser(name, aliases=aliases, help=module.HELP,   # HELP: once, there
-                                        description=module.HELP)
+                                        description=module.HELP, epilog=overrides_help(name))
         command_parser.set_defaults(_module=module_name)
         command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         module.add_arguments(command_parser)
