@@ -30,6 +30,10 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert "valid_vocab" in (tmp_path / "site" / "api" / "loss" / "index.html").read_text()
 
 
+def test_the_top_level_help_says_how_config_fields_are_set():
+    assert "--config.FIELD=VALUE" in build_parser().format_help()
+
+
 def _subparsers(parser):
     (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
     return sub.choices

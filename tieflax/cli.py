@@ -56,7 +56,10 @@ def overrides_help(command: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tieflax", description="Tied vs untied embeddings in JAX/Flax LMs.")
+    parser = argparse.ArgumentParser(
+        prog="tieflax", description="Tied vs untied embeddings in JAX/Flax LMs.",
+        epilog="Config fields are set after a command with --config.FIELD=VALUE, e.g. tieflax train --config "
+               "configs/experiments/tiny.py --workdir runs/tiny --config.train.num_steps=100")
     parser.add_argument("--debug", action="store_true", default=False, help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
