@@ -40,7 +40,7 @@ DEBUG_HELP = "show the full traceback of a failure (also: TIEFLAX_DEBUG=1)"
 # others read a run's own config.json and say so.
 OVERRIDE_EXAMPLES = {
     "params": "--config.model.tie_embeddings=False", "train": "--config.train.num_steps=100",
-    "eval": "--config.train.eval_batches=4", "val-loss": "--config.train.eval_batches=4",
+    "val-loss": "--config.train.eval_batches=4",
     "compare": "--config.train.num_steps=100", "sweep": "--config.train.num_steps=50",
     "convert": "--config.train.learning_rate=3e-4", "plan": "--config.train.seq_len=8192",
     "prepare": "--config.data.tokenizer.vocab_size=16384",
