@@ -19,7 +19,7 @@ import time
 from tieflax import lease, storage
 from tieflax.run.layout import LOCK_FILE, WorkdirError, check_location
 
-__all__ = ["Held", "WorkdirError", "workdir_lock", "workdir_lock_single"]
+__all__ = ["Held", "WorkdirError", "hold", "workdir_lock", "workdir_lock_single"]
 
 
 def _read_lock(path: str) -> dict | None:
@@ -54,10 +54,18 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
     a multi-process job): process 0 takes the lock for the job, and in a multi-process job its decision
     reaches every process (all raise the same WorkdirError, or all go on).
     """
-    import jax  # noqa: PLC0415
-
     workdir = storage.resolve(workdir)
     check_location(workdir)  # before any work: a file, or a store orbax cannot write to, is refused
+    with hold(workdir, command, enabled=enabled) as held:
+        yield held
+
+
+@contextlib.contextmanager
+def hold(workdir: str, command: str, *, enabled: bool = True):
+    """``workdir_lock`` for a workdir already resolved and checked (``tieflax.run.run.Run.open`` does
+    both once)."""
+    import jax  # noqa: PLC0415
+
     if jax.process_count() > 1:
         with _agreed_lock(workdir, command, enabled) as held:
             yield held
@@ -99,13 +107,13 @@ def workdir_lock_single(workdir: str, command: str):
 
 @contextlib.contextmanager
 def _local_lock_held(workdir: str, command: str):
+    check_location(workdir)
     with _local_lock(workdir, command):
         yield Held()
 
 
 @contextlib.contextmanager
 def _local_lock(workdir: str, command: str):
-    check_location(workdir)
     created = not os.path.exists(workdir)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, LOCK_FILE)

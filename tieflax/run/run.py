@@ -1,0 +1,152 @@
+"""The Run: a run directory opened once, for writing.
+
+    with Run.open(workdir, config, allow_change=("train.num_steps",)) as run:
+        run.adopt_data(prepared.info, tokenizer_json)   # the data it trains on, checked and recorded
+        run.open_checkpoints()                          # run.manager, run.saves
+        ...restore, run.record(start)...
+        run.open_writers(start)                         # run.console, run.writer (trackers), run.profiler
+        ...train...
+    # closed in order on every exit path: profiler, console, metric writer, saves, then the lease
+
+``Run.open`` resolves the workdir once (``run.path``: the canonical local path or URL every writer is
+given), refuses a config that does not validate, an interrupted import and a location that cannot hold a
+run, takes the lease (``tieflax.run.lock``) and checks the run's identity (``tieflax.run.identity``)
+before anything is written. The loop and the commands take the Run, never the string.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Iterator, Sequence
+
+import ml_collections
+
+from tieflax import storage
+from tieflax.config import validate_config
+from tieflax.run import checkpoints as ckpt
+from tieflax.run import identity
+from tieflax.run.console import Console
+from tieflax.run.destinations import check_no_partial_import
+from tieflax.run.layout import TOKENIZER_FILE, check_location
+from tieflax.run.lock import Held, hold
+from tieflax.run.metrics import MetricWriter, read_metrics
+from tieflax.run.profiler import ProfileWindow
+from tieflax.run.trackers import check_installed, open_trackers
+
+
+class Run:
+    """One run directory held for writing. Open with ``Run.open``; attributes appear as their part opens:
+
+    ``path``      the resolved workdir (local path or ``gs://`` URL)
+    ``config``    the config it trains with; ``resume`` what the identity check found
+    ``held``      the lease (``held.check()`` raises once another process took it over)
+    ``manager``, ``saves``              after ``open_checkpoints``
+    ``console``, ``writer``, ``profiler``  after ``open_writers``
+    """
+
+    def __init__(self, path: str, config: ml_collections.ConfigDict, held: Held, resume: identity.Resume,
+                 *, is_main: bool):
+        self.path, self.config, self.held, self.resume, self.is_main = path, config, held, resume, is_main
+        self.data: dict | None = None
+        self.manager = self.saves = None
+        self.console: Console | None = None
+        self.writer: MetricWriter | None = None
+        self.profiler: ProfileWindow | None = None
+        self.step = 0  # the last step trained; the profiler's window closes there
+        self._also: list[Callable[[], Any]] = []
+        self._closed = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, workdir: str, config: ml_collections.ConfigDict, *, allow_change: Sequence[str] = (),
+             command: str = "train") -> Iterator["Run"]:
+        """Opens ``workdir`` for ``command``; closes everything it opened on the way out, in order."""
+        import jax  # noqa: PLC0415
+
+        path = storage.resolve(workdir)  # a malformed URL is refused here, before any work
+        validate_config(config)
+        check_no_partial_import(path)
+        check_location(path)  # a file, or a store orbax cannot write to, is refused
+        is_main = jax.process_index() == 0
+        with hold(path, command, enabled=is_main) as held:
+            check_installed(config.train.trackers)  # a missing tracker fails before any work, on every process
+            resume = identity.check_resume(path, config, allow_change=tuple(allow_change), command=command)
+            run = cls(path, config, held, resume, is_main=is_main)
+            try:
+                yield run
+            finally:
+                run.close()
+
+    # ------------------------------------------------------------------------------------ identity
+    def say(self, line: str) -> None:
+        """One event line on process 0 (through the console once it is open)."""
+        if self.console is not None:
+            self.console.event(line)
+        elif self.is_main:
+            print(f"tieflax: {line}", flush=True)
+
+    def adopt_data(self, info: dict, tokenizer_json: str | None) -> None:
+        """Checks the data against the run's record (``identity.check_data``) and keeps the tokenizer the
+        ids come from beside the run."""
+        self.data = identity.data_record(info, tokenizer_json)
+        identity.check_data(self.path, self.data, self.resume)
+        tokenizer_path = storage.join(self.path, TOKENIZER_FILE)
+        if self.is_main and tokenizer_json is not None and not storage.is_file(tokenizer_path):
+            storage.write_text(tokenizer_path, tokenizer_json)
+
+    def record(self, start: int) -> None:
+        """config.json once; a change made on purpose as a numbered config-history entry from ``start``."""
+        identity.record(self.path, self.config, self.data, self.resume, start)
+        if self.resume.changed and not self.resume.before_first_step:
+            self.say(f"changed on purpose from step {start} on ({identity.CONFIG_HISTORY_DIR}/): "
+                     + "; ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in self.resume.changed.items()))
+
+    # ------------------------------------------------------------------------------ what it owns
+    def open_checkpoints(self) -> None:
+        """The checkpoint manager over ``checkpoints/`` and the watch over its background saves."""
+        self.manager = ckpt.make_manager(self.path, keep=self.config.train.keep_checkpoints)
+        self.saves = ckpt.SaveWatch(self.manager)
+
+    def open_writers(self, start: int) -> None:
+        """The console (its bar from ``start``), the metric writer with its trackers, the profiler."""
+        t = self.config.train
+        self.step = start
+        self.console = Console(t.console, t.num_steps, start, enabled=self.is_main)
+        trackers = open_trackers(t.trackers, self.path, self.config, enabled=self.is_main, say=self.say)
+        self.writer = MetricWriter(self.path, enabled=self.is_main, trackers=trackers)
+        self.profiler = ProfileWindow(t.profile_steps, self.path, enabled=self.is_main, say=self.say)
+        if self.is_main and start == 0:
+            self.writer.write_text("config", "```\n" + self.config.to_json_best_effort(indent=2) + "\n```")
+
+    def logged_train_rows(self) -> list[dict]:
+        """The train rows logged before this session (a resume's last interval may span the restart):
+        read once, before this session writes any."""
+        try:
+            return read_metrics(self.path, "train")
+        except FileNotFoundError:
+            return []
+
+    def also_close(self, closer: Callable[[], Any]) -> None:
+        """Something the caller opened (a signal handler) closed after the Run's own parts."""
+        self._also.append(closer)
+
+    def close(self) -> None:
+        """Closes what is open, in order: the profiler's window (at ``step``), the console, the metric
+        writer (its last segment, the trackers), the saves (waits for the last one and raises its error),
+        then what ``also_close`` added. Every part is closed; the first failure is raised unless an
+        exception is already on its way (a full disk also fails the metrics' close: the failed save is
+        the error to report). Once: the parts stay readable after it (the console still prints)."""
+        if self._closed:
+            return
+        self._closed = True
+        parts = [self.profiler and (lambda: self.profiler.close(self.step)), self.console and self.console.close,
+                 self.writer and self.writer.close, self.saves and self.saves.close, *self._also]
+        first = None
+        for close in filter(None, parts):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001
+                first = first or e
+        if first is not None and sys.exc_info()[1] is None:
+            raise first
