@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     import jax  # noqa: PLC0415
 
     from tieflax.strict_json import dumps as strict_json  # noqa: PLC0415
-    from tieflax.train import train_and_evaluate  # noqa: PLC0415
+    from tieflax.run.run import Run  # noqa: PLC0415
+    from tieflax.train import train_run  # noqa: PLC0415
 
     from tieflax.errors import Interrupted  # noqa: PLC0415
     from tieflax.train import ProcessesStopped  # noqa: PLC0415
@@ -101,9 +102,10 @@ def run(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, args.workdir, args.overrides)
     if args.quiet:
         config.train.console = "quiet"
+    allow = tuple(f.strip() for item in args.allow_change for f in item.split(",") if f.strip())
     try:
-        allow = tuple(f.strip() for item in args.allow_change for f in item.split(",") if f.strip())
-        result = train_and_evaluate(config, args.workdir, allow_change=allow)
+        with Run.open(args.workdir, config, allow_change=allow) as run:
+            result = train_run(run)
     except Interrupted as e:
         if getattr(e, "at_step", None) is None:
             raise

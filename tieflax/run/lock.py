@@ -69,16 +69,11 @@ def hold(workdir: str, command: str, *, enabled: bool = True):
     if jax.process_count() > 1:
         with _agreed_lock(workdir, command, enabled) as held:
             yield held
-        return
-    if not enabled:
+    elif not enabled:
         yield Held()
-        return
-    if storage.is_remote(workdir):
-        with _remote_lock(workdir, command) as held:
+    else:
+        with _take(workdir, command) as held:
             yield held
-        return
-    with _local_lock(workdir, command):
-        yield Held()
 
 
 @contextlib.contextmanager
@@ -91,7 +86,7 @@ def _agreed_lock(workdir: str, command: str, enabled: bool):
         held = Held()
         if enabled:
             try:
-                held = stack.enter_context(workdir_lock_single(workdir, command))
+                held = stack.enter_context(_take(workdir, command))
             except WorkdirError as e:
                 error = str(e)
         error = distributed.first_failure(error, "workdir-lock")
@@ -102,12 +97,18 @@ def _agreed_lock(workdir: str, command: str, enabled: bool):
 
 def workdir_lock_single(workdir: str, command: str):
     """The lock as one process takes it (no agreement with other processes)."""
+    if not storage.is_remote(workdir):
+        check_location(workdir)  # a file is refused (a remote destination here need not hold checkpoints)
+    return _take(workdir, command)
+
+
+def _take(workdir: str, command: str):
+    """The lock of a resolved, checked workdir: a lease object on gs:// and s3://, else a lock file."""
     return _remote_lock(workdir, command) if storage.is_remote(workdir) else _local_lock_held(workdir, command)
 
 
 @contextlib.contextmanager
 def _local_lock_held(workdir: str, command: str):
-    check_location(workdir)
     with _local_lock(workdir, command):
         yield Held()
 

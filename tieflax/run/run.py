@@ -64,15 +64,15 @@ class Run:
         """Opens ``workdir`` for ``command``; closes everything it opened on the way out, in order."""
         import jax  # noqa: PLC0415
 
-        path = storage.resolve(workdir)  # a malformed URL is refused here, before any work
+        workdir = storage.resolve(workdir)  # a malformed URL is refused here, before any work
         validate_config(config)
-        check_no_partial_import(path)
-        check_location(path)  # a file, or a store orbax cannot write to, is refused
+        check_no_partial_import(workdir)
+        check_location(workdir)  # a file, or a store orbax cannot write to, is refused
         is_main = jax.process_index() == 0
-        with hold(path, command, enabled=is_main) as held:
+        with hold(workdir, command, enabled=is_main) as held:
             check_installed(config.train.trackers)  # a missing tracker fails before any work, on every process
-            resume = identity.check_resume(path, config, allow_change=tuple(allow_change), command=command)
-            run = cls(path, config, held, resume, is_main=is_main)
+            resume = identity.check_resume(workdir, config, allow_change=tuple(allow_change), command=command)
+            run = cls(workdir, config, held, resume, is_main=is_main)
             try:
                 yield run
             finally:

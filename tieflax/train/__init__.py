@@ -13,11 +13,13 @@ The same code runs one CPU process or a pod: parameters, optimizer state and bat
 ``(data, fsdp, tensor)`` mesh by the logical-axis rules of ``tieflax.sharding``.
 
 Rooms: ``step`` (``build``, ``make_train_step``, ``make_eval_step``, the loss options, the mesh check),
-``loop`` (``train_and_evaluate``), ``validation`` (``run_eval``, ``evaluate_run``, the final interval's
-loss), ``stop`` (signals, every process stopping at the same step, saves settling, closing on the way out).
+``loop`` (``train_and_evaluate``; ``train_run`` walks a ``tieflax.run.run.Run`` opened by the caller),
+``hooks`` (logging, checkpoints, diagnostics, evaluation, lm-eval tasks, profiler around each step),
+``validation`` (``run_eval``, ``evaluate_run``, the final interval's loss), ``stop`` (signals, every
+process stopping at the same step, saves settling).
 """
 
-from tieflax.train.loop import train_and_evaluate
+from tieflax.train.loop import train_and_evaluate, train_run
 from tieflax.train.step import (BATCH_KEYS, Setup, TrainingError, build, check_fits_mesh, loss_options,
                                 make_eval_step, make_train_step, setup_mesh)
 from tieflax.train.stop import ProcessesStopped
@@ -27,4 +29,4 @@ evaluate = evaluate_run  # the name before train/ (a run's validation loss; lm-e
 
 __all__ = ["BATCH_KEYS", "ProcessesStopped", "Setup", "TrainingError", "build", "check_fits_mesh", "evaluate",
            "evaluate_run", "final_interval_loss", "loss_options", "make_eval_step", "make_train_step", "perplexity",
-           "run_eval", "setup_mesh", "train_and_evaluate"]
+           "run_eval", "setup_mesh", "train_and_evaluate", "train_run"]

@@ -129,6 +129,18 @@ def loss_options(c: ml_collections.ConfigDict, *, train: bool) -> dict:
                 token_block=c.loss_token_block or None, vocab_block=c.loss_vocab_block or None)
 
 
+def _embedding_gradients(grads, tied: bool, input_grad_scale: float) -> tuple[Any, dict]:
+    """The gradient the optimizer sees (tied: the lookup and head parts folded into one ``[V_pad, d]``
+    matrix, ``tieflax.model.tie``) and the embedding gradient norms the loop logs."""
+    if not tied:
+        return grads, {"grad_norm/embed_in": optax.tree.norm(grads["embed"]["embedding"]),
+                       "grad_norm/head_out": optax.tree.norm(grads["lm_head"]["embedding"])}
+    grads, parts = fold_tied_gradient(grads, input_grad_scale=input_grad_scale)
+    return grads, {"grad_norm/embed_lookup": optax.tree.norm(parts["lookup"]),  # the scaled path
+                   "grad_norm/embed_head": optax.tree.norm(parts["head"]),
+                   "grad_norm/embed": optax.tree.norm(grads["embed"]["embedding"])}
+
+
 def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
     """(state, batch) -> (state, metrics); jitted with shardings, the state donated.
 
@@ -180,16 +192,7 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
                      jax.tree.map(jnp.zeros_like, gparams))
             (loss, stats, grads), _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
 
-        metrics = {}
-        if tied:
-            grads, parts = fold_tied_gradient(grads, input_grad_scale=c.get("tied_input_grad_scale", 1.0))
-            g_lookup, g_head = parts["lookup"], parts["head"]  # grad_norm/embed_lookup: the scaled path
-            metrics["grad_norm/embed_lookup"] = optax.tree.norm(g_lookup)
-            metrics["grad_norm/embed_head"] = optax.tree.norm(g_head)
-            metrics["grad_norm/embed"] = optax.tree.norm(grads["embed"]["embedding"])
-        else:
-            metrics["grad_norm/embed_in"] = optax.tree.norm(grads["embed"]["embedding"])
-            metrics["grad_norm/head_out"] = optax.tree.norm(grads["lm_head"]["embedding"])
+        grads, metrics = _embedding_gradients(grads, tied, c.get("tied_input_grad_scale", 1.0))
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = s.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)

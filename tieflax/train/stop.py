@@ -1,5 +1,5 @@
 """Stopping: signals (SIGTERM, Ctrl-C), every process stopping at the same step, saves settling on every
-process, and closing every resource on the way out."""
+process. (Closing every resource on the way out is the Run's: ``tieflax.run.run.Run.close``.)"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -98,14 +98,3 @@ def raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
         saves.abandon()
         raise ProcessesStopped(message) from error
 
-
-def close_all(*closers: Callable[[], Any]) -> None:
-    """Calls every closer; raises the first failure, unless an exception is already propagating."""
-    first = None
-    for close in closers:
-        try:
-            close()
-        except Exception as e:  # noqa: BLE001
-            first = first or e
-    if first is not None and sys.exc_info()[1] is None:
-        raise first
