@@ -71,8 +71,9 @@ class WorkdirError(UserError, RuntimeError):
     """The workdir cannot be used as asked; the message names it and what to do."""
 
 
-def check_location(workdir: str) -> None:
-    """Refuses, before any work, a workdir that is a file or that cannot hold checkpoints.
+def check_location(workdir: str) -> str:
+    """The workdir resolved (``storage.resolve``); refuses, before any work, one that is a file or that
+    cannot hold checkpoints.
 
     orbax-checkpoint (0.12.8, the newest release) sends checkpoint arrays to TensorStore's gcs driver for
     ``gs://`` and its file driver for everything else: ``s3://b/run`` becomes the relative path
@@ -87,6 +88,7 @@ def check_location(workdir: str) -> None:
                 "may stay on s3://)")
     elif storage.exists(workdir) and not storage.is_dir(workdir):
         raise WorkdirError(f"--workdir {workdir} is a file, not a folder: choose another path")
+    return workdir
 
 
 def path(workdir: str, *names: str) -> str:

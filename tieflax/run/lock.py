@@ -54,8 +54,7 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
     a multi-process job): process 0 takes the lock for the job, and in a multi-process job its decision
     reaches every process (all raise the same WorkdirError, or all go on).
     """
-    workdir = storage.resolve(workdir)
-    check_location(workdir)  # before any work: a file, or a store orbax cannot write to, is refused
+    workdir = check_location(workdir)  # before any work: a file, or a store orbax cannot write to, is refused
     with hold(workdir, command, enabled=enabled) as held:
         yield held
 

@@ -36,7 +36,8 @@ class MetricsFileError(UserError, ValueError):
 class MetricWriter:
     """Buffers rows and writes them as one new segment per ``flush`` (each log period), plus the trackers.
 
-    ``enabled=False`` (every process but 0) makes every method a no-op. ``path`` is the segment folder.
+    ``workdir``: the run's resolved path (``Run.path``). ``enabled=False`` (every process but 0) makes
+    every method a no-op. ``path`` is the segment folder.
     ``trackers``: opened trackers (``tieflax.run.trackers.open_trackers``); None = TensorBoard alone when
     ``tensorboard`` (the writer closes them).
     """
@@ -44,7 +45,7 @@ class MetricWriter:
     def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
                  trackers: Optional[Sequence] = None):
         self.enabled = enabled
-        self.workdir = storage.resolve(workdir)
+        self.workdir = workdir
         self.path = layout.path(self.workdir, METRICS_DIR)
         self._session = f"{time.time_ns():020d}"
         self._seq = 0

@@ -32,7 +32,7 @@ class ProfileWindow:
     def __init__(self, window: Sequence[int], workdir: str, *, enabled: bool = True,
                  say: Callable[[str], None] = lambda line: None):
         self.start, self.stop = (int(window[0]), int(window[1])) if enabled and len(window) == 2 else (0, -1)
-        self.workdir = storage.resolve(workdir)
+        self.workdir = workdir  # the run's resolved path (``Run.path``)
         self.say = say
         self._local = None
         self._first = None

@@ -66,9 +66,10 @@ class TensorBoard:
     """tensorboardX event files in ``<workdir>/tensorboard/`` (on a bucket: copied whole at each flush)."""
 
     def __init__(self, workdir: str):
+        """``workdir``: the run's resolved path (``Run.path``)."""
         from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional at import time)
 
-        self.workdir = storage.resolve(workdir)
+        self.workdir = workdir
         self._local = None
         tb_dir = storage.join(self.workdir, TENSORBOARD_DIR)
         if storage.is_remote(tb_dir):  # written here, copied whole to the bucket at each flush
@@ -118,7 +119,7 @@ class WandB:
         except ImportError:
             raise TrackerError("config.train.trackers names 'wandb' but the wandb package is not installed: "
                                "pip install -e '.[wandb]' (or drop 'wandb' from config.train.trackers)") from None
-        self.workdir = storage.resolve(workdir)
+        self.workdir = workdir  # the run's resolved path (``Run.path``)
         t = config.train
         record_path = layout.path(self.workdir, WANDB_RUN_FILE)
         saved = json.loads(storage.read_text(record_path)) if storage.is_file(record_path) else None
