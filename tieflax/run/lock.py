@@ -178,8 +178,9 @@ def _in_use(workdir: str, holder: dict) -> str:
 
 @contextlib.contextmanager
 def _remote_lock(workdir: str, command: str):
+    me, refuse = _me(command), _refuse_lease(workdir)
     storage.check_writable(workdir)
-    held = lease.Lease(storage.join(workdir, LOCK_FILE), _me(command), owner=workdir, refuse=_refuse_lease(workdir))
+    held = lease.Lease(storage.join(workdir, LOCK_FILE), me, owner=workdir, refuse=refuse)
     owned = held.acquire()
     try:
         yield Held(held if owned else None)

@@ -64,10 +64,10 @@ class Run:
         """Opens ``workdir`` for ``command``; closes everything it opened on the way out, in order."""
         import jax  # noqa: PLC0415
 
-        workdir = storage.resolve(workdir)  # a malformed URL is refused here, before any work
+        # Resolved once (a malformed URL is refused here); a file, or a store orbax cannot write to, too.
+        workdir = check_location(workdir)
         validate_config(config)
         check_no_partial_import(workdir)
-        check_location(workdir)  # a file, or a store orbax cannot write to, is refused
         is_main = jax.process_index() == 0
         with hold(workdir, command, enabled=is_main) as held:
             check_installed(config.train.trackers)  # a missing tracker fails before any work, on every process
