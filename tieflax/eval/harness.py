@@ -112,10 +112,11 @@ class TieflaxLM(TemplateLM):
         from tieflax.run.checkpoints import load_latest_params  # noqa: PLC0415
         from tieflax.config import model_config  # noqa: PLC0415
         from tieflax.data.tokenizer import TOKENIZER_FILE, bos_id_of, eos_id_of, load_tokenizer  # noqa: PLC0415
+        from tieflax.run import layout  # noqa: PLC0415
 
         config, params, _ = load_latest_params(workdir, step)
         mc = model_config(config)
-        path = storage.join(storage.resolve(workdir), TOKENIZER_FILE)
+        path = layout.path(workdir, TOKENIZER_FILE)  # the run layer names what a run directory holds
         if not storage.is_file(path):
             raise EvalError(f"{workdir!r} has no {TOKENIZER_FILE}: evaluation needs the run's tokenizer "
                             "(runs on pre-tokenised data have none; copy the tokenizer that made them there)")
