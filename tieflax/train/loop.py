@@ -80,8 +80,9 @@ def train_run(run: Run) -> dict[str, Any]:
         run.record(progress.start)
         earlier = run.logged_train_rows()  # before this session writes: its last interval may span a restart
         run.open_writers(progress.start)
-        hooks = make_hooks(run, loader=loader, prepared=prepared, evaluate=evaluate, tasks=_tasks(run, mc, prepared, mesh),
-                           vocab_size=mc.vocab_size, step_flops=flops.step_flops(mc, t.global_batch_size, t.seq_len).train)
+        step_flops = flops.step_flops(mc, t.global_batch_size, t.seq_len).train
+        hooks = make_hooks(run, loader=loader, prepared=prepared, evaluate=evaluate, vocab_size=mc.vocab_size,
+                           tasks=_tasks(run, mc, prepared, mesh), step_flops=step_flops)
         _walk(run, hooks, progress, make_train_step(config, s), loader, mesh)
         val = hooks.find(Evaluation).val
         if val is None and not progress.preempted:
