@@ -23,13 +23,14 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from tieflax import flops, storage
+from tieflax import storage
+from tieflax.hardware import flops
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.console import device_memory
 from tieflax.run.run import Run
 from tieflax.train.step import TrainingError
 from tieflax.train.stop import raise_if_any_failed, settle_saves
-from tieflax.train.validation import perplexity, run_eval
+from tieflax.train.validation import perplexity
 
 log = logging.getLogger(__name__)
 
