@@ -71,7 +71,9 @@ class Run:
         is_main = jax.process_index() == 0
         with hold(workdir, command, enabled=is_main) as held:
             check_installed(config.train.trackers)  # a missing tracker fails before any work, on every process
-            resume = identity.check_resume(workdir, config, allow_change=tuple(allow_change), command=command)
+            # data_next: refused settings are named together with a change of data by ``adopt_data``
+            resume = identity.check_resume(workdir, config, allow_change=tuple(allow_change), command=command,
+                                           data_next=True)
             run = cls(workdir, config, held, resume, is_main=is_main)
             try:
                 yield run
@@ -105,6 +107,8 @@ class Run:
     # ------------------------------------------------------------------------------ what it owns
     def open_checkpoints(self) -> None:
         """The checkpoint manager over ``checkpoints/`` and the watch over its background saves."""
+        if self.resume.refused and self.data is None:  # held back for adopt_data, which was not called
+            raise identity.RunChanged(self.resume.refused)
         self.manager = ckpt.make_manager(self.path, keep=self.config.train.keep_checkpoints)
         self.saves = ckpt.SaveWatch(self.manager)
 
