@@ -25,6 +25,7 @@ from tieflax.errors import UserError
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.tie import fold_tied_gradient, gradient_twin, untied_view
 from tieflax.optim import make_optimizer
+from tieflax.train_config import validate_train_config
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
@@ -37,15 +38,18 @@ class TrainingError(UserError, RuntimeError):
 
 def check_fits_mesh(config: ml_collections.ConfigDict, mc: ModelConfig, mesh_sizes: dict[str, int],
                     process_count: int) -> None:
-    """Fails before anything compiles when the config cannot be laid out on the mesh, naming the field."""
+    """Fails before anything compiles when the config cannot be laid out on the mesh, naming the field.
+
+    The train section's own ranges and choices are ``train_config``'s, checked here first (a notebook may
+    edit a loaded config); what follows depends on the mesh and the processes only."""
     t = config.train
+    validate_train_config(t)
     data, fsdp, tensor = (mesh_sizes[a] for a in shd.MESH_AXES)
 
     def need(ok: bool, field: str, message: str):
         if not ok:
             raise ConfigError(f"{field}: {message}")
 
-    need(t.grad_accum_steps >= 1, "config.train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
     need(t.global_batch_size % t.grad_accum_steps == 0, "config.train.global_batch_size",
          f"{t.global_batch_size} is not divisible by grad_accum_steps={t.grad_accum_steps}")
     micro = t.global_batch_size // t.grad_accum_steps
@@ -64,11 +68,6 @@ def check_fits_mesh(config: ml_collections.ConfigDict, mc: ModelConfig, mesh_siz
          f"d_model={mc.d_model} is not divisible by fsdp={fsdp}")
     need(mc.position != "learned" or t.seq_len <= mc.max_seq_len, "config.train.seq_len",
          f"{t.seq_len} exceeds the learned position table (config.model.max_seq_len={mc.max_seq_len})")
-    need(t.loss_impl in ("fused", "dense"), "config.train.loss_impl",
-         f"{t.loss_impl!r} is not 'fused' or 'dense'")
-    need(t.num_steps >= 1, "config.train.num_steps", f"must be >= 1, got {t.num_steps}")
-    for field in ("log_every", "checkpoint_every", "eval_every", "keep_checkpoints"):
-        need(t[field] >= 1, f"config.train.{field}", f"must be >= 1, got {t[field]}")
 
 
 # ================================================================================================ model
