@@ -236,6 +236,10 @@ def one_line(e: BaseException, full_disk: str | None = None) -> str | None:
         return e.code if isinstance(e.code, str) else None
     if isinstance(e, UserError):
         return _flat(str(e))
+    extra = isinstance(e, ModuleNotFoundError) and _EXTRAS.get((e.name or "").split(".")[0])
+    if extra:
+        return (f"this needs the optional package {e.name.split('.')[0]!r}, from tieflax's {extra!r} extra: "
+                f"pip install 'tieflax[{extra}]' (or pip install -e '.[{extra}]' in a clone)")
     if isinstance(e, json.JSONDecodeError):
         return _flat(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; the file is damaged: restore "
                      "or delete it")
@@ -249,6 +253,13 @@ def one_line(e: BaseException, full_disk: str | None = None) -> str | None:
     if type(e).__module__.split(".")[0] in _LIBRARY_MODULES:
         return _flat(f"{type(e).__name__}: {e}") + " (run with --debug for the traceback)"
     return None
+
+
+# The optional packages (setup.cfg's extras) by the name they are imported as: a command that needs one
+# that is not installed says which extra to install, in one line.
+_EXTRAS = {"lm_eval": "eval", "yaml": "eval", "jinja2": "eval", "torch": "hf", "transformers": "hf",
+           "accelerate": "hf", "datasets": "data", "wandb": "wandb", "tensorboard": "tensorboard",
+           "xprof": "tensorboard", "jupyter": "notebooks", "ipywidgets": "notebooks", "nbclient": "notebooks"}
 
 
 def _flat(text: str, limit: int = 600) -> str:

@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     refuse_overrides(args, "sample", "it generates with the run's own config")
-    from tieflax.eval.decode import EvalError  # noqa: PLC0415
-    from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
+    from tieflax.eval.decode import EvalError, Generator  # noqa: PLC0415
+    from tieflax.eval.loaded import load_run  # noqa: PLC0415 (no lm-eval: sample runs on the base install)
 
     import math  # noqa: PLC0415
 
@@ -36,11 +36,13 @@ def run(args: argparse.Namespace) -> int:
         raise EvalError(f"--temperature {args.temperature}: use a finite number >= 0 (0 = greedy)")
     if args.step is not None and args.step < 0:
         raise EvalError(f"--step {args.step}: use a checkpoint step >= 0 (or leave it out for the latest)")
-    lm = TieflaxLM.from_workdir(args.workdir, step=args.step, batch_size=None)
-    shards = lm.shards   # one row per data shard: the same prompt, the first row printed
-    prompt = lm.tok_encode(args.prompt) or [lm.prefix_token_id]
-    out = lm.generator.generate(lm.generator.layer_params(lm.params), [prompt] * shards,
-                                max_new_tokens=args.max_new_tokens, stop_ids=(lm.eot_token_id,),
-                                temperature=args.temperature, seed=args.seed)
-    print(lm.tok_decode(out.tokens[0, :out.lengths[0]].tolist()))
+    run = load_run(args.workdir, step=args.step)
+    generator = Generator(run.config, mesh=run.mesh, max_len=run.max_length, pad_id=run.eos_id)
+    shards = run.mesh.shape["data"] * run.mesh.shape["fsdp"]  # one row per data shard, the first printed
+    prefix = run.eos_id if run.bos_id is None else run.bos_id
+    prompt = run.encode(args.prompt, prefix) or [prefix]
+    out = generator.generate(generator.layer_params(run.params), [prompt] * shards,
+                             max_new_tokens=args.max_new_tokens, stop_ids=(run.eos_id,),
+                             temperature=args.temperature, seed=args.seed)
+    print(run.tokenizer.decode(out.tokens[0, :out.lengths[0]].tolist(), skip_special_tokens=True))
     return 0

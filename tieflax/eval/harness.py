@@ -45,6 +45,7 @@ from tqdm import tqdm
 from tieflax import sharding as shd
 from tieflax import storage
 from tieflax.eval.decode import EvalError, Generator
+from tieflax.eval.loaded import load_run, place_params, run_mesh  # noqa: F401 (re-exported)
 from tieflax.model.config import ModelConfig
 
 import flax.linen as nn
@@ -109,26 +110,9 @@ class TieflaxLM(TemplateLM):
     @classmethod
     def from_workdir(cls, workdir: str, *, step: Optional[int] = None, **kwargs) -> "TieflaxLM":
         """The run's checkpoint (latest, or ``step``), tokenizer and mesh."""
-        from tieflax.run.checkpoints import load_latest_params  # noqa: PLC0415
-        from tieflax.config import model_config  # noqa: PLC0415
-        from tieflax.data.tokenizer import TOKENIZER_FILE, bos_id_of, eos_id_of, load_tokenizer  # noqa: PLC0415
-        from tieflax.run import layout  # noqa: PLC0415
-
-        config, params, _ = load_latest_params(workdir, step)
-        mc = model_config(config)
-        path = layout.path(workdir, TOKENIZER_FILE)  # the run layer names what a run directory holds
-        if not storage.is_file(path):
-            raise EvalError(f"{workdir!r} has no {TOKENIZER_FILE}: evaluation needs the run's tokenizer "
-                            "(runs on pre-tokenised data have none; copy the tokenizer that made them there)")
-        tok = load_tokenizer(path)
-        eos = eos_id_of(tok, config.data.tokenizer.eos_token)
-        bos = bos_id_of(tok, config.data.tokenizer.bos_token)
-        mesh = run_mesh(config.mesh)
-        max_length = int(config.train.seq_len)
-        if mc.position == "learned":
-            max_length = min(max_length, mc.max_seq_len)
-        params = place_params(mc, params, mesh)
-        return cls(mc, params, tok, eos_id=eos, prefix_id=bos, max_length=max_length, mesh=mesh, **kwargs)
+        run = load_run(workdir, step)
+        return cls(run.config, run.params, run.tokenizer, eos_id=run.eos_id, prefix_id=run.bos_id,
+                   max_length=run.max_length, mesh=run.mesh, **kwargs)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None) -> "TieflaxLM":
@@ -348,21 +332,3 @@ class TieflaxLM(TemplateLM):
 
     def _context(self):
         return self.generator._context()
-
-
-def run_mesh(mesh_config) -> jax.sharding.Mesh:
-    """The run's mesh; a fixed-size one (no -1 axis) smaller than the machine takes its first devices."""
-    sizes = [int(mesh_config[a]) for a in shd.MESH_AXES]
-    devices = jax.devices()
-    if -1 not in sizes and 0 < int(np.prod(sizes)) < len(devices):
-        devices = devices[:int(np.prod(sizes))]
-    return shd.mesh_from_config(mesh_config, devices)
-
-
-def place_params(config: ModelConfig, params: Any, mesh) -> Any:
-    """Host params -> arrays on ``mesh`` with the training layout's shardings (vocab over 'tensor')."""
-    from tieflax.model.transformer import TransformerLM  # noqa: PLC0415
-
-    abstract = jax.eval_shape(lambda: TransformerLM(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    shardings = shd.logical_shardings(abstract, mesh)["params"]
-    return jax.tree.map(jax.device_put, params, shardings)

@@ -101,6 +101,7 @@ def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Option
     tasks = [t.strip() for t in tasks if t.strip()]
     if not tasks:
         raise EvalError("--tasks is empty; name at least one lm-eval task, e.g. --tasks arc_easy")
+    unreachable = offline_when_unreachable()   # before lm-eval imports huggingface_hub and datasets
     import jax  # noqa: PLC0415
 
     from tieflax import distributed  # noqa: PLC0415
@@ -127,8 +128,35 @@ def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Option
         return {}
     with lm.leading():
         manager = task_manager(tasks, include_path)
-        return run_tasks(lm, tasks, manager, model_args={"pretrained": workdir}, num_fewshot=num_fewshot,
-                         limit=limit, log_samples=log_samples, output=output, show=show)
+        try:
+            return run_tasks(lm, tasks, manager, model_args={"pretrained": workdir}, num_fewshot=num_fewshot,
+                             limit=limit, log_samples=log_samples, output=output, show=show)
+        except ConnectionError as e:
+            if unreachable is None:
+                raise
+            raise EvalError(f"{e}: the Hugging Face hub ({unreachable}) cannot be reached and the task's data is "
+                            "not in the local cache: connect to the network (or run it once online to cache it), "
+                            "or use a local task (--include-path)") from None
+
+
+def offline_when_unreachable(timeout_s: float = 5.0) -> Optional[str]:
+    """When the Hugging Face hub cannot be reached and no offline switch is set, sets HF_HUB_OFFLINE and
+    HF_DATASETS_OFFLINE for this process, so that lm-eval's tasks load from the local cache at once and a
+    task not there fails in one line, instead of after five retries (23 s) printed twice each as
+    huggingface_hub warnings. Call it before huggingface_hub and datasets are imported: they read the
+    switches once. -> the host that could not be reached, or None."""
+    import socket  # noqa: PLC0415
+
+    if any(os.environ.get(v, "") not in ("", "0", "false", "False") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return None
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = endpoint.partition(":")
+    try:
+        socket.create_connection((host, int(port or 443)), timeout=timeout_s).close()
+        return None
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        return host
 
 
 def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict] = None, batch_size=None,
