@@ -119,5 +119,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         os._exit(1)
     if jax.process_index() == 0:
-        print(strict_json(result))  # NaN (a run stopped before its first evaluation) as "NaN": strict JSON
+        print(strict_json(result))  # strict JSON: a figure not measured is null, with its reason
     return 0

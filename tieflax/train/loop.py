@@ -6,6 +6,7 @@ stopping together."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 from typing import Any
 
@@ -173,14 +174,20 @@ def _final(run: Run, progress: Progress, hooks: Hooks, earlier: list[dict], val:
     if rows:
         fallback = rows[-1]["ce_loss"] if progress.step == progress.start else loss
         loss = final_interval_loss(rows, progress.step, run.config.train.log_every, fallback=fallback)
+    # A figure the run did not measure is null, with the reason beside it, never NaN.
+    stopped_by = signal.Signals(progress.signum or signal.SIGTERM).name
+    missing = {} if val else {"final_val_note": f"stopped by {stopped_by} at step {progress.step} before an "
+                                                "evaluation; rerun the same command to finish the run and evaluate it"}
+    tokens_per_second = hooks.clock.tokens_per_second()
     return {
         "step": progress.step,
         "final_train_loss": loss,
         "final_train_perplexity": perplexity(loss),
-        "final_val_loss": val["loss"] if val else float("nan"),
-        "final_val_perplexity": val["perplexity"] if val else float("nan"),
+        "final_val_loss": val["loss"] if val else None,
+        "final_val_perplexity": val["perplexity"] if val else None,
+        **missing,
         "params": report,
-        "tokens_per_second": hooks.clock.tokens_per_second(),
+        "tokens_per_second": tokens_per_second if math.isfinite(tokens_per_second) else None,
         "metrics_path": run.writer.path,
         "workdir": run.path,
         "preempted": progress.preempted,
