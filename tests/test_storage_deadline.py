@@ -21,7 +21,15 @@ from object_store import GcsServer
 from tieflax import storage
 from tieflax.lease import RELEASE_SECONDS
 
-DEADLINE = 6
+# The storage deadline the commands below run under. It must exceed the slowest honest answer, or a test
+# measures the machine's load instead of a frozen bucket: the emulator is a Python process beside the
+# training ones, and on a loaded 2-core machine (two CPU-bound processes beside a suite) a call it did answer
+# once took longer than the 6 s this was, so a run stopped before its first checkpoint. Every bound below
+# is derived from it.
+DEADLINE = 15
+# A cap on waiting for progress (a run reaching its first checkpoint, a prepare its third shard), not a
+# measure: the wait ends with that progress or with the process; the cap only ends a hang.
+PROGRESS_CAP_S = 1200
 
 
 @pytest.fixture
@@ -75,11 +83,13 @@ def test_a_call_to_a_bucket_that_never_answers_stops_at_the_deadline_in_one_line
 
     bucket = own_gcs.new_bucket()
     proc = subprocess.run([sys.executable, "-c", _ONE_CALL, bucket, str(own_gcs.process.pid)], env=_env(own_gcs),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["frozen"] is not None, ("a read from a frozen server was answered", got)
-    assert 1.5 < got["took"] < 4, got
+    # The read waits the deadline (2 s), then its waiter must wake: on a loaded machine a thread can wake
+    # seconds late; what this holds is the stop, not the waker's punctuality (before: no stop at all).
+    assert 1.5 < got["took"] < 2 + 8, got
     assert got["frozen"].startswith(f"cannot read {bucket}/a.txt: no answer from {bucket} within 2 s; check the "
                                     "network"), got
     assert "\n" not in got["frozen"]
@@ -97,10 +107,14 @@ def test_val_loss_of_a_gs_workdir_without_credentials_offline_stops_in_one_line(
     env.update({storage.DEADLINE_ENV: "3", "HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"})
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "tieflax.cli", "val-loss", "--workdir", "gs://tieflax-absent-1/run"],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=600)
     took = time.monotonic() - t0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("tieflax")]
-    assert proc.returncode == 1 and took < 60, (proc.returncode, took, proc.stderr)
+    # The bug was a wait without end; a command that stops is what is held. `took` includes starting Python
+    # and importing jax, which alone took tens of seconds under a load of 10+: a bound of 60 s was a bound
+    # on the machine, so it is the subprocess's own limit now, with the figure printed.
+    print(f"the command ended after {took:.1f} s (deadline 3 s)")
+    assert proc.returncode == 1, (proc.returncode, took, proc.stderr)
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     # Offline (the test machine): no answer within the deadline. With a network, Cloud Storage's 401.
     assert lines[0].startswith("tieflax val-loss: cannot read gs://tieflax-absent-1/run/config.json: "), lines
@@ -131,7 +145,7 @@ def test_gs_prepare_whose_bucket_stops_answering_stops_in_one_line_and_resumes(o
     proc = _prepare(own_gcs, out, corpus)
     t_stop = None
     t0 = time.monotonic()
-    while proc.poll() is None and time.monotonic() - t0 < 120:
+    while proc.poll() is None and time.monotonic() - t0 < PROGRESS_CAP_S:
         ledger = [o for o in own_gcs.objects(out.rsplit("/", 1)[0], "corpus/ledger/")]
         if len(ledger) >= 3:
             os.kill(own_gcs.process.pid, signal.SIGSTOP)  # the bucket stops answering mid-way
@@ -151,12 +165,12 @@ def test_gs_prepare_whose_bucket_stops_answering_stops_in_one_line_and_resumes(o
     assert took < DEADLINE + RELEASE_SECONDS + 5, took  # the worker's deadline, then the lease's release
     # Rerun with the bucket answering: it resumes from the ledger, to the digest of a build that never stopped.
     again = _prepare(own_gcs, out, corpus)
-    _, err2 = again.communicate(timeout=300)
+    _, err2 = again.communicate(timeout=PROGRESS_CAP_S)
     assert again.returncode == 0, err2
     assert "done before" in err2 and "(0 done before)" not in err2.split("tokenised")[-1], err2
     whole = own_gcs.new_bucket() + "/corpus"
     ref = _prepare(own_gcs, whole, corpus)
-    _, err3 = ref.communicate(timeout=300)
+    _, err3 = ref.communicate(timeout=PROGRESS_CAP_S)
     assert ref.returncode == 0, err3
     from tieflax.data import store as st
     assert st.read_manifest(out)["digest"] == st.read_manifest(whole)["digest"]
@@ -188,14 +202,14 @@ def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(
     proc = _train(own_gcs, bucket + "/run")
     t_stop = None
     t0 = time.monotonic()
-    while proc.poll() is None and time.monotonic() - t0 < 240:
+    while proc.poll() is None and time.monotonic() - t0 < PROGRESS_CAP_S:
         if any(o.endswith("commit_success.txt") for o in own_gcs.objects(bucket, "run/checkpoints/")):
             os.kill(own_gcs.process.pid, signal.SIGSTOP)  # after the first checkpoint, the bucket goes quiet
             t_stop = time.monotonic()
             break
         time.sleep(0.1)
     assert t_stop is not None, ("the run ended before its first checkpoint", proc.communicate())
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=10 * DEADLINE)
     took = time.monotonic() - t_stop
     os.kill(own_gcs.process.pid, signal.SIGCONT)
     said = [line for line in err.splitlines() if line.startswith("tieflax")]
@@ -211,10 +225,10 @@ def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(
     assert committed and committed[-1] != "120", committed
     # The rerun resumes from the last committed checkpoint and ends where a run that never stopped ends.
     again = _train(own_gcs, bucket + "/run")
-    out, err2 = again.communicate(timeout=300)
+    out, err2 = again.communicate(timeout=PROGRESS_CAP_S)
     assert again.returncode == 0, err2
     ref = _train(own_gcs, own_gcs.new_bucket() + "/run")
-    out_ref, err3 = ref.communicate(timeout=300)
+    out_ref, err3 = ref.communicate(timeout=PROGRESS_CAP_S)
     assert ref.returncode == 0, err3
     resumed, whole = json.loads(out.strip().splitlines()[-1]), json.loads(out_ref.strip().splitlines()[-1])
     assert resumed["step"] == whole["step"] == 120
@@ -261,15 +275,15 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     procs = _train_2(own_gcs, bucket + "/run", 60)
     t_stop = None
     t0 = time.monotonic()
-    while all(p.poll() is None for p in procs) and time.monotonic() - t0 < 240:
+    while all(p.poll() is None for p in procs) and time.monotonic() - t0 < PROGRESS_CAP_S:
         if _committed(own_gcs, bucket):
             os.kill(own_gcs.process.pid, signal.SIGSTOP)  # after the first checkpoint, the bucket goes quiet
             t_stop = time.monotonic()
             break
         time.sleep(0.1)
-    assert t_stop is not None, ("the run ended before its first checkpoint", _finish(procs, 60))
+    assert t_stop is not None, ("the run ended before its first checkpoint", _finish(procs, 10 * DEADLINE))
     ended = [None, None]
-    while None in ended and time.monotonic() - t_stop < 120:
+    while None in ended and time.monotonic() - t_stop < 10 * DEADLINE:
         for i, p in enumerate(procs):
             if ended[i] is None and p.poll() is not None:
                 ended[i] = time.monotonic() - t_stop
@@ -286,8 +300,8 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     assert max(ended) < 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 15, ended
     committed = _committed(own_gcs, bucket)
     assert committed and committed[-1] != 60, committed
-    again = _finish(_train_2(own_gcs, bucket + "/run", 60), 300)
-    ref = _finish(_train_2(own_gcs, own_gcs.new_bucket() + "/run", 60), 300)
+    again = _finish(_train_2(own_gcs, bucket + "/run", 60), PROGRESS_CAP_S)
+    ref = _finish(_train_2(own_gcs, own_gcs.new_bucket() + "/run", 60), PROGRESS_CAP_S)
     for code, _, err in again + ref:
         assert code == 0, err[-3000:]
     resumed, whole = json.loads(again[0][1].strip().splitlines()[-1]), json.loads(ref[0][1].strip().splitlines()[-1])
