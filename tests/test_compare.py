@@ -239,6 +239,22 @@ def test_a_resumed_compare_refuses_runs_trained_with_another_config(compare_run,
     _strict((compare_run / "tied" / "seed_0" / "analysis" / "compare.json").read_text())
 
 
+def test_a_finished_study_rerun_says_each_run_is_finished_and_trains_nothing(compare_run):
+    """A rerun of a finished study printed "training tied (seed 0)" and "resuming from step 4" for each
+    run although nothing trained."""
+    argv = json.loads((compare_run / "argv.json").read_text())
+    steps = sorted(os.listdir(compare_run / "tied" / "seed_0" / "checkpoints"))
+    code, console = capture_console(cli.main, argv)
+    assert code == 0, console
+    assert "training" not in console and "resuming from step" not in console, console
+    for variant in ("tied", "untied"):
+        for seed in (0, 1):
+            assert f"{variant} (seed {seed}) in {compare_run / variant / f'seed_{seed}'}: finished before (step 4), " \
+                   "nothing to train" in console, console
+    assert console.count("finished before, at step 4 (checkpoints/4): nothing to train") == 4, console
+    assert sorted(os.listdir(compare_run / "tied" / "seed_0" / "checkpoints")) == steps
+
+
 def test_report_only_from_a_bucket(compare_run, gcs, capsys):
     """`tieflax compare --workdir gs://B/compare --report-only`: summary.json read from the bucket, the
     report, its HTML and the PNGs written there whole; nothing else in the bucket."""

@@ -170,8 +170,8 @@ def test_a_bucket_run_resumes_with_no_argument_and_so_does_an_untied_copy(finish
     assert main(["train", "--workdir", untied]) == 0
     out = capsys.readouterr().out
     assert "starting from initial_params/" in out and json.loads(out.strip().splitlines()[-1])["step"] == STEPS
-    assert main(["train", "--workdir", untied]) == 0  # finished: resumes at the end
-    assert f"resuming from step {STEPS}" in capsys.readouterr().out
+    assert main(["train", "--workdir", untied]) == 0  # finished: says so, trains nothing
+    assert f"finished before, at step {STEPS} (checkpoints/{STEPS}): nothing to train" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------- the record proves itself

@@ -503,6 +503,7 @@ def _check_existing_runs(planned: list[tuple], is_main: bool, *, retrain_changed
 def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
     from tieflax.study.report import write_report  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415
+    from tieflax.run.checkpoints import latest_step  # noqa: PLC0415
     from tieflax.run.metrics import read_metrics  # noqa: PLC0415
     from tieflax.train import train_and_evaluate  # noqa: PLC0415
 
@@ -518,7 +519,10 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
     planned = _planned_runs(workdir, cc, variants, tokenizer)
     _check_existing_runs(planned, is_main, retrain_changed=retrain_changed, log=log)
     for seed, name, cfg, run_dir in planned:
-        log(f"[{len(runs) + 1}/{total}] training {name} (seed {seed}) in {run_dir}")
+        # A run trained to its end before (a rerun of a finished or stopped study) is evaluated, not trained.
+        finished = latest_step(run_dir) == cfg.train.num_steps
+        log(f"[{len(runs) + 1}/{total}] {name} (seed {seed}) in {run_dir}: "
+            + (f"finished before (step {cfg.train.num_steps}), nothing to train" if finished else "training"))
         t0 = time.perf_counter()
         result = train_and_evaluate(cfg, run_dir)
         if result.get("preempted"):

@@ -104,7 +104,9 @@ def _starting_state(run: Run, s, loader) -> Progress:
     """The newest readable checkpoint, else the run's initial parameters (imports, surgery) with a fresh
     optimizer, else a fresh state from ``config.seed``."""
     start, state = ckpt.restore_newest_readable(run.manager, run.path, s.abstract_state, loader, say=run.say)
-    if start is not None:
+    if start is not None and start >= run.config.train.num_steps:  # a rerun of a finished run: nothing trains
+        run.say(f"finished before, at step {start} ({ckpt.CHECKPOINT_DIR}/{start}): nothing to train")
+    elif start is not None:
         run.say(f"resuming from step {start} ({ckpt.CHECKPOINT_DIR}/{start})")
     elif ckpt.has_initial_params(run.path):
         params = ckpt.load_initial_params(run.path, s.abstract_state["params"])
