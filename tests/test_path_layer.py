@@ -338,6 +338,30 @@ def test_an_interrupted_export_is_cleared_by_the_next(world, gcs, tmp_path, caps
     assert "notes.txt" not in os.listdir(local)   # replaced whole
 
 
+def test_an_overwrite_export_stopped_midway_on_a_bucket_leaves_it_marked_incomplete(world, gcs, capsys,
+                                                                                     monkeypatch):
+    """A bucket `--to-hf --overwrite` over an earlier export, stopped midway: the old export was deleted
+    (no rename keeps it until the new one is whole) and the stop cleared what it wrote, leaving an empty
+    prefix that read as nothing. Now the prefix stays marked incomplete: a reader refuses it in one line
+    and the rerun, without --overwrite, clears it and writes the export."""
+    from tieflax.cli import Interrupted, main
+    from tieflax.interop import hf_tokenizer
+    from tieflax.interop.hf import check_complete
+    from tieflax.run.layout import INCOMPLETE_MARKER
+
+    out = f"{gcs.new_bucket()}/export"
+    assert main(["convert", "--to-hf", "--workdir", world["run"], "--out", out]) == 0
+    with monkeypatch.context() as m:
+        m.setattr(hf_tokenizer, "write_tokenizer_files", lambda *a, **k: (_ for _ in ()).throw(Interrupted(15)))
+        assert main(["convert", "--to-hf", "--workdir", world["run"], "--out", out, "--overwrite"]) == 143
+    assert "marked incomplete" in capsys.readouterr().err
+    assert storage.listdir(out) == [INCOMPLETE_MARKER]   # not an empty prefix
+    with pytest.raises(Exception, match="is an incomplete export"):
+        check_complete(out)
+    assert main(["convert", "--to-hf", "--workdir", world["run"], "--out", out]) == 0
+    assert sorted(storage.listdir(out)) == sorted(modes(world["export"]))
+
+
 # ----------------------------------------------------------------------------------- evaluate, sample
 def test_evaluate_and_sample_write_through_storage(world, gcs, tmp_path, capsys, monkeypatch):
     """``evaluate --output gs://...`` puts lm-eval's results and samples files in the bucket and leaves no

@@ -24,7 +24,8 @@ HELP = "Hugging Face import/export, tie/untie surgery and scanned/per-layer layo
 FULL_DISK_FIX = "free space on that disk, or write to another one (nothing half-written is left)"
 # A stop removes what the command wrote; the destination is published whole or not at all.
 ON_INTERRUPT = ("the lock is released and nothing half-written is left: the destination holds what it held before (or the finished "
-                "result, if the stop came as it finished); rerun the same command")
+                "result, if the stop came as it finished; on a bucket, an export replacing an earlier one leaves "
+                "the prefix marked incomplete, which the rerun clears); rerun the same command")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -218,7 +218,10 @@ def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[st
     ``publish``). gs:// / s3://: ``out`` itself (no rename there): ``INCOMPLETE_MARKER`` is written
     first, then what an earlier or interrupted export left is deleted, and the marker is deleted last, so
     a reader (``check_complete``) never takes a mix for an export. A failure or SIGTERM removes what the
-    block wrote; after a kill -9 the next export clears the partial folder or the marked prefix.
+    block wrote; on a bucket where it was replacing an earlier export (already deleted: there is no
+    rename to keep it until the new one is whole) the marker stays, so the prefix reads as an incomplete
+    export, never as an empty one; after a kill -9, or such a stop, the next export clears the partial
+    folder or the marked prefix.
     """
     from tieflax.run.destinations import fresh_partial_folder, publish  # noqa: PLC0415
     from tieflax.run.layout import INCOMPLETE_MARKER, LOCK_FILE  # noqa: PLC0415
@@ -243,6 +246,9 @@ def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[st
                 storage.rmtree(partial)
                 raise
             return
+        # An earlier export here (not only an interrupted one's marker): a stop after it was deleted must
+        # not leave an empty prefix that reads as "nothing was ever here".
+        replacing = any(p not in (storage.join(out, LOCK_FILE), marker) for p in storage.walk_files(out))
         # The marker first: from here until it is gone, a reader refuses the prefix (the old export is
         # being deleted, the new one written); a signal never leaves an unmarked mix.
         storage.write_text(marker, f"tieflax {command} is writing this folder; it is complete once this object "
@@ -251,9 +257,13 @@ def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[st
             clear()
             yield out
         except BaseException:
-            clear()
-            storage.delete(marker)
-            raise
+            try:
+                clear()
+                if not replacing:   # it held nothing: it holds nothing again
+                    storage.delete(marker)
+            except Exception:  # noqa: BLE001 (the first failure is the one to report; the marker stays)
+                pass
+            raise   # replacing: the prefix stays marked incomplete, readers refuse it, the rerun clears it
         storage.delete(marker)
 
 
