@@ -159,7 +159,7 @@ def _at(step: int, state, t: ml_collections.ConfigDict, stop: StopSignal) -> At:
     """Step ``step``'s boundaries, and whether any process was asked to stop (agreed at boundaries)."""
     at_log = step % t.log_every == 0 or step == t.num_steps
     at_ckpt = step % t.checkpoint_every == 0 or step == t.num_steps
-    preempted = stop_everywhere(stop.requested) if jax.process_count() == 1 or at_log or at_ckpt else False
+    preempted = stop_everywhere(stop) if jax.process_count() == 1 or at_log or at_ckpt else False
     return At(step=step, state=state, log=at_log, checkpoint=at_ckpt, last=step == t.num_steps, preempted=preempted)
 
 

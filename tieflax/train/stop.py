@@ -62,13 +62,21 @@ class StopSignal:
         self._previous = {}
 
 
-def stop_everywhere(local: bool) -> bool:
-    """True if any process saw SIGTERM (all processes must stop at the same step)."""
+_SIGNALS = (None, signal.SIGTERM, signal.SIGINT)   # agreed by index: a SIGINT anywhere outranks a SIGTERM
+
+
+def stop_everywhere(stop: StopSignal) -> bool:
+    """True on every process if any process saw SIGTERM or SIGINT: all stop at this step, and all take
+    the signal as theirs (a SIGINT reaching one process ends every one with 130, as there)."""
     if jax.process_count() == 1:
-        return local
+        return stop.requested
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+    local = _SIGNALS.index(stop.signum if stop.requested and stop.signum in _SIGNALS else None)
+    agreed = int(np.max(multihost_utils.process_allgather(np.int32(local))))
+    if agreed:
+        stop.requested, stop.signum = True, _SIGNALS[agreed]
+    return bool(agreed)
 
 
 class ProcessesStopped(ckpt.CheckpointError):
