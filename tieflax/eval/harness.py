@@ -43,7 +43,6 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from tqdm import tqdm
 
 from tieflax import sharding as shd
-from tieflax import storage
 from tieflax.eval.decode import EvalError, Generator
 from tieflax.eval.loaded import load_run, place_params, run_mesh  # noqa: F401 (re-exported)
 from tieflax.model.config import ModelConfig
