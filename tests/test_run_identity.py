@@ -96,7 +96,7 @@ def test_allow_change_trains_on_and_the_history_holds_both_configs(finished, tmp
         "config changed at step 4 (--allow-change): train.learning_rate 0.01 -> 0.001; train.num_steps 4 -> 6"]
     # A rerun with no argument is the same (changed) run: finished, nothing new recorded.
     assert main(["train", "--workdir", run]) == 0
-    assert "resuming from step 6" in capsys.readouterr().out
+    assert "finished before, at step 6 (checkpoints/6): nothing to train" in capsys.readouterr().out
     assert len(identity.history(run)) == 1
 
 
@@ -106,7 +106,7 @@ def test_memory_placement_and_cadence_are_free(finished, tmp_path, capsys):
     assert main(["train", "--workdir", run, "--config.model.remat=full", "--config.train.log_every=1",
                  "--config.train.checkpoint_every=1", "--config.mesh.data=2", "--config.mesh.fsdp=4",
                  "--config.data.read_threads=1"]) == 0
-    assert "resuming from step 4" in capsys.readouterr().out
+    assert "finished before, at step 4 (checkpoints/4): nothing to train" in capsys.readouterr().out
     assert open(os.path.join(run, CONFIG_FILE), "rb").read() == original
     assert identity.history(run) == []
 
@@ -252,7 +252,7 @@ def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(data_dir, fin
     assert identity.load_workdir_config(run).train.learning_rate == 0.05
     assert identity.history_lines(run)[0].startswith("config record restarted at step 4 (")
     assert main(["train", "--workdir", run]) == 0  # and it resumes from its record again
-    assert "resuming from step 6" in capsys.readouterr().out
+    assert "finished before, at step 6 (checkpoints/6): nothing to train" in capsys.readouterr().out
 
 
 def test_allow_change_names_real_fields_only(finished, tmp_path, capsys):
