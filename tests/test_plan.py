@@ -78,8 +78,8 @@ def test_oversized_batch_does_not_fit_and_names_the_biggest_buffers(capsys):
     # 48 sequences of 2048 tokens per chip: the einsum attention's fp32 scores alone are 3 GiB a layer
     # (the reference attention, chosen explicitly: it fails to fit quickly and by a wide margin).
     code = cli.main(["plan", "--config", TINY, "--topology", "v5e:2x2", "--no-eval",
-                     "--config.train.seq_len=2048", "--config.train.global_batch_size=192",
-                     "--config.model.attention=xla"])
+                     "--config.train.seq_len=2048", "--config.model.max_seq_len=2048",
+                     "--config.train.global_batch_size=192", "--config.model.attention=xla"])
     out = capsys.readouterr().out
     assert code == 1
     assert "DOES NOT FIT in 15.75 GiB" in out and "RESOURCE_EXHAUSTED" in out
