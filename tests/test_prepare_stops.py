@@ -108,14 +108,20 @@ def test_a_signal_during_bpe_training_stops_prepare_within_5_s(tmp_path, sig):
     t0 = time.monotonic()
     while not any("training a" in line for line in err) and time.monotonic() - t0 < 60:
         time.sleep(0.05)
-    trainer = set()
-    while not trainer and time.monotonic() - t0 < 60:  # the trainer child has started
-        trainer = _descendants(proc.pid)
+    # Wait for the trainer by its command line, not for any child: a child seen between its fork and its
+    # exec still shows the parent's command line, and on a busy machine that gap can outlast a fixed sleep.
+    trainer: list[int] = []
+    while not trainer and proc.poll() is None and time.monotonic() - t0 < 60:
+        trainer = [p for p in _descendants(proc.pid) if "_bpe_main" in _cmdline(p)]
         time.sleep(0.05)
-    time.sleep(2)  # into the training (the Rust trainer, which never returns to Python while it works)
+    assert trainer, ("the BPE trainer never started", err)
+    # Into the training (the Rust trainer, which never returns to Python while it works). The trainer of
+    # this corpus lives about 2.2 s on an idle 2-core machine (longer on a busy one), so 0.5 s lands inside
+    # it; the assertions below fail rather than test the wrong phase if it has already finished.
+    time.sleep(0.5)
     assert proc.poll() is None, ("prepare ended before the signal", err)
+    assert _alive(set(trainer)), ("the BPE trainer ended before the signal", err)
     family = _descendants(proc.pid) | {proc.pid}
-    assert [p for p in family if "_bpe_main" in _cmdline(p)], "the BPE trainer is not running"
     t_sig = time.monotonic()
     proc.send_signal(sig)
     proc.wait(timeout=30)
