@@ -489,8 +489,16 @@ def _lowered_for(platform, impl, w_dtype, n=256, d=64, v=1024):
 
 
 def test_auto_lowers_to_the_gpu_kernels_for_cuda_and_to_xla_for_a_cpu():
-    assert _lowered_for("cuda", "auto", jnp.bfloat16).count("__gpu$xla.gpu.triton") == 3  # stats, dH, dW
     assert "__gpu$xla.gpu.triton" not in _lowered_for("cpu", "auto", jnp.bfloat16)
+    try:
+        cuda = _lowered_for("cuda", "auto", jnp.bfloat16)
+    except RuntimeError as e:
+        # jax 0.12's Pallas Triton lowering asks the local GPU for its description and has none here (jax 0.10
+        # lowers without one): the CUDA half runs on the Python 3.11 stack.
+        if "No supported GPU devices found" not in str(e):
+            raise
+        pytest.skip(f"jax {jax.__version__} lowers Pallas Triton kernels only with a GPU present: {e}")
+    assert cuda.count("__gpu$xla.gpu.triton") == 3  # stats, dH, dW
 
 
 def test_xla_path_takes_the_platforms_tiles_and_casts_an_fp32_head_once_per_call_on_gpu():

@@ -57,6 +57,17 @@ bucket, server = sys.argv[1], int(sys.argv[2])
 storage.write_text(f"{bucket}/a.txt", "x")
 os.environ[storage.DEADLINE_ENV] = "2"
 os.kill(server, signal.SIGSTOP)
+# SIGSTOP is delivered asynchronously: read only once every thread of the server shows as stopped ('T').
+def _stopped():
+    for task in os.listdir(f"/proc/{server}/task"):
+        with open(f"/proc/{server}/task/{task}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "T":
+                return False
+    return True
+t_stop = time.monotonic()
+while not _stopped():
+    assert time.monotonic() - t_stop < 30, "the test server did not stop"
+    time.sleep(0.01)
 t0 = time.monotonic()
 try:
     storage.read_text(f"{bucket}/a.txt")
