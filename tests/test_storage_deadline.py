@@ -227,10 +227,13 @@ def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(
     print(f"stopped {took:.1f} s after the bucket stopped answering (deadline {DEADLINE} s): {said}")
     assert proc.returncode == 1 and "Traceback" not in err and len(said) == 1, err
     assert f"no answer from {bucket} within " in said[0], said
-    # Whichever write meets the silence: a save running past the checkpoint deadline (2 x DEADLINE here), the
-    # last metrics segment's second try at the close (DEADLINE), the lease's release: the bound of the
-    # two-process test below (30.1 s was seen, a save of step 40 timed out at 12 s).
-    assert took < 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 15, took
+    # The writes that can meet the silence, one after another: a metrics segment at a log step (DEADLINE;
+    # a failed write is kept for the close), the next save, ridden out until the checkpoint deadline
+    # (2 x DEADLINE here), the last metrics segment's second try at the close (DEADLINE), the lease's
+    # release; plus the steps trained between them and the exit, up to 30 s on a busy 2-core machine.
+    # (A clean clone stopped in 75.1 s through a save of step 40 past the 30 s checkpoint deadline, over the
+    # bound that counted only one of the two metrics writes.)
+    assert took < DEADLINE + 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 30, took
     committed = sorted({o.split("/")[2] for o in own_gcs.objects(bucket, "run/checkpoints/")
                         if o.endswith("commit_success.txt")}, key=int)
     assert committed and committed[-1] != "120", committed
