@@ -6,6 +6,7 @@ so one rules table (``tieflax.sharding.LOGICAL_AXIS_RULES``) decides the device 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -41,6 +42,12 @@ class Norm(nn.Module):
     """LayerNorm (GPT-2) or RMSNorm (Llama), the latter optionally scaled by (1 + w) (Gemma).
 
     Statistics are computed in float32 whatever the compute dtype; ``x``: [..., d] -> [..., d].
+    With ``remat='none'`` the normalisation is still recomputed in the backward pass from its input
+    (``jax.checkpoint``): autodiff would otherwise keep three fp32 copies of a [B, T, d] input per norm
+    (x, 2x and x * rsqrt; two norms a block: six fp32 [layers, B, T, d] stacks under scanned layers, 12 GiB
+    for Llama-3.2-1B at 8 x 2048, each zero-filled before the loop), where recomputing needs only the
+    input, which the backward holds anyway. The same operations run in both passes, so the values do not
+    change. Under any other remat policy the enclosing block's checkpoint already recomputes them.
     """
 
     config: ModelConfig
@@ -50,21 +57,34 @@ class Norm(nn.Module):
         c = self.config
         d = x.shape[-1]
         pdt = dtype_of(c.param_dtype)
-        x32 = x.astype(jnp.float32)
         if c.norm == "layernorm":
-            mean = jnp.mean(x32, axis=-1, keepdims=True)
-            var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-            y = (x32 - mean) * jax.lax.rsqrt(var + c.norm_eps)
             scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), pdt)
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), pdt)
-            y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         else:
-            y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + c.norm_eps)
             init = nn.initializers.zeros if c.norm_unit_offset else nn.initializers.ones
             scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (d,), pdt)
-            scale = scale.astype(jnp.float32)
-            y = y * (1.0 + scale if c.norm_unit_offset else scale)
-        return y.astype(x.dtype)
+            bias = None
+        normalize = functools.partial(_normalize, layernorm=c.norm == "layernorm", eps=c.norm_eps,
+                                      unit_offset=c.norm_unit_offset)
+        if c.remat == "none":
+            normalize = jax.checkpoint(normalize)
+        return normalize(x, scale, bias)
+
+
+def _normalize(x: Array, scale: Array, bias: Optional[Array], *, layernorm: bool, eps: float,
+               unit_offset: bool) -> Array:
+    """``Norm``'s arithmetic: x [..., d] -> [..., d] in x's dtype, statistics in fp32; scale, bias [d]."""
+    x32 = x.astype(jnp.float32)
+    if layernorm:
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    else:
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+        scale = scale.astype(jnp.float32)
+        y = y * (1.0 + scale if unit_offset else scale)
+    return y.astype(x.dtype)
 
 
 def rope_frequencies(c: ModelConfig) -> Array:
@@ -140,7 +160,7 @@ class Attention(nn.Module):
     mesh: Optional[Mesh] = None
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array, kv_cache: Optional[tuple] = None):
+    def __call__(self, x: Array, positions: Array, segment_ids: Optional[Array], kv_cache: Optional[tuple] = None):
         """-> [B, T, d]; with ``kv_cache`` = (this layer's {'k', 'v'}, the cache, see
         ``tieflax.model.kv_cache``) -> ([B, T, d], the layer's updated {'k', 'v'}) (generation)."""
         c = self.config
@@ -292,7 +312,7 @@ class Block(nn.Module):
     mesh: Optional[Mesh] = None  # passed to the attention kernel
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Array, kv_cache: Optional[tuple] = None):
+    def __call__(self, x: Array, positions: Array, segment_ids: Optional[Array], kv_cache: Optional[tuple] = None):
         """-> x [B, T, d]; with ``kv_cache`` (see ``Attention``) -> (x, the layer's updated {'k', 'v'})."""
         c = self.config
         x = checkpoint_name(x, LAYER_INPUT)  # what every remat policy keeps; may be offloaded (model/remat.py)
