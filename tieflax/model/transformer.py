@@ -59,12 +59,12 @@ class ScanStep(nn.Module):
         self.blocks = [block(c, layer=j, mesh=self.mesh, name=f"block_{j}")
                        for j in range(c.layers_per_scan_step)]
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
+    def __call__(self, x: Array, positions: Array, segment_ids: Optional[Array]) -> tuple[Array, None]:
         for block in self.blocks:
             x = block(x, positions, segment_ids)
         return x, None
 
-    def residual_stream(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, Array]:
+    def residual_stream(self, x: Array, positions: Array, segment_ids: Optional[Array]) -> tuple[Array, Array]:
         """-> (x [B, T, d] after the step's last block, [layers_per_scan_step, B, T, d] after each block)."""
         xs = []
         for block in self.blocks:
@@ -123,8 +123,9 @@ class TransformerLM(nn.Module):
                       segment_ids: Optional[Array] = None) -> Array:
         """tokens: [B, T] int32 -> final-normed hidden states [B, T, d] in the compute dtype.
 
-        positions [B, T] (default 0..T-1) feed RoPE / learned positions; segment_ids [B, T] (default all
-        equal) keep attention inside one packed document.
+        positions [B, T] (default 0..T-1) feed RoPE / learned positions; segment_ids [B, T] keep attention
+        inside one packed document (default None: one document per row, plain causal attention, which
+        cuDNN runs with no mask operand).
         """
         positions, segment_ids = _default_ids(tokens, positions, segment_ids)
         x = self._embed_inputs(tokens, positions)
@@ -218,12 +219,11 @@ class TransformerLM(nn.Module):
 
 
 def _default_ids(tokens: Array, positions: Optional[Array],
-                 segment_ids: Optional[Array]) -> tuple[Array, Array]:
-    """(positions, segment_ids) [B, T] int32 with the defaults filled in: 0..T-1 and one segment."""
+                 segment_ids: Optional[Array]) -> tuple[Array, Optional[Array]]:
+    """(positions [B, T] int32, defaulting to 0..T-1; segment_ids as given: None is one segment per row,
+    which ``tieflax.ops.attention`` knows without an array)."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    if segment_ids is None:
-        segment_ids = jnp.zeros(tokens.shape, jnp.int32)
     return positions, segment_ids
 
 

@@ -6,6 +6,8 @@ Every implementation computes the same function (``ModelConfig.attention`` picks
 
 over keys s <= t in t's segment (and t - s < window on sliding-window layers), where g = H / K query
 heads share a key/value head and cap(x) = softcap * tanh(x / softcap) when a soft-cap is set.
+``segment_ids=None`` means one segment per row (no packed documents): plain causal attention, which
+cuDNN then runs by its causal flag alone, with no [B, 1, T, T] mask (see ``tieflax.ops.cudnn_attention``).
 
 * ``xla``: two einsums with the fp32 scores [B, K, g, T, T] materialised; runs anywhere, the reference.
 * ``splash``: ``tieflax.ops.splash_attention`` (TPU; Pallas interpret mode elsewhere, for tests).
@@ -39,21 +41,27 @@ IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn")
 CUDA_PLATFORMS = ("cuda", "gpu")
 
 
-def attention_mask(segment_ids: Array, window: int) -> Array:
-    """[B, 1, T, T] bool: causal by index, within one segment, and within `window` tokens if > 0."""
-    t = segment_ids.shape[-1]
+def attention_mask(segment_ids: Optional[Array], window: int, length: Optional[int] = None) -> Array:
+    """[B, 1, T, T] bool: causal by index, within one segment, and within `window` tokens if > 0.
+
+    ``segment_ids=None`` (one segment per row): [1, 1, T, T] with T = ``length``, broadcast over rows.
+    """
+    t = segment_ids.shape[-1] if segment_ids is not None else length
     q = jnp.arange(t)[:, None]
     k = jnp.arange(t)[None, :]
     mask = k <= q
     if window:
         mask = mask & (q - k < window)
+    if segment_ids is None:
+        return mask[None, None]
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (mask[None] & same_segment)[:, None]
 
 
-def xla_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float, softcap: float = 0.0,
-                  window: int = 0) -> Array:
-    """The einsum reference. q [B, T, H, Dh], k/v [B, T, K, Dh], segment_ids [B, T] -> [B, T, H, Dh].
+def xla_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array], *, scale: float,
+                  softcap: float = 0.0, window: int = 0) -> Array:
+    """The einsum reference. q [B, T, H, Dh], k/v [B, T, K, Dh], segment_ids [B, T] or None (one
+    segment per row) -> [B, T, H, Dh].
 
     Scores are fp32 whatever the inputs' dtype; the probabilities are cast back to q's dtype for the
     second einsum.
@@ -65,7 +73,7 @@ def xla_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: fl
                         preferred_element_type=jnp.float32)
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
-    mask = attention_mask(segment_ids, window)[:, :, None]  # [B, 1, 1, T, S]
+    mask = attention_mask(segment_ids, window, t)[:, :, None]  # [B or 1, 1, 1, T, S]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, dh)
@@ -86,13 +94,15 @@ def mesh_platform(mesh: Mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
-def attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float, softcap: float = 0.0,
-              window: int = 0, implementation: str = "auto", mesh: Optional[Mesh] = None) -> Array:
+def attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array], *, scale: float,
+              softcap: float = 0.0, window: int = 0, implementation: str = "auto",
+              mesh: Optional[Mesh] = None) -> Array:
     """Causal self-attention within segments, by ``implementation`` (see the module docstring).
 
     Args:
       q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with K dividing H (GQA / MQA).
-      segment_ids: [B, T] int; tokens attend only within their own segment (packed documents).
+      segment_ids: [B, T] int; tokens attend only within their own segment (packed documents). None:
+        one segment per row, plain causal attention (cuDNN: the causal flag, no [B, 1, T, T] mask).
       scale: multiplies the logits (q is scaled in its own dtype first, as the reference does).
       softcap: if > 0, Gemma 2's attention-logit soft-cap.
       window: if > 0, query t sees keys s with t - window < s <= t (sliding-window layers).
@@ -135,12 +145,14 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float,
 
 
 def _run(implementation: str, platform: str, options: dict, mesh: Optional[Mesh], q: Array, k: Array,
-         v: Array, segment_ids: Array) -> Array:
+         v: Array, segment_ids: Optional[Array]) -> Array:
     """Runs one implementation, under ``shard_map`` over ``mesh`` for the kernels."""
     if implementation == "xla":
         return xla_attention(q, k, v, segment_ids, **options)
     if implementation == "splash":
         local = functools.partial(splash_attention, **options, interpret=platform != "tpu")
+        if segment_ids is None:  # splash takes one segment as ids of zeros, as it always has
+            segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
     else:
         if platform not in CUDA_PLATFORMS or not cudnn_lib.cudnn_available():
             raise ConfigValueError(_cudnn_elsewhere(platform))
@@ -148,6 +160,9 @@ def _run(implementation: str, platform: str, options: dict, mesh: Optional[Mesh]
     if mesh is None:
         return local(q, k, v, segment_ids)
     q_spec, kv_spec, k, v = _shard_specs(q, k, v, mesh)
+    if segment_ids is None:
+        return jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=False)(q, k, v)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
                          out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
 

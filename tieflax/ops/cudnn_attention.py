@@ -1,10 +1,16 @@
 """Causal attention through cuDNN's fused flash attention (``jax.nn.dot_product_attention``, GPU only).
 
 cuDNN computes the causal mask and a sliding window (``local_window_size``) inside the kernel, so the
-[heads, T, T] scores are never stored. Segment ids (packed documents) have no cuDNN mask of their own
-in ``jax.nn.dot_product_attention``: they are passed as a boolean [B, 1, T, T] mask, which cuDNN turns
-into an additive bias shared by all heads (B * T^2 elements of the compute dtype: 128 MiB per
-8192-token sequence in bfloat16, against H * T^2 fp32 scores for the einsum). cuDNN has no logit
+[heads, T, T] scores are never stored. Without segment ids (one document per row) that is all it gets:
+the causal flag, no mask operand. Segment ids (packed documents) have no cuDNN mask of their own in
+``jax.nn.dot_product_attention``: they are passed as a boolean [B, 1, T, T] mask, which JAX turns into
+an additive bias shared by all heads (B * T^2 elements of the compute dtype: 128 MiB per 8192-token
+sequence in bfloat16, against H * T^2 fp32 scores for the einsum), read by the forward and backward
+kernels, and the backward also writes its gradient (jax 0.10 always asks cuDNN for it). cuDNN's own form
+for packed documents, the ragged layout (``q_offsets`` / ``kv_offsets`` with per-segment lengths in
+JAX's private ``fused_attention_stablehlo``, Hopper and later), needs a static bound M on documents per
+row and keeps softmax statistics of [B * M, heads, T] fp32 (M = T at worst, one-token documents),
+and a row with more than M documents would be silently wrong; so packed rows keep the mask. cuDNN has no logit
 soft-cap and needs 16-bit inputs and head_dim a multiple of 8 (at most 128 before Hopper, 256 on it);
 ``unsupported_reason`` says which of these a configuration breaks.
 
@@ -47,20 +53,22 @@ def cudnn_available() -> bool:
         return False
 
 
-def cudnn_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, scale: float,
+def cudnn_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array], *, scale: float,
                     window: int = 0) -> Array:
     """Causal (optionally sliding-window) attention within segments, on cuDNN, on one device's shard
     (``tieflax.ops.attention.attention`` shards it over a mesh).
 
     Args:
       q: [B, T, H, Dh] bf16/fp16; k, v: [B, T, K, Dh] with K dividing H.
-      segment_ids: [B, T] int; tokens attend only within their own segment.
+      segment_ids: [B, T] int; tokens attend only within their own segment. None: one segment per
+        row, the causal flag alone (no mask operand).
       scale: multiplies the logits.
       window: if > 0, query q sees keys k with q - window < k <= q.
     Returns:
       [B, T, H, Dh] in q's dtype.
     """
-    same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
+    same_segment = (None if segment_ids is None else
+                    segment_ids[:, None, :, None] == segment_ids[:, None, None, :])  # [B, 1, T, T]
     return jax.nn.dot_product_attention(
         q, k, v, mask=same_segment, scale=scale, is_causal=True,
         local_window_size=(window - 1, 0) if window else None, implementation="cudnn")

@@ -140,6 +140,14 @@ def _embedding_gradients(grads, tied: bool, input_grad_scale: float) -> tuple[An
                    "grad_norm/embed": optax.tree.norm(grads["embed"]["embedding"])}
 
 
+def attention_segments(config: ml_collections.ConfigDict, batch: dict) -> Any:
+    """The segment ids the model attends within: ``batch['segment_ids']`` [B, T] for packed documents
+    (``config.data.document_masking``), else None (one segment per row; the padding at the end of the
+    last row is past every real token, so causality alone keeps it out). None lets cuDNN attention run
+    on its causal flag with no [B, 1, T, T] mask; the einsum path gives the real tokens the same values."""
+    return batch["segment_ids"] if config.data.document_masking else None
+
+
 def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
     """(state, batch) -> (state, metrics); jitted with shardings, the state donated.
 
@@ -159,7 +167,7 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
 
     def micro_loss(gparams, mb, n_tokens):
         loss, aux = s.grad_model.apply({"params": gparams}, mb["inputs"], mb["targets"], mb["positions"],
-                                       mb["segment_ids"], method=method, **options)
+                                       attention_segments(config, mb), method=method, **options)
         valid = (mb["targets"] >= 0) & (mb["targets"] < s.model_config.vocab_size)
         stats = dict(z_loss=aux["z_loss"].sum(), correct=(aux["correct"] & valid).sum(),
                      invalid_labels=aux["invalid_label_count"])
@@ -220,7 +228,7 @@ def make_eval_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
 
     def step(params, batch):
         loss, aux = s.model.apply({"params": params}, batch["inputs"], batch["targets"], batch["positions"],
-                                  batch["segment_ids"], method=TransformerLM.loss, **options)
+                                  attention_segments(config, batch), method=TransformerLM.loss, **options)
         valid = (batch["targets"] >= 0) & (batch["targets"] < s.model_config.vocab_size)
         return {"loss_sum": loss.sum(), "tokens": valid.sum(), "correct": (aux["correct"] & valid).sum(),
                 "invalid_labels": aux["invalid_label_count"]}
