@@ -1,4 +1,5 @@
-"""Memory options of the model: the chunked MLP, layer inputs offloaded to host memory, RoPE's own VJP.
+"""Memory options of the model: the chunked MLP, layer inputs offloaded to host memory, RoPE's own VJP, and
+what remat 'none' keeps of the norms and the MLP activation.
 
 Each must leave the function unchanged (same loss and gradients as the plain model) and do what it is
 for (the offloaded input is moved to host memory, which the TPU compiler keeps; chunking lowers the
@@ -93,6 +94,43 @@ def test_rope_gradient_is_the_inverse_rotation():
     np.testing.assert_allclose(y, y_auto, rtol=1e-6)
     np.testing.assert_allclose(vjp(cotangent)[0], vjp_auto(cotangent)[0], atol=1e-6)
     np.testing.assert_allclose(vjp(y)[0], x, atol=1e-5)   # a rotation's transpose is its inverse
+
+
+def _saved_and_gradients(module_cls, c: ModelConfig, x, capsys):
+    """(what the backward of ``module_cls(c)`` keeps, as jax prints it; its gradients wrt params and x)."""
+    module = module_cls(c)
+    params = nn.unbox(module.init(jax.random.key(0), x))
+    loss = lambda p, x: module.apply(p, x).astype(jnp.float32).sum()  # noqa: E731
+    jax.ad_checkpoint.print_saved_residuals(loss, params, x)  # one line per residual: 'f32[2,12,16] ...'
+    return capsys.readouterr().out, jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_remat_none_keeps_no_fp32_copy_of_a_norms_input(norm, capsys):
+    """Under remat 'none' a norm's backward keeps its bf16 input, not fp32 copies of it (autodiff kept
+    x, 2x and x * rsqrt in fp32: six fp32 [layers, B, T, d] stacks a scanned Llama step), and its
+    gradients are exactly those of plain autodiff (the norm outside any remat)."""
+    c = ModelConfig(family="llama", vocab_size=V, d_model=16, n_layers=1, n_heads=2, d_ff=48, norm=norm,
+                    dtype="bfloat16", remat="none")
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, 16)), jnp.bfloat16)
+    saved, grads = _saved_and_gradients(layers.Norm, c, x, capsys)
+    assert f"bf16[{B},{T},16]" in saved and f"f32[{B},{T},16]" not in saved, saved
+    _, plain = _saved_and_gradients(layers.Norm, c.replace(remat="full"), x, capsys)
+    jax.tree.map(np.testing.assert_array_equal, grads, plain)
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu"])
+def test_remat_none_keeps_the_mlp_activation_inputs_not_its_insides(mlp, capsys):
+    """Under remat 'none' the MLP's backward keeps the matmul outputs and the activation's result
+    ([B, T, d_ff] each: up, gate, hidden; gelu: up, hidden), not the activation's inner values
+    (autodiff of SwiGLU kept six [B, T, d_ff] arrays); gradients exactly those of plain autodiff."""
+    c = ModelConfig(family="llama", vocab_size=V, d_model=16, n_layers=1, n_heads=2, d_ff=48, mlp=mlp,
+                    dtype="bfloat16", remat="none")
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, 16)), jnp.bfloat16)
+    saved, grads = _saved_and_gradients(layers.Mlp, c, x, capsys)
+    assert saved.count(f"[{B},{T},48]") == (2 if mlp == "gelu" else 3), saved
+    _, plain = _saved_and_gradients(layers.Mlp, c.replace(remat="full"), x, capsys)
+    jax.tree.map(np.testing.assert_array_equal, grads, plain)
 
 
 def _grad_memory(config: ModelConfig, tokens, params, **jit_kwargs):

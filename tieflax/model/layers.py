@@ -247,6 +247,14 @@ def _gelu(x: Array) -> Array:
     return jax.nn.gelu(x, approximate=True)
 
 
+def _activation(kind: str, up: Array, gate: Optional[Array]) -> Array:
+    """The MLP's hidden activation [B, t, d_ff]: gelu(up) (``kind='gelu'``), else act(gate) * up with
+    act = silu (SwiGLU) or gelu (GeGLU)."""
+    if kind == "gelu":
+        return _gelu(up)
+    return (jax.nn.silu if kind == "swiglu" else _gelu)(gate) * up
+
+
 class Mlp(nn.Module):
     """GELU MLP (GPT-2) or gated SwiGLU (Llama) / GeGLU (Gemma). x: [B, T, d] -> [B, T, d].
 
@@ -274,6 +282,14 @@ class Mlp(nn.Module):
             weights["gate"] = dense("gate", d, c.d_ff, ("embed", "mlp"))
         weights["down"] = dense("down", c.d_ff, c.d_model, ("mlp", "embed"))
 
+        activation = functools.partial(_activation, c.mlp)
+        if c.remat == "none" and not (c.mlp_chunk and c.mlp_chunk < x.shape[1]):
+            # Kept otherwise: the activation's inner values, each [B, T, d_ff] (sigmoid, products...): six
+            # bf16 [layers, B, T, d_ff] stacks for a scanned Llama (24 GiB for Llama-3.2-1B at 8 x 2048).
+            # Recomputed from the matmul outputs instead, elementwise and with the same operations (a
+            # chunked MLP is rematerialised whole already).
+            activation = jax.checkpoint(activation)
+
         def apply(w, h):  # h [B, t, d] -> [B, t, d]
             def linear(name, v):
                 kernel, bias = w[name]
@@ -281,11 +297,7 @@ class Mlp(nn.Module):
                 return y if bias is None else y + bias
 
             up = linear("up", h)
-            if c.mlp == "gelu":
-                hidden = _gelu(up)
-            else:
-                act = jax.nn.silu if c.mlp == "swiglu" else _gelu
-                hidden = act(linear("gate", h)) * up
+            hidden = activation(up, None if c.mlp == "gelu" else linear("gate", h))
             hidden = nn.with_logical_constraint(hidden, BTF)
             return linear("down", hidden)
 
