@@ -5,6 +5,7 @@ Shapes are tiny: Pallas interpret mode runs the TPU kernel step by step on the C
 
 import importlib.util
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -104,16 +105,17 @@ def test_splash_in_the_model_on_a_mesh_matches_xla():
                                atol=2e-4, rtol=2e-4)
 
 
-def _layer_lowered(c: ModelConfig, device, mesh_or_none):
+def _layer_lowered(c: ModelConfig, device, mesh_or_none, packed: bool = True):
     """One Attention layer's forward + backward (T = 256) lowered for `device`, with the layer given
-    the one-device mesh or no mesh."""
+    the one-device mesh or no mesh; segment ids [1, 256] when `packed`, else None (one segment)."""
     layer = Attention(c, layer=0, mesh=mesh_or_none)
     x = jnp.zeros((1, 256, c.d_model), jnp.dtype(c.dtype))
     ids = jnp.zeros((1, 256), jnp.int32)
-    params = jax.eval_shape(lambda: layer.init(jax.random.key(0), x, ids, ids))
+    seg = ids if packed else None
+    params = jax.eval_shape(lambda: layer.init(jax.random.key(0), x, ids, seg))
     loss = lambda p, x, pos, seg: layer.apply(p, x, pos, seg).astype(jnp.float32).sum()  # noqa: E731
     sharding = jax.sharding.SingleDeviceSharding(device)
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (params, x, ids, ids))
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (params, x, ids, seg))
     return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args)
 
 
@@ -164,6 +166,51 @@ def test_cudnn_compiles_for_an_h100_and_auto_picks_it_when_supported():
     assert "__cudnn$fmha" in _layer_lowered(c, h100, None).as_text()  # auto via platform_dependent
     # No soft-cap in cuDNN: auto falls back to the einsum for Gemma 2's capped logits.
     assert "__cudnn$fmha" not in _layer_lowered(c.replace(attn_softcap=50.0), h100, mesh).as_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="needs the CUDA plugin (pip install 'jax[cuda12]') to compile for an H100")
+def test_cudnn_gets_the_causal_flag_and_a_mask_only_for_packed_rows():
+    """One segment per row (segment_ids None): cuDNN's causal flag alone, no [B, 1, T, T] bias operand
+    in the forward or the backward call (and no bias gradient); packed rows keep the bias."""
+    h100 = _h100()
+    mesh = shd.make_mesh(1, 1, 1, devices=[h100])
+    c = _lm_config(n_layers=1, sliding_window=0, attn_softcap=0.0, dtype="bfloat16", attention="cudnn")
+    for m in (mesh, None):
+        hlo = _layer_lowered(c, h100, m, packed=False).compile().as_text()
+        calls = _cudnn_calls(hlo)
+        assert [target for target, _ in calls] == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
+        assert all("1,256,256]" not in operands for _, operands in calls), calls
+        assert all('"mask_type": "CAUSAL"' in line for line in _cudnn_lines(hlo))
+    packed = _cudnn_calls(_layer_lowered(c, h100, mesh).compile().as_text())
+    assert [target for target, _ in packed] == ["__cudnn$fmhaScaleBiasSoftmax",
+                                                "__cudnn$fmhaScaleBiasSoftmaxBackward"], packed
+    assert all("bf16[1,1,256,256]" in operands for _, operands in packed), packed
+
+
+def _cudnn_lines(hlo: str) -> list[str]:
+    return [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$fmha' in line]
+
+
+def _cudnn_calls(hlo: str) -> list[tuple[str, str]]:
+    """(custom-call target, its operand shapes) of each cuDNN attention call in compiled HLO text."""
+    calls = []
+    for line in _cudnn_lines(hlo):
+        target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        operands = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", line)
+        calls.append((target, operands.group(1) if operands else line))
+    return calls
+
+
+def test_no_segment_ids_is_one_segment():
+    """segment_ids=None (rows that are not packed documents) gives exactly what ids of one segment give."""
+    q, k, v = qkv(2, 16, 4, 2, 8)
+    ones = jnp.zeros((2, 16), jnp.int32)
+    for window in (0, 5):
+        np.testing.assert_array_equal(xla_attention(q, k, v, None, scale=0.3, window=window),
+                                      xla_attention(q, k, v, ones, scale=0.3, window=window))
+        np.testing.assert_array_equal(attention(q, k, v, None, scale=0.3, window=window, implementation="auto"),
+                                      attention(q, k, v, ones, scale=0.3, window=window, implementation="auto"))
 
 
 def test_explicit_kernels_refuse_what_they_cannot_run():

@@ -1,6 +1,7 @@
 """Where a train step's time goes: a JAX profile or a torch Chrome trace, split into categories.
 
     python tools/profile_table.py PROFILE [PROFILE ...] [--hlo STEP_HLO.txt] [--json]
+    python tools/profile_table.py --hlo STEP_HLO.txt     # the compiled step's op counts alone (no profile)
 
 ``PROFILE``: a JAX profile (a ``.xplane.pb``, or a folder searched for one: ``jax.profiler.trace``'s
 ``<dir>/plugins/profile/<time>/<host>.xplane.pb``), or a torch profiler Chrome trace (``.json`` or
@@ -256,10 +257,13 @@ def table(splits: list[Split]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("profiles", nargs="+", help="a JAX .xplane.pb (or its folder) or a torch .json(.gz) trace")
+    ap.add_argument("profiles", nargs="*", help="a JAX .xplane.pb (or its folder) or a torch .json(.gz) trace")
     ap.add_argument("--hlo", help="the step's optimized HLO text: op_name paths for the JAX profile, op counts")
     ap.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     args = ap.parse_args(argv)
+    if not args.profiles and not args.hlo:
+        sys.exit("profile_table: nothing to read; give a profile (folder, .xplane.pb or .json(.gz) trace) "
+                 "and/or --hlo STEP_HLO.txt")
     for p in args.profiles + ([args.hlo] if args.hlo else []):
         if not os.path.exists(p):
             sys.exit(f"profile_table: {p} does not exist; give a profile folder, .xplane.pb or .json(.gz) trace")
@@ -269,7 +273,8 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps({"splits": [dataclasses.asdict(s) for s in splits], "hlo_counts": counts}))
         return
-    print(table(splits))
+    if splits:
+        print(table(splits))
     if counts:
         print(f"\nCompiled step's ops by category ({os.path.basename(args.hlo)}):\n")
         for category in CATEGORIES:
