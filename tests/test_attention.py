@@ -213,6 +213,28 @@ def test_no_segment_ids_is_one_segment():
                                       attention(q, k, v, ones, scale=0.3, window=window, implementation="auto"))
 
 
+def test_unpacked_rows_lose_nothing_without_segment_ids():
+    """Rows without document masking (segment 1, then 0 for the last row's padding, targets -1 there):
+    the train step passes no segment ids (``tieflax.train.step.attention_segments``), and the loss and
+    its gradients are exactly those the segment ids give, since causality already keeps the padding at
+    the end away from every real token."""
+    c = _lm_config(sliding_window=0, attn_softcap=0.0, n_layers=2)
+    model = TransformerLM(c)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 32)), jnp.int32)
+    valid = jnp.arange(32)[None, :] < jnp.asarray([[32], [20]])
+    segments = valid.astype(jnp.int32)
+    targets = jnp.where(valid, jnp.roll(tokens, -1, axis=1), -1)
+    params = model.init(jax.random.key(0), tokens)["params"]
+
+    def loss(p, seg):
+        per_token, _ = model.apply({"params": p}, tokens, targets, None, seg, method="loss")
+        return jnp.where(valid, per_token, 0.0).sum()
+
+    with_ids, without = jax.value_and_grad(loss)(params, segments), jax.value_and_grad(loss)(params, None)
+    jax.tree.map(np.testing.assert_array_equal, with_ids, without)
+
+
 def test_explicit_kernels_refuse_what_they_cannot_run():
     with pytest.raises(ConfigError, match="config.model.attention"):
         _lm_config(attention="flash")
