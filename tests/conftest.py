@@ -21,7 +21,9 @@ import pytest  # noqa: E402
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tieflax-test-jax-cache-")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# Every program, however quick to compile: the small ones (init, eval, data steps) recur in every CLI
+# subprocess, and caching them too took a tenth off test_run_identity.py's CPU time.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # The longest files first: with two workers taking a file at a time (setup.cfg), a long file started last
 # would leave one worker running alone at the end. Ordered by the seconds each file took in one whole-suite
@@ -39,12 +41,14 @@ _LONGEST_FILES_FIRST = ("test_train.py", "test_compare.py", "test_multiprocess_t
 # test in an otherwise fast file is named in SLOW_TESTS (its function name: every parametrisation).
 # tests/test_tiers.py checks that every name here still exists, so a rename cannot move a test silently.
 SLOW_FILES = frozenset({
-    "test_bucket_run.py", "test_clean_output.py", "test_compare.py", "test_compare_tasks.py",
-    "test_convert.py", "test_data_multiprocess.py", "test_eval_harness.py", "test_multiprocess_train.py",
-    "test_notebooks.py", "test_path_layer.py", "test_plan.py", "test_pod_launcher.py",
-    "test_prepare_settings.py", "test_prepare_stops.py", "test_reliability.py", "test_run_identity.py",
-    "test_slurm.py", "test_storage_deadline.py", "test_store_changes.py", "test_token_store.py",
-    "test_train.py", "test_train_observers.py", "test_user_errors.py",
+    "test_bucket_run.py", "test_checkpoint_outage.py", "test_clean_output.py", "test_compare.py",
+    "test_compare_tasks.py", "test_convert.py", "test_cross_entropy_gpu_benchmark.py",
+    "test_data_multiprocess.py", "test_eval_harness.py", "test_example_task.py", "test_extras_missing.py",
+    "test_gpu_step.py", "test_multiprocess_train.py", "test_notebooks.py", "test_path_layer.py",
+    "test_plan.py", "test_pod_launcher.py", "test_prepare_settings.py", "test_prepare_stops.py",
+    "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
+    "test_storage_deadline.py", "test_store_changes.py", "test_token_store.py", "test_train.py",
+    "test_train_observers.py", "test_user_errors.py",
 })
 SLOW_TESTS = {
     "test_attention.py": ("test_auto_picks_splash_when_compiled_for_a_tpu",),

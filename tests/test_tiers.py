@@ -29,3 +29,17 @@ def test_a_slow_file_marks_every_test_and_a_slow_test_only_itself():
     assert is_slow("test_flops.py", "test_a_training_log_carries_tflops_per_device")
     assert not is_slow("test_flops.py", "test_throughput_and_mfu")
     assert not is_slow("test_model.py", "test_a_training_log_carries_tflops_per_device")
+
+
+def test_every_file_that_starts_a_python_process_is_slow():
+    """A test file that starts a second Python (``sys.executable``: the CLI, a benchmark, a notebook kernel, a
+    fake host) pays its imports and compiles again: it belongs to the slow tier, whole or test by test."""
+    spawning = set()
+    for name in os.listdir(TESTS):
+        if name.startswith("test_") and name.endswith(".py") and name != os.path.basename(__file__):
+            with open(os.path.join(TESTS, name), encoding="utf-8") as f:
+                source = f.read()
+            if "sys.executable" in source and re.search(r"^def test_", source, re.M):
+                spawning.add(name)
+    fast = sorted(spawning - SLOW_FILES - set(SLOW_TESTS))
+    assert not fast, f"{fast} start a Python process but are in the fast tier: add them to SLOW_FILES (tests/conftest.py)"
