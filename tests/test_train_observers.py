@@ -342,3 +342,19 @@ def test_on_a_bucket_the_profile_and_the_wandb_files_are_copied_and_the_run_id_k
     assert ids[0] == ids[1]
     files = storage.walk_files(storage.join(run, "wandb"))
     assert len({f.split("/offline-run-")[1].split("/")[0] for f in files if "/offline-run-" in f}) == 2
+
+
+def test_tensorboard_writes_events_without_importing_torch(tmp_path):
+    """tensorboardX imports torch whenever it is installed; the tracker hides it for that import (1.4 s of CPU
+    in every training process) and torch stays importable afterwards."""
+    pytest.importorskip("torch")
+    code = ("import sys\n"
+            "from tieflax.run.trackers import TensorBoard\n"
+            "tb = TensorBoard(sys.argv[1]); tb.log(3, {'loss': 2.5}); tb.flush(); tb.close()\n"
+            "print('torch imported:', 'torch' in sys.modules)\n"
+            "import torch; print('then torch', torch.__version__)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch imported: False" in proc.stdout and "then torch" in proc.stdout, proc.stdout
+    assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*")), os.listdir(tmp_path)
