@@ -25,14 +25,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # subprocess, and caching them too took a tenth off test_run_identity.py's CPU time.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-# The longest files first: with two workers taking a file at a time (setup.cfg), a long file started last
+# The longest files first: with workers taking a file at a time (setup.cfg), a long file started last
 # would leave one worker running alone at the end. Ordered by the seconds each file took in one whole-suite
-# run (`--durations=0`, summed per file, on a loaded machine: relative figures).
-_LONGEST_FILES_FIRST = ("test_train.py", "test_compare.py", "test_multiprocess_train.py", "test_notebooks.py",
-                        "test_storage_deadline.py", "test_train_observers.py", "test_compare_tasks.py",
-                        "test_cross_entropy.py", "test_memory_options.py", "test_convert.py", "test_model.py",
-                        "test_pod_launcher.py", "test_analysis.py", "test_token_store.py", "test_decode.py",
-                        "test_scan.py", "test_eval_harness.py")
+# run (`--durations=0`, summed per file, 2026-12-04: relative figures).
+_LONGEST_FILES_FIRST = ("test_storage_deadline.py", "test_multiprocess_train.py", "test_memory_options.py",
+                        "test_pod_launcher.py", "test_train.py", "test_compare_tasks.py", "test_notebooks.py",
+                        "test_eval_harness.py", "test_gpu_step.py", "test_compare.py", "test_decode.py",
+                        "test_cross_entropy.py", "test_scan.py", "test_extras_missing.py", "test_model_loss.py",
+                        "test_train_observers.py", "test_store_changes.py", "test_run_identity.py",
+                        "test_model.py", "test_checkpoint_outage.py", "test_convert.py", "test_stop_together.py",
+                        "test_token_store.py", "test_plan.py", "test_path_layer.py", "test_bucket_run.py")
 
 # Tiers. `slow` marks what drives the CLI, trains a model, spawns processes (a second Python, a notebook
 # kernel, a test server's launcher) or compiles for a TPU topology; the rest is the fast tier,
