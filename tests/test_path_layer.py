@@ -37,7 +37,8 @@ FLAGGED_PREFIXES = ("shutil.",)
 # Methods of a pathlib.Path (flagged on ``Path(...).m()`` and on names bound to ``Path(...)``).
 PATH_METHODS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rmdir",
                 "exists", "is_file", "is_dir", "iterdir", "glob", "rglob", "rename", "replace", "touch"}
-LOCAL_LOCK = "the local branch of the workdir lock (remote: tieflax.lease through storage): O_EXCL and PIDs"
+LOCAL_LOCK = ("the local branch of the workdir lock (remote: tieflax.lease.Lease through storage): O_EXCL, "
+              "PIDs and the empty folder the lock made")
 LOCAL_PUBLISH = ("the local branch of writing a new workdir whole (remote: in place behind the incomplete "
                  "marker, through storage): a partial folder beside it, renamed over it")
 
@@ -74,9 +75,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tieflax/run/destinations.py", "partial_imports"): LOCAL_PUBLISH,
     ("tieflax/run/destinations.py", "publish"): LOCAL_PUBLISH,
     ("tieflax/run/destinations.py", "writing_new_workdir"): LOCAL_PUBLISH,
-    ("tieflax/run/lock.py", "_local_lock"): LOCAL_LOCK,
-    ("tieflax/run/lock.py", "_mtime"): LOCAL_LOCK,
-    ("tieflax/run/lock.py", "_read_lock"): LOCAL_LOCK,
+    ("tieflax/lease.py", "LockFile.acquire"): LOCAL_LOCK,
+    ("tieflax/lease.py", "LockFile.release"): LOCAL_LOCK,
+    ("tieflax/lease.py", "_mtime"): LOCAL_LOCK,
 }
 
 

@@ -1,5 +1,5 @@
 """One compare-and-set lease on any path of ``tieflax.storage``: the workdir's lock on a bucket and the
-token store's build lock are both this.
+token store's build lock are both this; and its local counterpart, a lock file (``LockFile``).
 
 On an object store there is no ``O_EXCL`` and no PID to check from another host. A lease is an object
 created only if absent (a generation precondition), rewritten every ``heartbeat_seconds`` by its holder
@@ -157,3 +157,72 @@ class Lease:
     def __exit__(self, *exc) -> None:
         if self._owned:
             self.release()
+
+
+class LockFile:
+    """The local counterpart of ``Lease``, with its interface (``acquire``, ``release``, ``lost``): the file
+    ``folder/name`` created with ``O_EXCL`` (exactly one creator) holding ``record`` (``holder_record()``).
+
+    A holder whose process is gone (same host: ``alive`` says so) is taken over, said on stderr naming
+    ``owner``; a live one is refused with ``refuse(holder, path)``, and ``refuse(None, path)`` when other
+    processes keep replacing the file. The folder is created for the lock and removed again on release when the lock
+    made it and it is left empty (a refused or failed command leaves no empty folder behind)."""
+
+    lost = None  # nobody takes a lock file over while its process lives (a lease can be taken over)
+
+    def __init__(self, folder: str, name: str, record: dict, *, refuse: Callable[[dict | None, str], Exception],
+                 owner: str):
+        self.folder, self.path, self.record, self.owner = folder, storage.join(folder, name), record, owner
+        self._refuse = refuse
+        self._created = False
+
+    def _holder(self) -> dict | None:
+        try:
+            holder = json.loads(storage.read_bytes(self.path))
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    def acquire(self) -> bool:
+        """True once this process created the file; False when it held it already (re-entrant)."""
+        self._created = not storage.exists(self.folder)
+        storage.makedirs(self.folder)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:  # being written this instant, or left empty by a crash
+                    if time.time() - _mtime(self.path) < 5:
+                        time.sleep(0.5)
+                        continue
+                elif holder.get("host") == self.record["host"] and holder.get("pid") == self.record["pid"]:
+                    return False  # this process holds it already (a command calling another)
+                elif alive(holder):
+                    raise self._refuse(holder, self.path) from None
+                what = "an unreadable lock" if holder is None else (
+                    f"the stale lock of PID {holder.get('pid')} (`tieflax {holder.get('command')}`, no longer "
+                    "running)")
+                print(f"tieflax: {self.owner}: taking over {what}", file=sys.stderr, flush=True)
+                storage.delete(self.path)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.record, f)
+            return True
+        raise self._refuse(None, self.path)
+
+    def release(self) -> None:
+        """Removes the file while it is still this process's, then the folder if the lock made it."""
+        holder = self._holder()
+        if holder and holder.get("pid") == self.record["pid"] and holder.get("host") == self.record["host"]:
+            storage.delete(self.path)
+        if self._created:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.folder)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0

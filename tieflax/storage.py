@@ -269,6 +269,36 @@ def read_text(path: str) -> str:
     return read_bytes(path).decode("utf-8")
 
 
+def read_many(paths: list[str]) -> list[bytes | None]:
+    """Each file's/object's whole content, None where it is absent, in the order given. On an object store
+    the reads go out together and are awaited together (one round trip's wait for a record of small
+    objects, not one per object), within one deadline; a failure names the first remote path."""
+    remote = [p for p in paths if is_remote(p)]
+
+    def read():
+        futures = []
+        for p in remote:  # every request is sent before the first answer is awaited
+            store, key = _bucket_store(p)
+            futures.append((p, store.read(key)))
+        found = {}
+        for p, future in futures:
+            r = _wait(future)
+            found[p] = None if r.state == "missing" else bytes(r.value)
+        return found
+    got = _remote(remote[0], "read", read) if remote else {}
+    out = []
+    for p in paths:
+        if is_remote(p):
+            out.append(got[p])
+            continue
+        try:
+            with open(p, "rb") as f:
+                out.append(f.read())
+        except FileNotFoundError:
+            out.append(None)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- writes
 
 def write_bytes(path: str, data: bytes) -> None:

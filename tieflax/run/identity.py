@@ -42,9 +42,8 @@ import ml_collections
 from tieflax import storage
 from tieflax.config import default_config
 from tieflax.errors import UserError
-from tieflax.run import layout
 from tieflax.run.layout import (CHECKPOINT_DIR, CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE,
-                                LEGACY_METRICS_FILE, METRICS_DIR, WorkdirError)
+                                INITIAL_PARAMS_DIR, LEGACY_METRICS_FILE, METRICS_DIR, WorkdirError)
 
 # Fields that do not change a run's results: logging and checkpoint cadence, where files live, how the
 # data is read, memory/kernel switches that recompute the same function. The mesh and the process count
@@ -115,7 +114,7 @@ def _shown(diff: dict[str, tuple], limit: int = 8) -> str:
 
 def has_trained(workdir: str) -> bool:
     """True once the run has trained a step: it has checkpoints or logged metrics."""
-    return any(storage.exists(layout.path(workdir, n)) for n in (CHECKPOINT_DIR, METRICS_DIR, LEGACY_METRICS_FILE))
+    return _read_record(workdir).trained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,23 +157,24 @@ def check_resume(workdir: str, config: ml_collections.ConfigDict, *, allow_chang
     becomes a new entry from the last checkpoint, ``Resume.restart``). ``data_next``: the caller calls
     ``check_data`` next, which then names refused fields and changed data in one line."""
     check_allow_change(config, allow_change)
+    found = _read_record(workdir)  # the record read once; everything below checks this snapshot
     try:
-        saved = load_workdir_config(workdir)
+        saved = _config_in_force(workdir, found)
     except NotARun:
         return Resume(fresh=True, changed={})
     except RecordBroken as e:
         if not allow_change:
             raise
-        best = _best_effort_config(workdir)
+        best = _best_effort_config(found)
         diff = changed_fields(best, config) if best is not None else {}
         return Resume(fresh=False, changed=diff, allow_change=tuple(allow_change), restart=str(e))
     diff = changed_fields(saved, config)
     if not diff:
         return Resume(fresh=False, changed={}, allow_change=tuple(allow_change))
-    trained = has_trained(workdir)
+    trained = found.trained
     refused = {k: v for k, v in diff.items() if not _allowed(k, allow_change) and (trained or k.startswith("model."))}
     if refused:
-        where = layout.path(workdir)
+        where = workdir
         if trained:
             fix = (f"rerun without these settings to resume it as it is (`tieflax {command} --workdir {where}` "
                    "alone reads its config), train them in a new --workdir, or pass "
@@ -204,7 +204,7 @@ def check_data(workdir: str, data: dict, resume: Resume) -> None:
         f"data ({k})": (saved.get(k), data.get(k)) for k in ("source", "store", "key", "tokenizer")
         if saved.get(k) != data.get(k)}
     if diff and not consent:
-        line = (f"{layout.path(workdir)} was trained on other data (saved -> now: {_shown(diff)}): "
+        line = (f"{workdir} was trained on other data (saved -> now: {_shown(diff)}): "
                 "point data.* at the data it trained on, train in a new --workdir, or pass "
                 f"{ALLOW_CHANGE_FLAG} data to go on with this data (recorded in {CONFIG_HISTORY_DIR}/)")
         raise RunChanged(f"{resume.refused}; and {line}" if resume.refused else line)
@@ -222,7 +222,7 @@ def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: 
         return
     if resume.fresh:
         save_config(workdir, config, claim=True)
-    data_path = layout.path(workdir, DATA_RECORD_FILE)
+    data_path = storage.join(workdir, DATA_RECORD_FILE)
     if resume.restart is None and not storage.is_file(data_path):  # a run from before data records
         storage.create_new(data_path, json.dumps(data, indent=1, sort_keys=True).encode())
     if resume.restart is None:
@@ -247,8 +247,8 @@ def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: 
     else:
         entry["previous"] = in_force(workdir)["files"]
     text = json.dumps(entry, indent=1, sort_keys=True).encode()
-    if not storage.create_new(layout.path(workdir, CONFIG_HISTORY_DIR, f"{n}.json"), text):
-        raise WorkdirError(f"{layout.path(workdir, CONFIG_HISTORY_DIR, f'{n}.json')} was written by another "
+    if not storage.create_new(storage.join(workdir, CONFIG_HISTORY_DIR, f"{n}.json"), text):
+        raise WorkdirError(f"{storage.join(workdir, CONFIG_HISTORY_DIR, f'{n}.json')} was written by another "
                            "command at the same time: only one command may continue a run")
 
 
@@ -275,24 +275,21 @@ def _fix() -> str:
 
 @dataclasses.dataclass
 class _Found:
-    """The record's files as read: bytes by name relative to the run, entries by number, the newest
-    checkpoint's step and what it names (None: no checkpoint, or one saved before the chain)."""
+    """One snapshot of the run's record, read in one place (``_read_record``) and checked as it stands:
+    the files' bytes by name relative to the run, entries by number, the newest checkpoint's step and what
+    it names (None: no checkpoint, or one saved before the chain), and what training left behind."""
     files: dict
     entries: dict
     damaged: dict  # name -> why, for files that do not parse
     claimed_step: int | None = None
     claim: dict | None = None
+    paths: dict = dataclasses.field(default_factory=dict)  # name -> where it was read (or looked for)
+    trained: bool = False  # checkpoints/ or metrics exist: the run has trained a step (``has_trained``)
+    left_steps: bool = False  # a checkpoint step, a metrics segment or file, or initial parameters
 
     @property
     def claimed_entry(self) -> int | None:
         return self.claim.get("entry") if isinstance(self.claim, dict) else None
-
-
-def _read_optional(path: str) -> bytes | None:
-    try:
-        return storage.read_bytes(path)
-    except FileNotFoundError:
-        return None
 
 
 def _parse(raw: bytes) -> tuple[dict | None, str | None]:
@@ -305,46 +302,47 @@ def _parse(raw: bytes) -> tuple[dict | None, str | None]:
     return (value, None) if isinstance(value, dict) else (None, "holds no JSON object")
 
 
-def _newest_checkpoint_claim(workdir: str) -> tuple[int | None, dict | None]:
-    """``(step, record)`` of the newest checkpoint whose orbax metadata reads; the record is None for a
-    checkpoint saved before the chain."""
-    folder = layout.path(workdir, CHECKPOINT_DIR)
-    for step in sorted((int(n.rstrip("/")) for n in storage.listdir(folder) if n.rstrip("/").isdigit()),
-                       reverse=True):
-        raw = _read_optional(storage.join(folder, str(step), CHECKPOINT_METADATA_FILE))
-        meta = _parse(raw)[0] if raw is not None else None
-        if meta is not None:
-            return step, (meta.get("custom_metadata") or {}).get(RECORD_KEY)
-    return None, None
-
-
 def _read_record(workdir: str) -> _Found:
-    found = _Found(files={}, entries={}, damaged={})
-    for name in (CONFIG_FILE, DATA_RECORD_FILE):
-        raw = _read_optional(layout.path(workdir, name))
+    """The record of ``workdir`` (resolved) read once: every listing and file a check needs, the files
+    of the record together (``storage.read_many``: one wait on gs://, not one per object); then parsed.
+    Nothing after this reads the run again: the checks work on the snapshot."""
+    listed = [storage.listdir(storage.join(workdir, d)) for d in (CONFIG_HISTORY_DIR, CHECKPOINT_DIR, METRICS_DIR)]
+    history, checkpoints, segments = listed
+    names = [CONFIG_FILE, DATA_RECORD_FILE] + [f"{CONFIG_HISTORY_DIR}/{n}.json" for n in sorted(
+        int(x.removesuffix(".json")) for x in history if x.endswith(".json") and x.removesuffix(".json").isdigit())]
+    found = _Found(files={}, entries={}, damaged={}, paths={name: storage.join(workdir, name) for name in names})
+    for name, raw in zip(names, storage.read_many([found.paths[name] for name in names])):
         if raw is not None:
             found.files[name] = raw
-            value, why = _parse(raw)
-            if why:
-                found.damaged[name] = why
-    folder = layout.path(workdir, CONFIG_HISTORY_DIR)
-    for n in sorted(int(x.removesuffix(".json")) for x in storage.listdir(folder)
-                    if x.endswith(".json") and x.removesuffix(".json").isdigit()):
-        raw = _read_optional(storage.join(folder, f"{n}.json"))
-        if raw is None:
-            continue
-        found.files[_entry_name(n)] = raw
+    steps = sorted((int(n.rstrip("/")) for n in checkpoints if n.rstrip("/").isdigit()), reverse=True)
+    for step in steps:  # the newest checkpoint whose orbax metadata reads; None: saved before the chain
+        raw = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(step), CHECKPOINT_METADATA_FILE)])[0]
+        try:
+            meta = json.loads(raw) if raw is not None else None
+        except ValueError:  # not JSON, or not text: an unreadable step, as orbax finds it
+            meta = None
+        if isinstance(meta, dict):
+            found.claimed_step, found.claim = step, (meta.get("custom_metadata") or {}).get(RECORD_KEY)
+            break
+    legacy_metrics = storage.is_file(storage.join(workdir, LEGACY_METRICS_FILE))
+    # An empty local checkpoints/ or metrics/ folder counts as trained, as it always has; remotely a
+    # prefix exists once it holds an object, which its listing says.
+    found.trained = bool(checkpoints or segments or legacy_metrics) or (not storage.is_remote(workdir) and any(
+        storage.exists(storage.join(workdir, d)) for d in (CHECKPOINT_DIR, METRICS_DIR)))
+    # An empty checkpoints/ folder, made before a first run failed, is not a trained run.
+    found.left_steps = bool(steps or segments or legacy_metrics) or (
+        CONFIG_FILE not in found.files and storage.exists(storage.join(workdir, INITIAL_PARAMS_DIR)))
+    for name, raw in found.files.items():
         value, why = _parse(raw)
         if why:
-            found.damaged[_entry_name(n)] = why
-        else:
-            found.entries[n] = value
-    found.claimed_step, found.claim = _newest_checkpoint_claim(workdir)
+            found.damaged[name] = why
+        elif name.startswith(CONFIG_HISTORY_DIR):
+            found.entries[int(name.split("/")[1].removesuffix(".json"))] = value
     return found
 
 
 def _broken(workdir: str, name: str, what: str) -> RecordBroken:
-    return RecordBroken(f"{layout.path(workdir, name)} {what}: {_fix()}")
+    return RecordBroken(f"{storage.join(workdir, name)} {what}: {_fix()}")
 
 
 def _check_named(workdir: str, found: _Found, named: dict, by: str) -> None:
@@ -366,20 +364,24 @@ def verify_record(workdir: str) -> list[dict]:
     first, from the newest restart on). Raises NotARun when the folder holds no run, RecordBroken naming
     the file when one is missing, damaged or edited (config.json missing from a run that has trained
     included: that is not a fresh run). Links written before the chain are accepted, said once."""
-    found = _read_record(workdir)
+    return _verified(workdir, _read_record(workdir))
+
+
+def _verified(workdir: str, found: _Found) -> list[dict]:
+    """``verify_record`` of a snapshot (``_read_record``): pure, nothing is read."""
     numbers = sorted(set(found.entries) | {int(n.split("/")[1].removesuffix(".json")) for n in found.damaged
                                            if n.startswith(CONFIG_HISTORY_DIR)})
     restarts = [n for n in numbers if n in found.entries and "restarted" in found.entries[n]]
     first = restarts[-1] if restarts else 1
     if not restarts:
         if CONFIG_FILE not in found.files:
-            if _left_steps(workdir):
+            if found.left_steps:
                 raise _broken(workdir, CONFIG_FILE, "is missing, yet the run has trained (checkpoints or "
                               "metrics): it is not a fresh run")
             if not numbers:
-                path = layout.path(workdir, CONFIG_FILE)
-                raise NotARun(2, f"{path} does not exist: {layout.path(workdir)} is not a tieflax run (train "
-                                 "into it with --config first, or save_initial_params there)", path)
+                path = found.paths[CONFIG_FILE]
+                raise NotARun(2, f"{path} does not exist: {workdir} is not a tieflax run (train into it with "
+                                 "--config first, or save_initial_params there)", path)
         for name in (CONFIG_FILE, DATA_RECORD_FILE):
             if name in found.damaged:
                 raise _broken(workdir, name, f"is {found.damaged[name]}")
@@ -404,22 +406,11 @@ def verify_record(workdir: str) -> list[dict]:
             _check_named(workdir, found, found.claim.get("files", {}), by)
             if found.claimed_entry and found.claimed_entry not in found.entries:
                 raise _broken(workdir, _entry_name(found.claimed_entry), f"is missing ({by} names it)")
-    where = layout.path(workdir)
-    if legacy and where not in _LEGACY_SAID:
-        _LEGACY_SAID.add(where)
+    if legacy and workdir not in _LEGACY_SAID:
+        _LEGACY_SAID.add(workdir)
         log.warning("%s was written before the run's record carried digests (%s): its record is trusted as it "
-                    "is; checkpoints saved from now on name it", where, ", ".join(legacy))
+                    "is; checkpoints saved from now on name it", workdir, ", ".join(legacy))
     return [found.entries[n] for n in range(first, (numbers[-1] if numbers else 0) + 1)]
-
-
-def _left_steps(workdir: str) -> bool:
-    """True when training left something behind: a checkpoint step, a metrics segment or file, initial
-    parameters (an empty checkpoints/ folder, made before a first run failed, is not a trained run)."""
-    if any(n.rstrip("/").isdigit() for n in storage.listdir(layout.path(workdir, CHECKPOINT_DIR))):
-        return True
-    if storage.listdir(layout.path(workdir, METRICS_DIR)) or storage.is_file(layout.path(workdir, LEGACY_METRICS_FILE)):
-        return True
-    return storage.exists(layout.path(workdir, layout.INITIAL_PARAMS_DIR))
 
 
 def in_force(workdir: str) -> dict:
@@ -433,9 +424,8 @@ def in_force(workdir: str) -> dict:
                                   if name in found.files}}
 
 
-def _best_effort_config(workdir: str) -> ml_collections.ConfigDict | None:
-    """The newest config that still reads (a broken record's), for naming what a restart changes."""
-    found = _read_record(workdir)
+def _best_effort_config(found: _Found) -> ml_collections.ConfigDict | None:
+    """The newest config that still reads in a broken record, for naming what a restart changes."""
     for n in sorted(found.entries, reverse=True):
         if isinstance(found.entries[n].get("config"), dict):
             return _completed(found.entries[n]["config"])
@@ -468,11 +458,15 @@ def history_lines(workdir: str) -> list[str]:
 def read_data_record(workdir: str) -> dict | None:
     """The data record in force: the newest history entry's, else ``data.json``'s; None for runs written
     before data records."""
-    entries = history(workdir)
+    found = _read_record(workdir)
+    try:
+        entries = _verified(workdir, found)
+    except NotARun:
+        entries = []
     if entries:
         return entries[-1]["data"]
-    path = layout.path(workdir, DATA_RECORD_FILE)
-    return json.loads(storage.read_text(path)) if storage.is_file(path) else None
+    raw = found.files.get(DATA_RECORD_FILE)
+    return json.loads(raw) if raw is not None else None
 
 
 class NotARun(UserError, FileNotFoundError):
@@ -489,7 +483,7 @@ def save_config(workdir: str, config: ml_collections.ConfigDict, *, claim: bool 
     create-only precondition), so two runs cannot both claim one prefix; the loser gets WorkdirError.
     An existing config.json (a resume, checked against this config before) is replaced whole.
     """
-    path = layout.path(workdir, CONFIG_FILE)
+    path = storage.join(workdir, CONFIG_FILE)
     if jax.process_index() == 0:
         text = config.to_json_best_effort(indent=2, sort_keys=True).encode("utf-8")
         if not claim or storage.is_file(path):
@@ -505,13 +499,18 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     with today's defaults for fields added since, once the record holds (``verify_record``). Raises
     NotARun (a FileNotFoundError and a UserError) when the folder holds no run, RecordBroken naming the
     file when the record is broken."""
-    entries = verify_record(workdir)
+    return _config_in_force(workdir, _read_record(workdir))
+
+
+def _config_in_force(workdir: str, found: _Found) -> ml_collections.ConfigDict:
+    """``load_workdir_config`` of a snapshot (``_read_record``): pure, nothing is read."""
+    entries = _verified(workdir, found)
     if entries:
         saved = entries[-1].get("config")
         if not isinstance(saved, dict):
             raise _broken(workdir, _entry_name(entries[-1].get("number", len(entries))), "holds no config")
         return _completed(saved)
-    return _completed(json.loads(storage.read_text(layout.path(workdir, CONFIG_FILE))))
+    return _completed(json.loads(found.files[CONFIG_FILE]))
 
 
 def _completed(saved: dict) -> ml_collections.ConfigDict:

@@ -11,10 +11,6 @@ lock is a lease object kept alive by a heartbeat (``tieflax.lease``).
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import sys
-import time
 
 from tieflax import lease, storage
 from tieflax.run.layout import LOCK_FILE, WorkdirError, check_location
@@ -22,19 +18,11 @@ from tieflax.run.layout import LOCK_FILE, WorkdirError, check_location
 __all__ = ["Held", "WorkdirError", "hold", "workdir_lock", "workdir_lock_single"]
 
 
-def _read_lock(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 class Held:
     """What ``workdir_lock`` yields: ``check()`` raises WorkdirError once the lease was lost (another
     process took it over after missing heartbeats); a local lock cannot be lost, so it never raises."""
 
-    def __init__(self, held: "lease.Lease | None" = None):
+    def __init__(self, held: "lease.Lease | lease.LockFile | None" = None):
         self._lease = held
 
     def check(self) -> None:
@@ -62,22 +50,8 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
 @contextlib.contextmanager
 def hold(workdir: str, command: str, *, enabled: bool = True):
     """``workdir_lock`` for a workdir already resolved and checked (``tieflax.run.run.Run.open`` does
-    both once)."""
-    import jax  # noqa: PLC0415
-
-    if jax.process_count() > 1:
-        with _agreed_lock(workdir, command, enabled) as held:
-            yield held
-    elif not enabled:
-        yield Held()
-    else:
-        with _take(workdir, command) as held:
-            yield held
-
-
-@contextlib.contextmanager
-def _agreed_lock(workdir: str, command: str, enabled: bool):
-    """Process 0 tries the lock; every process learns the outcome before any of them writes."""
+    both once). Process 0 (``enabled``) tries the lock; every process learns the outcome before any of them
+    writes (``distributed.first_failure``; a job of one process just takes it)."""
     from tieflax import distributed  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:
@@ -87,10 +61,12 @@ def _agreed_lock(workdir: str, command: str, enabled: bool):
             try:
                 held = stack.enter_context(_take(workdir, command))
             except WorkdirError as e:
-                error = str(e)
-        error = distributed.first_failure(error, "workdir-lock")
+                error = e
+        failure = distributed.first_failure(None if error is None else str(error), "workdir-lock")
         if error is not None:
-            raise WorkdirError(error)
+            raise error
+        if failure is not None:
+            raise WorkdirError(failure)
         yield held
 
 
@@ -101,66 +77,38 @@ def workdir_lock_single(workdir: str, command: str):
     return _take(workdir, command)
 
 
+@contextlib.contextmanager
 def _take(workdir: str, command: str):
-    """The lock of a resolved, checked workdir: a lease object on gs:// and s3://, else a lock file."""
-    return _remote_lock(workdir, command) if storage.is_remote(workdir) else _local_lock_held(workdir, command)
-
-
-@contextlib.contextmanager
-def _local_lock_held(workdir: str, command: str):
-    with _local_lock(workdir, command):
-        yield Held()
-
-
-@contextlib.contextmanager
-def _local_lock(workdir: str, command: str):
-    created = not os.path.exists(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, LOCK_FILE)
+    """The lock of a resolved, checked workdir, taken in one place for both kinds of store: a lease object
+    on gs:// and s3:// (``tieflax.lease.Lease``, kept alive by a heartbeat), else a lock file
+    (``tieflax.lease.LockFile``). Both are acquired and released alike; ``acquire`` False means this
+    process holds the lock already (a command calling another): the outer holder releases it."""
     me = _me(command)
-    owned = False
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _read_lock(path)
-            if holder is None:  # being written this instant, or left empty by a crash
-                if time.time() - _mtime(path) < 5:
-                    time.sleep(0.5)
-                    continue
-            elif holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
-                break  # this process holds it already (a command calling another)
-            elif lease.alive(holder):
-                raise WorkdirError(_in_use(workdir, holder) + f"; if that process is gone, delete {path}") from None
-            what = "an unreadable lock" if holder is None else (
-                f"the stale lock of PID {holder.get('pid')} (`tieflax {holder.get('command')}`, no longer "
-                "running)")
-            print(f"tieflax: {workdir}: taking over {what}", file=sys.stderr, flush=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            continue
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(me, f)
-        owned = True
-        break
+    refuse = _refuse_lease(workdir) if storage.is_remote(workdir) else _refuse_lock(workdir)
+    if storage.is_remote(workdir):
+        storage.check_writable(workdir)
+        lock = lease.Lease(storage.join(workdir, LOCK_FILE), me, owner=workdir, refuse=refuse)
     else:
-        raise WorkdirError(f"could not take the lock {path}: another process keeps replacing it; delete it "
-                           "once no tieflax command runs in that folder")
+        lock = lease.LockFile(workdir, LOCK_FILE, me, owner=workdir, refuse=refuse)
+    owned = lock.acquire()
     try:
-        yield
+        yield Held(lock if owned else None)
     finally:
         if owned:
-            holder = _read_lock(path)
-            if holder and holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-            if created:  # a refused or failed command leaves no empty folder behind
-                with contextlib.suppress(OSError):
-                    os.rmdir(workdir)
+            lock.release()
 
 
 def _me(command: str) -> dict:
     return lease.holder_record(command=command)
+
+
+def _refuse_lock(workdir: str):
+    def refuse(holder: dict | None, path: str) -> WorkdirError:
+        if holder is None:
+            return WorkdirError(f"could not take the lock {path}: another process keeps replacing it; delete it "
+                                "once no tieflax command runs in that folder")
+        return WorkdirError(_in_use(workdir, holder) + f"; if that process is gone, delete {path}")
+    return refuse
 
 
 def _refuse_lease(workdir: str):
@@ -174,23 +122,3 @@ def _refuse_lease(workdir: str):
 def _in_use(workdir: str, holder: dict) -> str:
     return (f"{workdir} is in use by `tieflax {holder.get('command')}` (host {holder.get('host')}, "
             f"PID {holder.get('pid')}, since {holder.get('since')}): wait for it to finish or stop it")
-
-
-@contextlib.contextmanager
-def _remote_lock(workdir: str, command: str):
-    me, refuse = _me(command), _refuse_lease(workdir)
-    storage.check_writable(workdir)
-    held = lease.Lease(storage.join(workdir, LOCK_FILE), me, owner=workdir, refuse=refuse)
-    owned = held.acquire()
-    try:
-        yield Held(held if owned else None)
-    finally:
-        if owned:
-            held.release()
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.path.getmtime(path)
-    except OSError:
-        return 0.0
