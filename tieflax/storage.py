@@ -108,8 +108,8 @@ def join(base: str, *parts: str) -> str:
 
 
 def name(path: str) -> str:
-    """The last component (``basename``)."""
-    return path.rstrip("/").rsplit("/", 1)[-1] if is_remote(path) else os.path.basename(path)
+    """The last component (``basename``); a trailing slash is no component."""
+    return path.rstrip("/").rsplit("/", 1)[-1] if is_remote(path) else os.path.basename(path.rstrip(os.sep) or path)
 
 
 def parent(path: str) -> str:
@@ -121,10 +121,12 @@ def parent(path: str) -> str:
 
 
 def bucket_and_key(path: str) -> tuple[str, str, str]:
-    """``(scheme, bucket, key)`` of a remote URL; key '' for the bucket itself."""
+    """``(scheme, bucket, key)`` of a remote URL; key '' for the bucket itself. The key as ``resolve`` would
+    write it (no empty parts: ``gs://b/run/`` and ``gs://b//run`` name ``run``), so every remote call
+    takes a URL as the user typed it."""
     scheme, rest = path.split("://", 1)
     bucket, _, key = rest.partition("/")
-    return scheme, bucket, key
+    return scheme, bucket, "/".join(p for p in key.split("/") if p)
 
 
 def forget_listings(path: str) -> None:
@@ -232,18 +234,23 @@ def walk_files(path: str) -> list[str]:
 
 
 def glob(pattern: str) -> list[str]:
-    """Files matching ``pattern`` (``*``, ``?``, ``[...]``, ``**``), sorted, as paths of the same kind.
-    Remotely ``*`` may also cross '/'."""
+    """Files matching ``pattern`` (``*``, ``?``, ``[...]``, ``**``), sorted, as paths of the same kind
+    (remotely canonical URLs: a malformed one is refused). Remotely ``*`` may also cross '/'. A literal
+    path matches itself when it is a file (remotely also where listing is not allowed)."""
     if not is_remote(pattern):
         import glob as _glob  # noqa: PLC0415
 
         return sorted(p for p in _glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+    pattern = resolve(pattern)
     scheme, bucket, key = bucket_and_key(pattern)
     literal = key.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]
     base = literal.rsplit("/", 1)[0] if "/" in literal else ""
     # One listing of the literal prefix, then the pattern applied here.
     keys = _remote(pattern, "list", lambda: _keys_under(f"{scheme}://{bucket}/{base}"))
-    return [f"{scheme}://{bucket}/{k}" for k in keys if fnmatch.fnmatchcase(k, key)]
+    found = [f"{scheme}://{bucket}/{k}" for k in keys if fnmatch.fnmatchcase(k, key)]
+    if not found and literal == key and is_file(pattern):
+        found = [pattern]
+    return found
 
 
 def _read_remote(path: str) -> bytes | None:

@@ -30,7 +30,7 @@ ON_INTERRUPT = ("the lock is released and nothing half-written is left: the dest
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face folder (config.json + safetensors)")
+    mode.add_argument("--from-hf", metavar="DIR", type=location, help="import a Hugging Face folder (config.json + safetensors)")
     mode.add_argument("--to-hf", action="store_true", help="export --workdir's latest parameters to --out")
     mode.add_argument("--untie", action="store_true", help="untie --workdir's model into --out")
     mode.add_argument("--tie", choices=("input", "output", "mean"),

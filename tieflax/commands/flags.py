@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from tieflax import storage
 from tieflax.errors import UserError
 
 
@@ -49,10 +50,16 @@ def non_negative_number(text: str) -> float:
 
 
 def location(text: str) -> str:
-    """A folder or URL that is not empty (an empty ``--out`` would mean the current folder)."""
+    """A folder or URL, canonical (``storage.resolve``: an absolute local path, or a URL without a trailing
+    slash), once, where the command line enters: every layer below takes it as it is. Refused: an empty one
+    (it would mean the current folder), and one that would be taken for a local folder by mistake
+    (``gs:/b``, ``http://``...)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a folder, gs://bucket/prefix or s3://bucket/prefix")
-    return text
+    try:
+        return storage.resolve(text)
+    except storage.StorageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class OverridesNotRead(UserError, ValueError):

@@ -54,7 +54,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
     if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         raise DataError(f"--shard-mb {args.shard_mb:g}: give the MiB of text per input shard, a number > 0 "
                         "(default 8)")
-    out = storage.resolve(args.out)
+    out = args.out  # canonical: flags.location
     if is_run(out):
         raise DataError(f"--out {out} is a tieflax run folder (its config with checkpoints, parameters, metrics "
                         "or a lock): a token store needs a folder of its own; choose another --out")

@@ -115,12 +115,10 @@ def expand_paths(patterns: list[str]) -> list[str]:
     out: list[str] = []
     for pattern in patterns:
         if storage.is_remote(str(pattern)):
-            try:
-                matches = storage.glob(storage.resolve(str(pattern)))
+            try:  # canonical URLs; a literal path matches itself when it is a file (storage.glob)
+                matches = storage.glob(str(pattern))
             except storage.StorageError as e:
                 raise DataError(f"data.files.paths entry {pattern!r}: {e}") from None
-            if not matches and not any(ch in str(pattern) for ch in "*?["):
-                matches = [storage.resolve(str(pattern))] if storage.is_file(str(pattern)) else []
         else:
             # storage.glob: files only, ``**`` recursive; a literal path matches itself when it is a file.
             matches = [str(Path(m)) for m in storage.glob(os.path.expanduser(str(pattern)))]

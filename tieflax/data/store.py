@@ -441,6 +441,29 @@ def le_bytes(x: np.ndarray) -> bytes:
     return np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes()
 
 
+# What a token store's folder holds (this module, store_build.py), and the temporary names of its writes.
+STORE_NAMES = frozenset({"manifest.json", "build.json", "inputs.json", "tokenizer.json", "parts", "ledger",
+                         *SPLITS, "lock.json"})
+_STORE_TEMPORARY = re.compile(r"lock-\d+-of-\d+\.json|\..+\.tmp|\.tieflax-write-probe-\d+")
+
+
+def check_store_folder(out: str) -> str:
+    """Before any work: ``out`` canonical (``storage.resolve``: the name every part of a build writes
+    under), new, empty or a token store (finished or not); a malformed URL, a file, or a folder holding
+    anything a store does not (a run, a corpus, other files), is refused naming it."""
+    try:
+        out = storage.resolve(out)
+    except storage.StorageError as e:
+        raise DataError(str(e)) from None
+    if not storage.is_remote(out) and storage.exists(out) and not storage.is_dir(out):
+        raise DataError(f"--out {out} is a file, not a folder: give the token store a folder of its own")
+    other = [n for n in storage.listdir(out) if n not in STORE_NAMES and not _STORE_TEMPORARY.fullmatch(n)]
+    if other:
+        raise DataError(f"--out {out} holds {other[0]!r}, which a token store does not: give the store a new or "
+                        "empty folder of its own (or the folder of the store this command started)")
+    return out
+
+
 def open_store(path: str) -> TokenStore:
     """The committed store at ``path`` (see :func:`read_manifest` for the refusals)."""
     try:
@@ -531,7 +554,7 @@ def open_store_dataset(c, workdir: str, *, vocab_size: int):
         raise DataError(f"token store {store.path}: tokenizer.json does not match manifest.json's digest; "
                         "the store is damaged: delete it and prepare it again")
     if c.tokenizer.path:
-        with storage.local_copy(storage.resolve(c.tokenizer.path)) as local:
+        with storage.local_copy(c.tokenizer.path) as local:
             given = tokenizer_lib.load_tokenizer(local)
         if tokenizer_lib.tokenizer_digest(given) != m["tokenizer_digest"]:
             raise DataError(f"token store {store.path} was made with another tokenizer than "

@@ -144,11 +144,7 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
     if not finalize_only:   # a finalize reads the recorded settings, not the config's data section
         _check_config(c)
     say = progress or (lambda text: None)
-    try:
-        out = storage.resolve(out)
-    except storage.StorageError as e:
-        raise DataError(str(e)) from None
-    check_store_folder(out)
+    out = st.check_store_folder(out)
     started = _started_settings(out)
     finished = storage.is_file(st.manifest_path(out))
     if finalize_only:
@@ -215,23 +211,6 @@ def _check_config(c) -> None:
         expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
 
 
-# What a token store's folder holds (store.py, this module), and the temporary names of its writes.
-STORE_NAMES = frozenset({"manifest.json", "build.json", "inputs.json", "tokenizer.json", "parts", "ledger",
-                         *st.SPLITS, "lock.json"})
-_STORE_TEMPORARY = re.compile(r"lock-\d+-of-\d+\.json|\..+\.tmp|\.tieflax-write-probe-\d+")
-
-
-def check_store_folder(out: str) -> None:
-    """Before any work: ``out`` is new, empty or a token store (finished or not); a file, or a folder
-    holding anything a store does not (a run, a corpus, other files), is refused naming it."""
-    if not storage.is_remote(out) and storage.exists(out) and not storage.is_dir(out):
-        raise DataError(f"--out {out} is a file, not a folder: give the token store a folder of its own")
-    other = [n for n in storage.listdir(out) if n not in STORE_NAMES and not _STORE_TEMPORARY.fullmatch(n)]
-    if other:
-        raise DataError(f"--out {out} holds {other[0]!r}, which a token store does not: give the store a new or "
-                        "empty folder of its own (or the folder of the store this command started)")
-
-
 def _given_or_stored_tokenizer(c, out: str):
     """Read-only: the given tokenizer (a store started with another is refused), else the store's copy,
     else None (a BPE is still to be trained)."""
@@ -240,7 +219,7 @@ def _given_or_stored_tokenizer(c, out: str):
     path = storage.join(out, "tokenizer.json")
     existing = storage.read_text(path) if storage.is_file(path) else None
     if c.tokenizer.path:
-        with storage.local_copy(storage.resolve(c.tokenizer.path)) as local:
+        with storage.local_copy(c.tokenizer.path) as local:
             given = tokenizer_lib.load_tokenizer(local)
         if existing is not None and Tokenizer.from_str(existing).to_str() != given.to_str():
             raise DataError(f"token store {out} was started with another tokenizer than "

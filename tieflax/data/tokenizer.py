@@ -88,7 +88,7 @@ def save_tokenizer(tok: Tokenizer, path) -> None:
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a ``tokenizer.json`` (ours, or a published one such as Llama-3's; local or on a
     bucket), read through ``tieflax.storage``."""
-    path = storage.resolve(path)
+    path = str(path)
     if not storage.is_file(path):
         raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer.path, or leave it "
                         "empty to train a BPE on the corpus.")
@@ -154,7 +154,7 @@ def resolve_tokenizer(c: ml_collections.ConfigDict, workdir,
     A given tokenizer (``data.tokenizer.path``) is copied into the workdir; a workdir copy that differs
     from it is an error, since the workdir's checkpoints were trained on the copy's ids.
     """
-    saved = storage.join(storage.resolve(workdir), TOKENIZER_FILE)
+    saved = storage.join(str(workdir), TOKENIZER_FILE)  # the workdir as prepare_dataset resolved it
     if c.tokenizer.path:
         given = load_tokenizer(c.tokenizer.path)
         if storage.is_file(str(saved)):

@@ -25,6 +25,8 @@ from typing import Any, Optional, Sequence
 
 from tieflax import storage
 from tieflax.eval.decode import EvalError
+from tieflax.run.destinations import check_output_folder
+from tieflax.run.layout import WorkdirError
 
 
 def check_task_files(include_path: str) -> None:
@@ -115,8 +117,8 @@ def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Option
                           step=step)
             if include_path is not None:
                 check_task_files(include_path)
-            output = output_folder(output)   # a bad path or bucket fails before the checkpoint loads
-    except EvalError as e:
+            output = check_output_folder(output)   # a bad path or bucket fails before the checkpoint loads
+    except (EvalError, WorkdirError) as e:
         error = str(e)
     error = distributed.first_failure(error, "evaluate-options")   # every process stops, or none
     if error is not None:
@@ -171,7 +173,7 @@ def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict
     import tieflax.eval.harness  # noqa: F401, PLC0415 (registers the "tieflax" lm-eval model)
 
     logging.getLogger("lm-eval").setLevel(logging.WARNING)   # the table is the output, not lm-eval's logs
-    output = output_folder(output)
+    output = check_output_folder(output)
     with tempfile.TemporaryDirectory(prefix="tieflax-lm-eval-") as local:
         tracker = EvaluationTracker(output_path=local) if output else None
         import jinja2  # noqa: PLC0415
@@ -225,25 +227,6 @@ def template_failure(e: Exception, manager) -> str:
     fields = f" (the documents' fields: {', '.join(map(str, doc))})" if isinstance(doc, dict) else ""
     shown = f" {template!r}" if template else ""
     return f"{where or 'a task'}: the template{shown} does not render: {getattr(e, 'message', None) or e}{fields}"
-
-
-def output_folder(output: Optional[str]) -> Optional[str]:
-    """``--output`` resolved (``gs:/b`` and other schemes refused) and, on a bucket, checked writable."""
-    if output is None:
-        return None
-    output = storage.resolve(output)
-    storage.check_writable(output)
-    if not storage.is_remote(output):
-        there = output
-        while not storage.exists(there) and storage.parent(there) != there:
-            there = storage.parent(there)
-        if not storage.is_dir(there):
-            raise EvalError(f"--output {output} " + ("is a file" if there == output else f"cannot be a folder: {there} "
-                            "is a file") + ": lm-eval writes a folder of result files; choose a folder")
-        if not os.access(there, os.W_OK | os.X_OK):
-            raise EvalError(f"--output {output}: {there} is not writable by this user; choose a folder you can "
-                            "write")
-    return output
 
 
 def copy_outputs(local: str, output: str) -> list[str]:
@@ -349,7 +332,7 @@ class TrainingTasks:
             raise EvalError(error)
         self.limit = float(t.eval_tasks_limit) or None
         self.num_fewshot = None if t.eval_tasks_num_fewshot < 0 else int(t.eval_tasks_num_fewshot)
-        self.workdir, self.write = storage.resolve(workdir), write
+        self.workdir, self.write = workdir, write  # the Run's resolved path
         max_length = int(t.seq_len)
         if model_config.position == "learned":
             max_length = min(max_length, model_config.max_seq_len)

@@ -34,7 +34,7 @@ from tieflax.run.destinations import check_destination as check_safe_destination
 from tieflax.run.destinations import (check_empty_or_replaceable, copy_file, copy_tree, inside, real,
                                       writing_new_workdir)
 from tieflax.run.layout import (HF_FILES_DIR, IMPORT_SOURCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, TOKENIZER_FILE,
-                                WorkdirError, is_run)
+                                WorkdirError, check_location, is_run)
 from tieflax.run.layout import SURGERY_FILE as SURGERY_REPORT
 
 # What every surgery leaves behind: the new workdir holds parameters only (``initial_params/``), so training
@@ -49,8 +49,8 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
 
     The workdir appears complete or not at all (written beside it, then renamed); one that holds
     anything is refused unless ``overwrite``."""
-    workdir, hf_dir = storage.resolve(workdir), storage.resolve(hf_dir)
-    check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
+    # The destination's checks return it canonical: the tokenizer path recorded in its config names it so.
+    workdir = check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
     check_empty_or_replaceable(workdir, overwrite=overwrite, flag="--workdir")
     imported = config_from_hf(read_hf_config(hf_dir))
     config = default_config()
@@ -80,8 +80,8 @@ def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_byt
     bucket only an earlier export: a prefix holding other files cannot be replaced whole). Never the
     Hugging Face folder the run was imported from (``imported_from.json``), even with ``overwrite``.
     Every file goes through ``tieflax.storage``, inside ``writing_hf_folder``."""
-    workdir, out = storage.resolve(workdir), storage.resolve(out)
-    check_export_destination(workdir, out, overwrite=overwrite)
+    workdir = check_location(workdir)  # the run folder canonical (a file, or s3://, holds no checkpoint)
+    out = check_export_destination(workdir, out, overwrite=overwrite)
     config, params, step = ckpt.load_latest_params(workdir)
     mc = model_config(config)
     with writing_hf_folder(out) as target:
@@ -107,11 +107,12 @@ def import_source(workdir: str) -> str | None:
                            "it if that folder no longer matters") from None
 
 
-def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> None:
+def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
     """Before anything is read: ``out`` is not, does not hold and does not lie inside the run or the
     Hugging Face folder the run was imported from (even with ``overwrite``); without ``overwrite`` it is
     new or empty; on a bucket it holds nothing but an earlier export (an interrupted one, behind its
-    incomplete marker, is cleared without ``overwrite``)."""
+    incomplete marker, is cleared without ``overwrite``). Returns ``out`` canonical."""
+    out = check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     source = import_source(workdir)
     if source:
         src, dest = real(source), real(out)
@@ -123,7 +124,6 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> None
                                f"from ({IMPORT_SOURCE_FILE}): an export there would {harm} the model it started "
                                "from; export to a new folder" + (" (--overwrite does not change this)"
                                                                  if overwrite else ""))
-    check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     if not storage.is_remote(out) and storage.exists(out) and not storage.is_dir(out):
         raise WorkdirError(f"--out {out} is a file, not a folder: export to a new folder")
     if not overwrite and is_run(out):
@@ -182,9 +182,9 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     """The latest parameters of ``workdir``, changed by ``change(config, params) -> (params, report)``,
     written as the new workdir ``out`` (whole or not at all) with the tokenizer, the Hugging Face files and
     the surgery's report; returns the report."""
-    workdir, out = storage.resolve(workdir), storage.resolve(out)
+    workdir = check_location(workdir)  # the run folder canonical (a file, or s3://, holds no checkpoint)
     # Before anything is read: --out must not be, contain or lie inside the source or another run.
-    check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
+    out = check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     check_empty_or_replaceable(out, overwrite=overwrite)
     config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
@@ -210,8 +210,8 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
 def _repoint_tokenizer(config, workdir: str, out: str) -> None:
     """A tokenizer path inside the source workdir becomes the copy in the new one."""
     path = config.data.tokenizer.path
-    if path and storage.resolve(path) == storage.join(storage.resolve(workdir), TOKENIZER_FILE):
-        config.data.tokenizer.path = storage.join(storage.resolve(out), TOKENIZER_FILE)
+    if path and real(path) == real(storage.join(workdir, TOKENIZER_FILE)):  # the same file, however named
+        config.data.tokenizer.path = storage.join(out, TOKENIZER_FILE)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> str | None:
     src = storage.join(hf_dir, "tokenizer.json")
     if not storage.is_file(src):
         return None
-    config.data.tokenizer.path = storage.join(storage.resolve(workdir), TOKENIZER_FILE)
+    config.data.tokenizer.path = storage.join(workdir, TOKENIZER_FILE)  # canonical: import_hf's destination
     tok_config = storage.join(hf_dir, "tokenizer_config.json")
     if storage.is_file(tok_config):
         eos = json.loads(storage.read_text(tok_config)).get("eos_token")

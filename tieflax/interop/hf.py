@@ -139,7 +139,6 @@ def load_hf_checkpoint(path: str, *, param_dtype: str = "float32",
                        **config_overrides: Any) -> tuple[ModelConfig, dict]:
     """Folder -> (``ModelConfig``, unboxed params). ``config_overrides`` set tieflax-only fields (e.g.
     ``vocab_pad_multiple``, ``dtype``); checkpoint-defined fields come from ``config.json``."""
-    path = storage.resolve(path)
     config = config_from_hf(read_hf_config(path), param_dtype=param_dtype, **config_overrides)
     return config, params_from_state(read_safetensors(path), config)
 
@@ -155,7 +154,6 @@ def save_hf_checkpoint(path: str, config: ModelConfig, params: Mapping, *, dtype
     import ml_dtypes  # noqa: PLC0415
     from safetensors.numpy import save  # noqa: PLC0415
 
-    path = storage.resolve(path)
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, None: None}.get(dtype, dtype)
     state = state_from_params(params, config, dtype=np_dtype)
     dtype_name = dtype or str(next(iter(state.values())).dtype)
@@ -228,8 +226,7 @@ def writing_hf_folder(out: str, command: str = "convert --to-hf") -> Iterator[st
     # workdir_lock_single, not workdir_lock: an export holds no orbax checkpoint, so s3:// is fine.
     from tieflax.run.lock import workdir_lock_single  # noqa: PLC0415
 
-    out = storage.resolve(out)
-    marker = storage.join(out, INCOMPLETE_MARKER)
+    marker = storage.join(out, INCOMPLETE_MARKER)  # ``out`` canonical: export_hf checked it
 
     def clear():  # everything under the prefix but this command's lock and the marker
         for p in storage.walk_files(out):

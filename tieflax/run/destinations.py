@@ -43,9 +43,10 @@ inside = _inside
 
 def check_destination(out: str, *, sources: Sequence[tuple[str, str]] = (), overwrite: bool,
                       flag: str = "--out") -> str:
-    """Refuses ``out`` (returns its canonical form) when writing or replacing it could destroy what this
-    command did not create. ``sources``: ``(flag, path)`` of what the command reads, e.g.
-    ``[("--workdir", run)]``. Raises WorkdirError naming both paths and the fix."""
+    """Refuses ``out`` when writing or replacing it could destroy what this command did not create; returns
+    it canonical (``storage.resolve``: links are followed to compare, not in the name returned).
+    ``sources``: ``(flag, path)`` of what the command reads, e.g. ``[("--workdir", run)]``. Raises
+    WorkdirError naming both paths and the fix."""
     dest = real(out)
     shown = storage.resolve(out)
     link = f" (a link to {dest})" if dest != shown else ""
@@ -69,7 +70,7 @@ def check_destination(out: str, *, sources: Sequence[tuple[str, str]] = (), over
         if inner:
             raise WorkdirError(f"{flag} {shown}{link} contains the run {inner}; --overwrite would delete it: "
                                "write to a new folder")
-    return dest
+    return shown
 
 
 def _ancestors(path: str) -> list[str]:
@@ -106,20 +107,43 @@ def _first_run_inside(folder: str) -> str | None:
     return None
 
 
+def check_output_folder(output: str | None, flag: str = "--output") -> str | None:
+    """A folder a command writes its result files into (lm-eval's ``--output``), before any work: resolved
+    (``gs:/b`` and other schemes refused), checked writable on a bucket; locally its nearest existing
+    folder must be a writable folder. None stays None."""
+    if output is None:
+        return None
+    output = storage.resolve(output)
+    storage.check_writable(output)
+    if not storage.is_remote(output):
+        there = output
+        while not storage.exists(there) and storage.parent(there) != there:
+            there = storage.parent(there)
+        if not storage.is_dir(there):
+            raise WorkdirError(f"{flag} {output} " + ("is a file" if there == output else f"cannot be a folder: "
+                               f"{there} is a file") + ": lm-eval writes a folder of result files; choose a folder")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise WorkdirError(f"{flag} {output}: {there} is not writable by this user; choose a folder you can "
+                               "write")
+    return output
+
+
 # ----------------------------------------------------------------------------------------- writing
-def check_empty_or_replaceable(dest: str, *, overwrite: bool, flag: str = "--out") -> None:
+def check_empty_or_replaceable(dest: str, *, overwrite: bool, flag: str = "--out") -> str:
     """Before any work: a local destination may hold something only with ``overwrite`` (it is replaced
     whole by a rename); a gs:// / s3:// prefix must be empty, since there is no rename to replace it
-    whole, except for what an interrupted convert left behind its incomplete marker."""
+    whole, except for what an interrupted convert left behind its incomplete marker. Returns ``dest``
+    canonical."""
     dest = storage.resolve(dest)
     if not storage.is_remote(dest):
         _check_local_destination(dest, overwrite=overwrite)
-        return
+        return dest
     names = set(storage.listdir(dest)) - {LOCK_FILE}
     if names and INCOMPLETE_MARKER not in names:
         raise WorkdirError(f"{flag} {dest} is not empty: on an object store convert writes only into an empty "
                            f"prefix{' (--overwrite cannot replace one: there is no rename)' if overwrite else ''}; "
                            "choose a new prefix, or delete this one first")
+    return dest
 
 
 @contextlib.contextmanager

@@ -115,7 +115,7 @@ def metric_files(workdir_or_path: str) -> list[str]:
     """The files holding a run's rows, in the order they were written (legacy ``metrics.jsonl`` first).
 
     ``workdir_or_path``: a workdir, its ``metrics/`` folder, or one ``.jsonl`` file."""
-    path = storage.resolve(workdir_or_path)
+    path = str(workdir_or_path).rstrip("/") or "/"
     if path.endswith(".jsonl"):
         return [path]
     if storage.name(path) == METRICS_DIR:

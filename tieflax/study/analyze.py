@@ -185,15 +185,16 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     """
     from tieflax.config import model_config as to_model_config  # noqa: PLC0415
 
+    workdir = layout.check_location(workdir)  # the run folder canonical, once: the result names it so
     config, params, step = load_params_at(workdir, step)
     mc = to_model_config(config)
     data = analysis_data(config, workdir, n_val_batches)
     result = analyze_params(mc, params, data["token_counts"], train_batch=data["train_batch"],
                             val_batches=data["val_batches"], loss_options=analysis_loss_options(config),
                             n_buckets=n_buckets, max_rows=max_rows, with_arrays=True)
-    result.update(step=int(step), workdir=storage.resolve(workdir), data_dir=data["data_dir"],
+    result.update(step=int(step), workdir=workdir, data_dir=data["data_dir"],
                   config_history=identity.history_lines(workdir))  # when and how its config changed
-    out_dir = storage.resolve(out_dir or layout.path(workdir, ANALYSIS_DIR))
+    out_dir = out_dir or storage.join(workdir, ANALYSIS_DIR)
     storage.makedirs(out_dir)
     paths = {"json": storage.join(out_dir, f"step_{step}.json")}
     storage.write_text(paths["json"], jsonable.dumps(without_arrays(result), indent=1))

@@ -447,7 +447,7 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
 
     from tieflax.run.lock import workdir_lock  # noqa: PLC0415
 
-    workdir = storage.resolve(workdir)
+    workdir = layout.check_location(workdir)  # canonical, once: every run, report and lock below takes it so
     cc = compare_config(config)  # every config error before anything is written
     if cc.tasks:
         from tieflax.study.tasks import check_settings  # noqa: PLC0415

@@ -16,8 +16,7 @@ def compilation_cache(workdir: str) -> None:
 
     if jax.config.jax_compilation_cache_dir:
         return
-    workdir = storage.resolve(workdir)
-    if storage.is_remote(workdir):
+    if storage.is_remote(workdir):  # ``workdir`` canonical: the command line's --workdir (flags.location)
         path = os.path.join(os.path.expanduser("~"), ".cache", "tieflax", "jax_cache")
     else:
         path = os.path.join(workdir, "data", "jax_cache")

@@ -571,7 +571,6 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
 def write_report(summary: dict, out_dir: str) -> str:
     """Writes ``summary.json``, the PNGs, ``report.md`` (and ``report.html`` if cheap); returns the .md path.
     ``out_dir`` may be a local folder or a ``gs://`` / ``s3://`` prefix; every file is written whole."""
-    out_dir = storage.resolve(out_dir)
     storage.makedirs(out_dir)
     summary = to_jsonable(summary)
     if any(r.get("tasks") for r in summary["runs"]):
@@ -611,7 +610,6 @@ def load_summary(out_dir: str) -> dict:
     yet) or a folder that holds none is a one-line error saying which and what to do."""
     from tieflax.run.layout import WorkdirError  # noqa: PLC0415
 
-    out_dir = storage.resolve(out_dir)
     path = storage.join(out_dir, SUMMARY)
     try:
         return jsonable.loads(storage.read_text(path))

@@ -37,7 +37,7 @@ from tieflax.analysis import stats as st
 from tieflax.strict_json import to_jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigValueError
-from tieflax.run.layout import WorkdirError
+from tieflax.run.layout import WorkdirError, check_location
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
 RESULT = SWEEP_RESULT_FILE
@@ -127,7 +127,7 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
     from tieflax.run.lock import workdir_lock  # noqa: PLC0415
 
     sc = sweep_config(config)
-    workdir = storage.resolve(workdir)
+    workdir = check_location(workdir)  # canonical, once: every run and lock below takes it so
     if storage.is_dir(storage.join(workdir, "runs")) and not resume:
         raise WorkdirError(f"{workdir} already holds a sweep; pass --resume to continue it, or use a new "
                            "--workdir")
