@@ -139,6 +139,7 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise WorkdirError(f"--out {out} is not empty ({shown}): pass --overwrite to replace what it holds "
                            "whole, or export to a new folder")
+    return out
 
 
 def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:
