@@ -112,7 +112,6 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
     Hugging Face folder the run was imported from (even with ``overwrite``); without ``overwrite`` it is
     new or empty; on a bucket it holds nothing but an earlier export (an interrupted one, behind its
     incomplete marker, is cleared without ``overwrite``). Returns ``out`` canonical."""
-    out = check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     source = import_source(workdir)
     if source:
         src, dest = real(source), real(out)
@@ -124,6 +123,7 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
                                f"from ({IMPORT_SOURCE_FILE}): an export there would {harm} the model it started "
                                "from; export to a new folder" + (" (--overwrite does not change this)"
                                                                  if overwrite else ""))
+    out = check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     if not storage.is_remote(out) and storage.exists(out) and not storage.is_dir(out):
         raise WorkdirError(f"--out {out} is a file, not a folder: export to a new folder")
     if not overwrite and is_run(out):
