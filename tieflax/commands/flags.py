@@ -51,15 +51,16 @@ def non_negative_number(text: str) -> float:
 
 def location(text: str) -> str:
     """A folder or URL, canonical (``storage.resolve``: an absolute local path, or a URL without a trailing
-    slash), once, where the command line enters: every layer below takes it as it is. Refused: an empty one
-    (it would mean the current folder), and one that would be taken for a local folder by mistake
-    (``gs:/b``, ``http://``...)."""
+    slash), once, where the command line enters: the layers below take it as it is. An empty one is
+    refused (it would mean the current folder). A malformed URL (``gs:/b``, ``http://``...) is passed on as
+    typed: the command refuses it in its one line (``tieflax train: gs:/b looks like ...``) at the run
+    folder's or the destination's check, where argparse would print its usage too."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a folder, gs://bucket/prefix or s3://bucket/prefix")
     try:
         return storage.resolve(text)
-    except storage.StorageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except storage.StorageError:
+        return text
 
 
 class OverridesNotRead(UserError, ValueError):

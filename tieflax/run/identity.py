@@ -42,6 +42,7 @@ import ml_collections
 from tieflax import storage
 from tieflax.config import default_config
 from tieflax.errors import UserError
+from tieflax.run import layout
 from tieflax.run.layout import (CHECKPOINT_DIR, CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE,
                                 INITIAL_PARAMS_DIR, LEGACY_METRICS_FILE, METRICS_DIR, WorkdirError)
 
@@ -114,7 +115,7 @@ def _shown(diff: dict[str, tuple], limit: int = 8) -> str:
 
 def has_trained(workdir: str) -> bool:
     """True once the run has trained a step: it has checkpoints or logged metrics."""
-    return _read_record(workdir).trained
+    return _read_record(layout.path(workdir)).trained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +365,7 @@ def verify_record(workdir: str) -> list[dict]:
     first, from the newest restart on). Raises NotARun when the folder holds no run, RecordBroken naming
     the file when one is missing, damaged or edited (config.json missing from a run that has trained
     included: that is not a fresh run). Links written before the chain are accepted, said once."""
+    workdir = layout.path(workdir)  # as the run layer names it (check_resume takes the Run's resolved path)
     return _verified(workdir, _read_record(workdir))
 
 
@@ -416,7 +418,7 @@ def _verified(workdir: str, found: _Found) -> list[dict]:
 def in_force(workdir: str) -> dict:
     """What a checkpoint names (``RECORD_KEY`` in its custom metadata): ``{'entry': n, 'files': {name:
     digest}}`` of the entry in force (n = 0: config.json and data.json)."""
-    found = _read_record(workdir)
+    found = _read_record(layout.path(workdir))
     if found.entries:
         n = max(found.entries)
         return {"entry": n, "files": {_entry_name(n): digest(found.files[_entry_name(n)])}}
@@ -458,6 +460,7 @@ def history_lines(workdir: str) -> list[str]:
 def read_data_record(workdir: str) -> dict | None:
     """The data record in force: the newest history entry's, else ``data.json``'s; None for runs written
     before data records."""
+    workdir = layout.path(workdir)
     found = _read_record(workdir)
     try:
         entries = _verified(workdir, found)
@@ -483,7 +486,7 @@ def save_config(workdir: str, config: ml_collections.ConfigDict, *, claim: bool 
     create-only precondition), so two runs cannot both claim one prefix; the loser gets WorkdirError.
     An existing config.json (a resume, checked against this config before) is replaced whole.
     """
-    path = storage.join(workdir, CONFIG_FILE)
+    path = layout.path(workdir, CONFIG_FILE)
     if jax.process_index() == 0:
         text = config.to_json_best_effort(indent=2, sort_keys=True).encode("utf-8")
         if not claim or storage.is_file(path):
@@ -499,6 +502,7 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     with today's defaults for fields added since, once the record holds (``verify_record``). Raises
     NotARun (a FileNotFoundError and a UserError) when the folder holds no run, RecordBroken naming the
     file when the record is broken."""
+    workdir = layout.path(workdir)  # as the run layer names it (check_resume takes the Run's resolved path)
     return _config_in_force(workdir, _read_record(workdir))
 
 
