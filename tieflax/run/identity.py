@@ -307,14 +307,18 @@ def _read_record(workdir: str) -> _Found:
     """The record of ``workdir`` (resolved) read once: every listing and file a check needs, the files
     of the record together (``storage.read_many``: one wait on gs://, not one per object); then parsed.
     Nothing after this reads the run again: the checks work on the snapshot."""
-    listed = [storage.listdir(storage.join(workdir, d)) for d in (CONFIG_HISTORY_DIR, CHECKPOINT_DIR, METRICS_DIR)]
-    history, checkpoints, segments = listed
-    names = [CONFIG_FILE, DATA_RECORD_FILE] + [f"{CONFIG_HISTORY_DIR}/{n}.json" for n in sorted(
-        int(x.removesuffix(".json")) for x in history if x.endswith(".json") and x.removesuffix(".json").isdigit())]
-    found = _Found(files={}, entries={}, damaged={}, paths={name: storage.join(workdir, name) for name in names})
-    for name, raw in zip(names, storage.read_many([found.paths[name] for name in names])):
-        if raw is not None:
-            found.files[name] = raw
+    found = _Found(files={}, entries={}, damaged={})
+    found.paths = {name: storage.join(workdir, name) for name in (CONFIG_FILE, DATA_RECORD_FILE)}
+    # config.json and data.json first (all a fresh run has to read), then the listings and the entries
+    found.files = {name: raw for name, raw in zip(found.paths, storage.read_many(list(found.paths.values())))
+                   if raw is not None}
+    history, checkpoints, segments = [storage.listdir(storage.join(workdir, d))
+                                      for d in (CONFIG_HISTORY_DIR, CHECKPOINT_DIR, METRICS_DIR)]
+    entries = {f"{CONFIG_HISTORY_DIR}/{n}.json": storage.join(workdir, CONFIG_HISTORY_DIR, f"{n}.json") for n in sorted(
+        int(x.removesuffix(".json")) for x in history if x.endswith(".json") and x.removesuffix(".json").isdigit())}
+    found.paths.update(entries)
+    found.files.update({name: raw for name, raw in zip(entries, storage.read_many(list(entries.values())))
+                        if raw is not None})
     steps = sorted((int(n.rstrip("/")) for n in checkpoints if n.rstrip("/").isdigit()), reverse=True)
     for step in steps:  # the newest checkpoint whose orbax metadata reads; None: saved before the chain
         raw = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(step), CHECKPOINT_METADATA_FILE)])[0]
