@@ -404,3 +404,15 @@ def test_evaluate_and_sample_write_through_storage(world, gcs, tmp_path, capsys,
     assert main(["evaluate", "--workdir", world["run"], "--tasks", "tf_mc", "--output", "gs:/b/eval"]) == 1
     assert "slash missing" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_the_command_line_gives_every_layer_a_canonical_path(tmp_path, monkeypatch):
+    """``--workdir``/``--out`` are resolved once, as the command line is parsed (flags.location): a relative
+    folder becomes absolute, a URL loses its trailing slash; a malformed URL goes on as typed, for the
+    command's own one-line refusal (test_bucket_run)."""
+    from tieflax.commands.flags import location
+
+    monkeypatch.chdir(tmp_path)
+    assert location("runs/a/") == str(tmp_path / "runs" / "a")
+    assert location("gs://b//runs/a/") == "gs://b/runs/a"
+    assert location("gs:/b/run") == "gs:/b/run"

@@ -281,3 +281,30 @@ def test_a_run_written_before_the_chain_resumes_and_says_so_once(changed_twice, 
         assert identity.load_workdir_config(run).train.num_steps == 8
     said = [r for r in caplog.records if "before the run's record carried digests" in r.getMessage()]
     assert len(said) == 1, caplog.records
+
+
+def test_check_resume_reads_the_record_once_and_checks_that_snapshot(tmp_path, monkeypatch):
+    """One read of each file of the record (the files together, then the listings), then pure checks: a
+    resume, a refusal and a fresh run each ask for config.json once (it was read twice, and the record's
+    folders listed again to tell whether the run had trained)."""
+    from tieflax import storage
+    from tieflax.config import default_config
+
+    workdir = str(tmp_path / "run")
+    config = default_config()
+    identity.save_config(workdir, config, claim=True)
+    storage.write_text(storage.join(workdir, "metrics", "s-0.jsonl"), "{}\n")  # it has trained
+    asked = []
+    for name in ("read_bytes", "read_many", "listdir", "exists", "is_file"):
+        real = getattr(storage, name)
+        monkeypatch.setattr(storage, name, lambda p, _real=real: asked.extend([p] if isinstance(p, str) else p)
+                            or _real(p))
+    assert identity.check_resume(workdir, config).changed == {}
+    changed = default_config()
+    changed.seed = config.seed + 1
+    with pytest.raises(identity.RunChanged, match="seed"):
+        identity.check_resume(workdir, changed)
+    assert identity.check_resume(str(tmp_path / "new"), config).fresh
+    config_file = os.path.join(workdir, CONFIG_FILE)
+    assert asked.count(config_file) == 2 and asked.count(os.path.join(workdir, "metrics")) == 2, asked
+    assert asked.count(os.path.join(str(tmp_path / "new"), CONFIG_FILE)) == 1

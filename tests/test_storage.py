@@ -17,6 +17,13 @@ def test_resolve_refuses_what_would_become_a_local_folder(tmp_path):
             storage.resolve(bad)
 
 
+def test_a_url_as_typed_names_the_canonical_object():
+    """Every remote call takes a URL as the user typed it: the key is the one resolve would write."""
+    assert storage.bucket_and_key("gs://b/run/") == ("gs", "b", "run")
+    assert storage.bucket_and_key("s3://b//a/b/") == ("s3", "b", "a/b")
+    assert storage.bucket_and_key("gs://b") == ("gs", "b", "")
+
+
 def test_join_parent_name():
     assert storage.join("gs://b/run", "checkpoints", "1") == "gs://b/run/checkpoints/1"
     assert storage.parent("gs://b/run/config.json") == "gs://b/run"
@@ -36,6 +43,13 @@ def _roundtrip(root):
     assert storage.read_bytes(storage.join(root, "claim")) == b"first"
     storage.write_bytes(storage.join(root, "sub", "b.bin"), b"\x00\x01")
     assert storage.listdir(storage.join(root, "sub")) == ["a.json", "b.bin"]
+    # Read together (remotely sent before the first answer is awaited), in the order asked, None if absent.
+    assert storage.read_many([storage.join(root, "sub", "b.bin"), storage.join(root, "none"), path]) == [
+        b"\x00\x01", None, b"two"]
+    assert storage.read_many([]) == []
+    # A path as a user types it: a trailing slash (and remotely a doubled one) names the same folder.
+    assert storage.listdir(storage.join(root, "sub") + "/") == ["a.json", "b.bin"]
+    assert storage.name(storage.join(root, "sub") + "/") == "sub"
     assert storage.glob(storage.join(root, "sub", "*.json")) == [path]
     assert storage.glob(storage.join(root, "**", "*.bin")) == [storage.join(root, "sub", "b.bin")]
     data, stamp = storage.read_with_stamp(path)
@@ -57,6 +71,18 @@ def test_local_roundtrip(tmp_path):
 
 def test_gcs_roundtrip(gcs):
     _roundtrip(gcs.new_bucket() + "/prefix")
+
+
+def test_gcs_glob_takes_a_url_as_typed_and_matches_a_literal_file(gcs):
+    bucket = gcs.new_bucket()
+    storage.write_text(f"{bucket}/corpus/a.txt", "a")
+    storage.write_text(f"{bucket}/corpus/b.md", "b")
+    assert storage.glob(f"{bucket}//corpus/*.txt") == [f"{bucket}/corpus/a.txt"]
+    assert storage.glob(f"{bucket}/corpus/b.md") == [f"{bucket}/corpus/b.md"]
+    assert storage.glob(f"{bucket}/corpus/c.md") == []
+    with pytest.raises(storage.StorageError, match="'..'"):
+        storage.glob(f"{bucket}/corpus/../*.txt")
+    assert storage.listdir(f"{bucket}//corpus/") == ["a.txt", "b.md"]
 
 
 def test_gcs_create_new_has_one_winner(gcs):
