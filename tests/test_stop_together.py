@@ -3,8 +3,10 @@ CPU device over gloo, each started here so that each one's end is timed.
 
 A SIGINT reaching one process (a terminal's Ctrl-C reaches only the process in the foreground): every
 process saves the same step's checkpoint and exits 130 with the same line (it exited 130 only there; the
-others exited 0 as if SIGTERM had come). A write failing on any one process is held by
-tests/test_storage_deadline.py's two-process test.
+others exited 0 as if SIGTERM had come). One process whose storage stops answering while it saves (the
+bucket answers the others): every process stops at the same step with the same line naming that process.
+A write failing on every process (the bucket itself silent) is held by tests/test_storage_deadline.py's
+two-process test.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32",
 PROGRESS_CAP_S = 1200
 
 
-def _start(workdir: str, **env) -> list[subprocess.Popen]:
+def _start(workdir: str, per_process: tuple[dict, ...] = ({}, {}), **env) -> list[subprocess.Popen]:
+    """The 2 processes, started; ``per_process``: each one's own variables beside ``env``."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
            "TIEFLAX_COORDINATOR": f"localhost:{free_port()}", "TIEFLAX_NUM_PROCESSES": "2", **env}
     procs = []
     for i in range(2):
         procs.append(subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *TRAIN], cwd=REPO,
-                                      env={**env, "TIEFLAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                                      env={**env, **per_process[i], "TIEFLAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
     return procs
 
@@ -87,3 +90,109 @@ def test_a_sigint_on_one_process_stops_every_process_at_the_same_step_with_130(t
         assert m, said
         steps.add(int(m.group(1)))
     assert len(steps) == 1 and _steps(workdir)[-1] == steps.pop(), (lines, _steps(workdir))
+
+
+# ------------------------------------------------------------------------------- one host's save stalls
+# One host's network stops answering (the bucket answers the others): process 1 reaches the bucket through a
+# TCP proxy of its own, frozen with SIGSTOP (it accepts connections and never answers: a stalled network).
+_PROXY = """
+import socket, sys, threading
+upstream = ("127.0.0.1", int(sys.argv[1]))
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", 0))
+server.listen(128)
+print(server.getsockname()[1], flush=True)
+def pump(a, b):
+    try:
+        while True:
+            data = a.recv(65536)
+            if not data:
+                break
+            b.sendall(data)
+    except OSError:
+        pass
+    for s in (a, b):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+while True:
+    client, _ = server.accept()
+    try:
+        up = socket.create_connection(upstream)
+    except OSError:
+        client.close()
+        continue
+    for a, b in ((client, up), (up, client)):
+        threading.Thread(target=pump, args=(a, b), daemon=True).start()
+"""
+# The storage deadline of the run below, and its checkpoint deadline (two of it); every bound derives from them.
+# Above the slowest honest answer of the emulator on a loaded machine (see tests/test_storage_deadline.py).
+DEADLINE = 15
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` shows stopped ('T') in /proc (SIGSTOP is delivered asynchronously)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "T":
+                return False
+    return True
+
+
+def _committed(server, bucket: str) -> list[int]:
+    """Steps committed in ``bucket``'s run (orbax's step-level commit marker)."""
+    return sorted(int(o.split("/")[2]) for o in server.objects(bucket, "run/checkpoints/")
+                  if o.count("/") == 3 and o.endswith("/commit_success.txt"))
+
+
+def test_one_process_whose_save_stalls_stops_every_process_with_the_same_line(monkeypatch):
+    """Only process 1's storage stops answering while it saves: every process ends within a bound of the
+    stall with exit 1 and the same one line naming process 1, and the last committed checkpoint stays
+    readable. (Before: both lines said "cannot finish checkpoint 20 in ...: no answer" without naming a
+    process, as if process 0's bucket, which answered, had stopped answering.)"""
+    from object_store import GcsServer  # noqa: PLC0415
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
+
+    server = GcsServer()
+    proxy = subprocess.Popen([sys.executable, "-c", _PROXY, str(server.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        through_proxy = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
+        bucket = server.new_bucket()
+        env = {**server.env, storage.DEADLINE_ENV: str(DEADLINE), ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
+        procs = _start(bucket + "/run", per_process=({}, {"STORAGE_EMULATOR_HOST": through_proxy,
+                                                           "TENSORSTORE_GCS_HTTP_URL": through_proxy}), **env)
+        _wait_for(lambda: _committed(server, bucket), procs)
+        os.kill(proxy.pid, signal.SIGSTOP)   # process 1's network goes quiet; process 0's still answers
+        while not _stopped(proxy.pid):
+            time.sleep(0.01)
+        ended = _ends(procs, PROGRESS_CAP_S)
+        outs = [p.communicate() for p in procs]
+        os.kill(proxy.pid, signal.SIGCONT)
+        lines = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, err in outs]
+        print(f"ended {ended} s after process 1's storage stalled: {lines}")
+        assert [p.returncode for p in procs] == [1, 1], [(p.returncode, err[-3000:]) for p, (_, err) in
+                                                         zip(procs, outs)]
+        for (_, err), said in zip(outs, lines):
+            assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+        assert lines[0] == lines[1], lines
+        assert lines[0][0].startswith("tieflax train: process 1: ") and f"no answer from {bucket} within" in lines[0][0]
+        # The stalled save's deadline (the storage deadline for its start, the checkpoint deadline for its
+        # commit), the steps up to the next agreement, the exit (process 0 last, after the others' word), on a
+        # busy 2-core machine: 30 s. Both within seconds of each other, not one on JAX's heartbeat timeout (100 s).
+        assert max(ended) < 2 * DEADLINE + 30 and max(ended) - min(ended) < 15, ended
+        assert ended[0] >= ended[1], ended   # the coordinator ends last
+        # The last committed checkpoint is kept and reads.
+        committed = _committed(server, bucket)
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        storage._BUCKETS.clear()
+        _, params, step = ckpt.load_latest_params(bucket + "/run")
+        assert committed and step == committed[-1] and params, (committed, step)
+    finally:
+        os.kill(proxy.pid, signal.SIGCONT)
+        proxy.kill()
+        storage._BUCKETS.clear()
+        server.stop()

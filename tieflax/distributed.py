@@ -101,3 +101,30 @@ def first_failure(local_error: str | None, tag: str) -> str | None:
         client.key_value_set(key, local_error)
     message = client.blocking_key_value_get(key, 120_000)
     return message if first == 0 else f"process {first}: {message}"
+
+
+def leave_coordinator_last(timeout_s: float = 30.0) -> None:
+    """Call before a process of a multi-process job ends on its own (``os._exit``, every process at the same
+    step). Process 0 holds the coordination service: when it ends first, another process still on its way
+    out sees the service gone and aborts (SIGABRT, a crash report instead of its line). So each other
+    process says it is leaving, and process 0 waits for them (at most ``timeout_s``) and a moment more."""
+    if jax.process_count() == 1:
+        return
+    import time  # noqa: PLC0415
+
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+
+    client = jax_distributed.global_state.client
+    if jax.process_index() != 0:
+        try:
+            client.key_value_set(f"tieflax/leaving/{jax.process_index()}", "1")
+        except Exception:  # noqa: BLE001 (the coordinator is gone already: nothing to wait for)
+            pass
+        return
+    deadline = time.monotonic() + timeout_s
+    for i in range(1, jax.process_count()):
+        try:
+            client.blocking_key_value_get(f"tieflax/leaving/{i}", max(1, int(1000 * (deadline - time.monotonic()))))
+        except Exception:  # noqa: BLE001 (that process is gone, or stuck: leave at the deadline)
+            break
+    time.sleep(0.5)  # its os._exit, after its word

@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"tieflax train: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        distributed.leave_coordinator_last()
         os._exit(1)
     if jax.process_index() == 0:
         print(strict_json(result))  # strict JSON: a figure not measured is null, with its reason

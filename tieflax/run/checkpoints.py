@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from typing import Any
 
@@ -94,7 +95,7 @@ def _define_data_iterator_handler() -> type:
             async def write() -> None:
                 path.write_text(state)
 
-            return [future.CommitFutureAwaitingContractedSignals(write(), name="data_iterator_save")]
+            return OWN_SHARE.counted([future.CommitFutureAwaitingContractedSignals(write(), name="data_iterator_save")])
 
         def save(self, directory, item=None, args=None):
             for f in asyncio.run(self.async_save(directory, item=item, args=args)):
@@ -157,10 +158,75 @@ def _state_of_other_process_count(directory, item, mine) -> dict:
     return state
 
 
+class _OwnShare:
+    """Whether this process's share of the pending save is written: every commit future its item handlers
+    returned has ended. Then orbax only waits for the other processes (at its ``async_write_complete``
+    barrier), and if the save outlives the checkpoint deadline, the processes whose share is not written
+    are the ones whose storage stopped answering: the line every process stops with names them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open = 0
+
+    def begin(self) -> None:
+        """A save starts (before its handlers run)."""
+        with self._lock:
+            self._open = 0
+
+    def counted(self, futures):
+        """``futures`` (a handler's commit futures), each telling this share when it has returned."""
+        futures = list(futures or [])
+        with self._lock:
+            self._open += len(futures)
+        return [_Counted(f, self) for f in futures]
+
+    def one_written(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    @property
+    def written(self) -> bool:
+        with self._lock:
+            return self._open <= 0
+
+
+OWN_SHARE = _OwnShare()
+
+
+class _Counted:
+    """A commit future (orbax's protocol: ``result``, ``cancel``) that tells ``share`` once it returned."""
+
+    def __init__(self, inner, share: _OwnShare):
+        self._inner, self._share, self._told = inner, share, False
+
+    def result(self, timeout: float | None = None):
+        out = self._inner.result(timeout=timeout)
+        if not self._told:
+            self._told = True
+            self._share.one_written()
+        return out
+
+    def cancel(self):
+        return self._inner.cancel()
+
+
+class _StateHandler(ocp.PyTreeCheckpointHandler):
+    """orbax's PyTree handler whose commit futures count in this process's share (``OWN_SHARE``)."""
+
+    async def async_save(self, *args, **kwargs):
+        return OWN_SHARE.counted(await super().async_save(*args, **kwargs))
+
+
+# orbax matches an item's arguments to its handler's type: PyTreeSave/PyTreeRestore now name this subclass
+# (the same files, the same restore).
+ocp.args.register_with_handler(_StateHandler, for_save=True)(ocp.args.PyTreeSave)
+ocp.args.register_with_handler(_StateHandler, for_restore=True)(ocp.args.PyTreeRestore)
+
+
 def _item_handlers() -> dict:
     """The handlers of the two items, so that a manager can read a checkpoint's metadata and restore
     from it without being told the items' types (and without orbax warning that it cannot)."""
-    return {"state": ocp.PyTreeCheckpointHandler(), "data": _data_iterator_handler()}
+    return {"state": _StateHandler(), "data": _data_iterator_handler()}
 
 
 def _barriers_through_the_coordinator() -> None:
@@ -462,6 +528,14 @@ def save_deadline_seconds() -> float:
     return max(value, storage.deadline_seconds())
 
 
+class SaveDeadlinePassed(CheckpointError):
+    """A save on a bucket still running past the checkpoint deadline (multi-process: every process polls)."""
+
+    def __init__(self, step: int, where: str, seconds: float):
+        super().__init__(storage.no_answer(where, f"finish checkpoint {step} in", seconds))
+        self.step, self.where, self.seconds = step, where, seconds
+
+
 class SaveWatch:
     """Starts asynchronous saves and surfaces a failed one at the first step after orbax reports it ended
     (and at the latest when the next save would start), as a CheckpointError whose
@@ -484,6 +558,7 @@ class SaveWatch:
         # A bucket that stops answering would hold orbax's start of a save (gcsfs, tensorstore) forever:
         # past the storage deadline the process says so in one line and exits 1 (the step not committed).
         self._started = time.monotonic()
+        OWN_SHARE.begin()
         with storage.watchdog(self._where(), f"save checkpoint {step} to"):
             try:
                 save(self.manager, step, state, loader)
@@ -498,6 +573,8 @@ class SaveWatch:
 
     def _where(self) -> str:
         return str(getattr(self.manager, "directory", "")) or "checkpoints"
+
+    where = property(_where, doc="The checkpoints' folder (for messages).")
 
     def check(self, step: int) -> None:
         """Cheap: only asks orbax whether the pending save has ended, and if so whether it failed."""
@@ -528,7 +605,7 @@ class SaveWatch:
             seconds = save_deadline_seconds()
             if storage.is_remote(self._where()) and time.monotonic() - self._started > seconds:
                 step, self.pending = self.pending, None
-                return CheckpointError(storage.no_answer(self._where(), f"finish checkpoint {step} in", seconds))
+                return SaveDeadlinePassed(step, self._where(), seconds)
             return None
         try:
             self._raise_if_failed(wait=True)

@@ -29,7 +29,7 @@ from tieflax.run import checkpoints as ckpt
 from tieflax.run.console import device_memory
 from tieflax.run.run import Run
 from tieflax.train.step import TrainingError
-from tieflax.train.stop import raise_if_any_failed, settle_saves
+from tieflax.train.stop import agree_on_saves, raise_if_any_failed, settle_saves
 from tieflax.train.validation import perplexity
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class Checkpoints:
         elif save_now:
             settle_saves(saves)  # before orbax starts the next save (it would wait for this one)
         elif at.log:
-            raise_if_any_failed(saves.failure(wait=False), saves)
+            agree_on_saves(saves)  # a failed or stalled save on any process stops every one here
         self.note_saved()
         self.run.held.check()  # the workdir's lease (object stores) is still this run's
         if not save_now:

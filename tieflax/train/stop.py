@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from tieflax import storage
 from tieflax.errors import Interrupted
 from tieflax.run import checkpoints as ckpt
 
@@ -88,13 +89,46 @@ def settle_saves(saves: ckpt.SaveWatch) -> None:
     """Multi-process: waits until the pending save has ended on every process, all processes polling
     together, and raises on all of them as soon as it failed on any. (A blocking wait would hang: the
     healthy processes' saves wait for the failed one at orbax's commit barrier.)"""
-    from tieflax import distributed  # noqa: PLC0415
-
-    while True:
-        raise_if_any_failed(saves.failure(wait=False), saves)
-        if not distributed.any_process(saves.pending is not None):
-            return
+    while agree_on_saves(saves):
         time.sleep(0.05)
+
+
+# What each process tells the others about the pending save, in one collective (bits of an int32).
+_PENDING, _UNWRITTEN, _FAILED, _LATE = 1, 2, 4, 8
+
+
+def agree_on_saves(saves: ckpt.SaveWatch) -> bool:
+    """Every process calls this at the same point (one collective): True while the pending save still runs
+    on some process; raises ProcessesStopped on every process, with the same line, when it failed on any,
+    or ran past the checkpoint deadline on any. That line names the processes whose own share of the save
+    is not written (their storage stopped answering; the others only wait for them at orbax's barrier),
+    unless it is every process (the bucket itself stopped answering)."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    unwritten = saves.pending is not None and not ckpt.OWN_SHARE.written
+    error = saves.failure(wait=False)
+    late = isinstance(error, ckpt.SaveDeadlinePassed)
+    code = ((_PENDING if saves.pending is not None else 0) | (_UNWRITTEN if unwritten else 0)
+            | (_LATE if late else 0) | (_FAILED if error is not None and not late else 0))
+    codes = [int(c) for c in np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)]
+    if any(c & _FAILED for c in codes):
+        raise_if_any_failed(None if late else error, saves)
+    if any(c & _LATE for c in codes):
+        saves.abandon()
+        raise ProcessesStopped(_late_line(saves, error if late else None, codes)) from error
+    return any(c & _PENDING for c in codes)
+
+
+def _late_line(saves: ckpt.SaveWatch, error: "ckpt.SaveDeadlinePassed | None", codes: list[int]) -> str:
+    """The same line on every process: the checkpoint deadline passed, naming the processes still writing
+    their share when some are and some are not (a process not late itself builds it from its own save,
+    the same step and place, and the deadline every process reads from the same setting)."""
+    text = str(error) if error is not None else storage.no_answer(
+        saves.where, f"finish checkpoint {saves.pending} in", ckpt.save_deadline_seconds())
+    stalled = [i for i, c in enumerate(codes) if c & _UNWRITTEN]
+    if not stalled or len(stalled) == len(codes):
+        return text
+    return f"process{'es' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}: {text}"
 
 
 def raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
