@@ -404,6 +404,12 @@ def recovered(tied_run, tmp_path_factory):
     return workdir, code, console
 
 
+# A read of a damaged checkpoint left in flight when orbax closed its event loop called back into the closed
+# loop later: "Event loop is closed", raised in TensorStore's thread (pytest's unraisable-exception warning).
+NO_READ_LEFT_BEHIND = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+
+
+@NO_READ_LEFT_BEHIND
 def test_an_unreadable_latest_checkpoint_is_set_aside_and_training_resumes_from_the_previous(recovered):
     workdir, _, console = recovered
     assert "tieflax: checkpoint 20 is unreadable (" in console, console
@@ -427,6 +433,7 @@ def test_a_full_disk_during_an_async_save_stops_training_at_once_with_the_os_err
     assert "Event loop is closed" not in console and "Traceback" not in console
 
 
+@NO_READ_LEFT_BEHIND
 def test_no_readable_checkpoint_stops_with_what_to_do_and_moves_nothing(tied_run, tmp_path, capsys):
     workdir = _copy_run(tied_run, tmp_path / "run")
     for step in (10, 15, 20):

@@ -216,6 +216,49 @@ class _StateHandler(ocp.PyTreeCheckpointHandler):
     async def async_save(self, *args, **kwargs):
         return OWN_SHARE.counted(await super().async_save(*args, **kwargs))
 
+    def restore(self, *args, **kwargs):
+        """orbax's restore, whose event loop is closed only once every read it started has ended."""
+        with _reads_end_before_their_loop_closes():
+            return super().restore(*args, **kwargs)
+
+    def metadata(self, *args, **kwargs):
+        """orbax's metadata (it opens every array), whose event loop is closed once every read has ended."""
+        with _reads_end_before_their_loop_closes():
+            return super().metadata(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _reads_end_before_their_loop_closes():
+    """orbax runs a restore's reads on a fresh event loop and closes it as soon as the restore returns. When
+    one read fails (a damaged array file), the others are still in flight in TensorStore: each one, ending
+    later, calls back into the closed loop ("Event loop is closed", unraisable, after the one line that
+    said the checkpoint is unreadable). Within this block the loop is closed only after its remaining tasks
+    have ended (within the storage deadline, so that a silent bucket cannot hold it)."""
+    from orbax.checkpoint._src import asyncio_utils  # noqa: PLC0415
+
+    fresh_loop = asyncio_utils._run_sync_via_new_loop
+
+    def run_then_drain(coro):
+        loop = asyncio.new_event_loop()
+        try:
+            asyncio.set_event_loop(loop)
+            try:
+                return loop.run_until_complete(coro)
+            finally:
+                left = asyncio.all_tasks(loop)
+                if left:  # their errors are the one already raised, or its twins: retrieved, not reported
+                    loop.run_until_complete(asyncio.wait_for(asyncio.gather(*left, return_exceptions=True),
+                                                             storage.deadline_seconds()))
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    asyncio_utils._run_sync_via_new_loop = run_then_drain
+    try:
+        yield
+    finally:
+        asyncio_utils._run_sync_via_new_loop = fresh_loop
+
 
 # orbax matches an item's arguments to its handler's type: PyTreeSave/PyTreeRestore now name this subclass
 # (the same files, the same restore).
