@@ -260,16 +260,21 @@ def _reads_end_before_their_loop_closes():
         asyncio_utils._run_sync_via_new_loop = fresh_loop
 
 
-# orbax matches an item's arguments to its handler's type: PyTreeSave/PyTreeRestore now name this subclass
-# (the same files, the same restore).
-ocp.args.register_with_handler(_StateHandler, for_save=True)(ocp.args.PyTreeSave)
-ocp.args.register_with_handler(_StateHandler, for_restore=True)(ocp.args.PyTreeRestore)
 
+def _handlers():
+    """The handlers of the two items, by item and arguments, so that a manager can read a checkpoint's
+    metadata and restore from it without being told the items' types (and without orbax warning that it
+    cannot). A registry of the manager's own: orbax's global one keeps naming its PyTree handler for
+    ``PyTreeSave``/``PyTreeRestore`` everywhere else."""
+    import grain  # noqa: PLC0415
+    from orbax.checkpoint._src.handlers.handler_registration import DefaultCheckpointHandlerRegistry  # noqa: PLC0415
 
-def _item_handlers() -> dict:
-    """The handlers of the two items, so that a manager can read a checkpoint's metadata and restore
-    from it without being told the items' types (and without orbax warning that it cannot)."""
-    return {"state": _StateHandler(), "data": _data_iterator_handler()}
+    registry, state, data = DefaultCheckpointHandlerRegistry(), _StateHandler(), _data_iterator_handler()
+    for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
+        registry.add("state", args, state)
+    for args in (grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointRestore):
+        registry.add("data", args, data)
+    return registry
 
 
 def _barriers_through_the_coordinator() -> None:
@@ -294,7 +299,7 @@ def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.Che
                                            enable_async_checkpointing=async_save)
     _barriers_through_the_coordinator()
     storage.forget_listings(checkpoint_dir(workdir))
-    return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), handler_registry=_handlers(), options=options)
 
 
 def read_manager(workdir: str, *, this_process_only: bool = False) -> ocp.CheckpointManager:
@@ -312,7 +317,7 @@ def read_manager(workdir: str, *, this_process_only: bool = False) -> ocp.Checkp
             primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"tieflax-reader-{me}"))
     options = ocp.CheckpointManagerOptions(create=False, **alone)
     storage.forget_listings(checkpoint_dir(workdir))
-    return ocp.CheckpointManager(checkpoint_dir(workdir), item_handlers=_item_handlers(), options=options)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), handler_registry=_handlers(), options=options)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, loader) -> None:
