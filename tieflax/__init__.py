@@ -8,3 +8,9 @@ __version__ = "0.1.0"
 from tieflax.platforms import skip_absent_tpu as _skip_absent_tpu
 
 _skip_absent_tpu()
+
+# TIEFLAX_GPU_XLA_FLAGS=recommended: NVIDIA's XLA flags for LLM training added to XLA_FLAGS before JAX starts
+# its GPU backend, on a GPU run only; off by default until a GPU measures them (tieflax/hardware/gpu_flags.py).
+from tieflax.hardware.gpu_flags import apply as _apply_gpu_xla_flags  # noqa: E402
+
+_apply_gpu_xla_flags()
