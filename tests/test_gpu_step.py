@@ -1,4 +1,5 @@
-"""benchmarks/gpu_step.py under SMOKE=1 (a tiny model on the CPU) and tools/profile_table.py on its profiles."""
+"""benchmarks/gpu_step.py under SMOKE=1 (a tiny model on the CPU) and tools/profile_table.py on its profiles;
+the GPU XLA flags (tieflax/hardware/gpu_flags.py) known to this XLA and reaching a deviceless H100 compile."""
 
 import importlib.util
 import json
@@ -8,14 +9,17 @@ import sys
 
 import pytest
 
+from tieflax.hardware.gpu_flags import flags_text
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
 def _run(args, **env):
     # One device, as on the one GPU the benchmark is for (the suite's XLA_FLAGS ask for 8 CPU devices).
+    env = {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **env}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="", **env), timeout=900)
+                          env=dict(os.environ, **env), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -63,3 +67,38 @@ def test_categories():
     assert categorise("loop_multiply_fusion", "jit(step)/mul") == "optimizer"
     assert categorise("_rms_norm_forward_kernel") == "norms/RoPE/elementwise"
     assert categorise("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+
+
+# A scanned 4-layer stack's gradient, compiled for an H100 from this CPU: the scan's while loops and their trip
+# counts ("known_trip_count") in the optimized HLO.
+H100_SCAN = """
+import re, jax, jax.numpy as jnp
+from jax.experimental import topologies
+from tieflax.hardware.targets import gpu_target_config
+h100 = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config("h100"),
+                                    topology="1x1x1").devices[0]
+def loss(w, x):
+    return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w)[0].sum()
+on = jax.sharding.SingleDeviceSharding(h100)
+args = (jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=on))
+text = jax.jit(jax.grad(loss)).lower(*args).compile().as_text()
+print(sorted(set(re.findall(r'"known_trip_count":\\{"n":"(\\d+)"\\}', text))))
+"""
+
+
+def test_xla_knows_every_recommended_gpu_flag():
+    # XLA stops the process at start on a flag it does not know ("Unknown flag in XLA_FLAGS"); its CPU client
+    # parses the same flag list as the GPU one, so this runs on any stack, with or without the CUDA plugin.
+    done = _run(["-c", "import jax; print(jax.jit(lambda x: x * 2)(jax.numpy.ones(3)).sum())"],
+                XLA_FLAGS=flags_text())
+    assert done.stdout.strip() == "6.0"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="needs the CUDA plugin (pip install 'jax[cuda12]') to compile for an H100")
+def test_recommended_gpu_flags_reach_a_deviceless_h100_compile():
+    default = _run(["-c", H100_SCAN], CUDA_VISIBLE_DEVICES="-1")
+    flagged = _run(["-c", H100_SCAN], CUDA_VISIBLE_DEVICES="-1", XLA_FLAGS=flags_text())
+    assert default.stdout.split("\n")[-2] == "['4']"  # forward and backward loops: 4 layers a trip
+    assert flagged.stdout.split("\n")[-2] == "['2']"  # double buffered: two layers per trip
