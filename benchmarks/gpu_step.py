@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_step.py                      # on a GPU: a Markdown table + one JSON line
     python benchmarks/gpu_step.py --profile DIR        # also traces a few steps (tieflax tied, HF + Liger)
+    python benchmarks/gpu_step.py --budget-s 280       # starts no variant late, so the table always prints
     SMOKE=1 python benchmarks/gpu_step.py              # a tiny model on the CPU, in seconds
 
 Each variant runs in its own process (``--variant NAME`` runs one and prints its JSON line), so peak
@@ -12,6 +13,10 @@ memory is that variant's alone and JAX and PyTorch never share the GPU's memory:
   fp32 parameters and Adam, scanned layers, ``loss_impl`` as configured) and, with remat 'none', the MLP
   unchunked (``mlp_chunk=0``: a chunk is rematerialised), batch 8 x 2048 tokens, each row one sequence
   (``data.document_masking=False``: the HF peers mask no documents either);
+- ``tieflax-tied-xla-flags``: ``tieflax-tied`` with ``TIEFLAX_GPU_XLA_FLAGS=recommended`` (NVIDIA's XLA flags
+  for LLM training, ``tieflax/hardware/gpu_flags.py``; added on a GPU only, so under ``SMOKE=1`` on a CPU it
+  runs the defaults); the other variants run with the choice ``off``. Its row's ``xla_flags`` is the
+  ``XLA_FLAGS`` its process ran with;
 - ``hf``: ``transformers.LlamaForCausalLM`` with the same shapes, fp32 parameters under bf16 autocast,
   SDPA attention, fused AdamW (the config's rate, betas, weight decay), gradient clipping, no activation
   checkpointing (what a PyTorch user runs);
@@ -44,12 +49,17 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# XLA_FLAGS as the user started this process, before ``import tieflax`` may add the GPU flags to it: each
+# variant's process starts from this and chooses its own flags.
+USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 
 from tieflax.hardware.flops import step_flops  # noqa: E402 (after the path: this checkout's tieflax)
+from tieflax.hardware.gpu_flags import ENV as GPU_FLAGS_ENV  # noqa: E402
 from tieflax.hardware.targets import device_peak  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "models", "llama3_2_1b.py")
-VARIANTS = ("tieflax-tied", "tieflax-untied", "hf", "hf-liger")
+# The flags variant second: with --budget-s, a variant late in the list is the one left out.
+VARIANTS = ("tieflax-tied", "tieflax-tied-xla-flags", "tieflax-untied", "hf", "hf-liger")
 SMOKE = os.environ.get("SMOKE", "") not in ("", "0")
 # The smoke model: the same family and code paths, small enough for a CPU in seconds.
 SMOKE_MODEL = {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128,
@@ -89,8 +99,9 @@ def result(name: str, step_times: list[float], tokens: int, peak_bytes, extra: d
 # ---------------------------------------------------------------------------------------------- tieflax
 
 
-def tieflax_step(tied: bool, args) -> dict:
-    """Compiles and times the real step; ``args.profile`` traces ``args.profile_steps`` more (tied only)."""
+def tieflax_step(variant: str, args) -> dict:
+    """Compiles and times the real step; ``args.profile`` traces ``args.profile_steps`` more (tieflax-tied
+    only). The GPU XLA flags were merged, or not, by ``import tieflax`` (this module's first import)."""
     import flax.linen as nn
     import jax
     import numpy as np
@@ -99,6 +110,7 @@ def tieflax_step(tied: bool, args) -> dict:
     from tieflax.config import model_config
     from tieflax.train import BATCH_KEYS, build, make_train_step, setup_mesh
 
+    tied = variant != "tieflax-untied"
     config = load(tied, args.batch, args.seq_len, args.remat)
     t = config.train
     mesh = setup_mesh(config)
@@ -124,7 +136,7 @@ def tieflax_step(tied: bool, args) -> dict:
             jax.block_until_ready(metrics)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
-        if args.profile and tied:
+        if args.profile and variant == "tieflax-tied":
             folder = os.path.join(args.profile, "tieflax-tied")
             os.makedirs(args.profile, exist_ok=True)
             with open(os.path.join(args.profile, "tieflax-tied.hlo.txt"), "w") as f:
@@ -139,8 +151,9 @@ def tieflax_step(tied: bool, args) -> dict:
     extra = {"batch": t.global_batch_size, "seq_len": t.seq_len, "compile_s": compile_s,
              "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
              "loss": float(metrics["loss"]), "jax": jax.__version__, "loss_impl": t.loss_impl,
-             "remat": config.model.remat}
-    return result(f"tieflax-{'tied' if tied else 'untied'}", times, t.global_batch_size * t.seq_len,
+             "remat": config.model.remat, "gpu_xla_flags": os.environ.get(GPU_FLAGS_ENV, "off"),
+             "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    return result(variant, times, t.global_batch_size * t.seq_len,
                   stats.get("peak_bytes_in_use"), extra, device.device_kind, model_config(config))
 
 
@@ -256,16 +269,31 @@ def missing_peer(variant: str) -> str | None:
 
 def run_one(variant: str, args) -> dict:
     if variant.startswith("tieflax"):
-        return tieflax_step(variant == "tieflax-tied", args)
+        return tieflax_step(variant, args)
     return hf_step(variant == "hf-liger", args)
 
 
+def variant_env(variant: str, liger: bool) -> dict:
+    """A variant's process environment: the user's XLA_FLAGS, and the GPU XLA flags for the flags variant."""
+    env = dict(os.environ, GPU_STEP_LIGER="1" if liger else "0")
+    env[GPU_FLAGS_ENV] = "recommended" if variant == "tieflax-tied-xla-flags" else "off"
+    env.pop("XLA_FLAGS", None)
+    if USER_XLA_FLAGS is not None:
+        env["XLA_FLAGS"] = USER_XLA_FLAGS
+    return env
+
+
 def run_all(args) -> list[dict]:
-    """Each variant in a child process; a failing one is reported with its last line and the rest go on."""
-    rows = []
+    """Each variant in a child process; a failing one is reported with its last line and the rest go on.
+    With ``args.budget_s``, no variant starts with under 30 s of it left and a running one is stopped when
+    it is spent, so the table of those that ran still prints."""
+    rows, start = [], time.monotonic()
     liger = missing_peer("hf-liger") is None
     for variant in args.variants.split(","):
         why = missing_peer(variant)
+        left = args.budget_s - (time.monotonic() - start) if args.budget_s else None
+        if left is not None and left < 30:
+            why = f"{variant}: not started, {left:.0f} s of the {args.budget_s:.0f} s budget left"
         if why:
             print(f"# {why}", file=sys.stderr, flush=True)
             continue
@@ -273,8 +301,11 @@ def run_all(args) -> list[dict]:
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
                "--profile-steps", str(args.profile_steps), "--remat", args.remat]
         cmd += ["--profile", args.profile] if args.profile else []
-        env = dict(os.environ, GPU_STEP_LIGER="1" if liger else "0")
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, env=variant_env(variant, liger), timeout=left)
+        except subprocess.TimeoutExpired:
+            print(f"# {variant}: stopped, the {args.budget_s:.0f} s budget was spent", file=sys.stderr, flush=True)
+            continue
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -298,6 +329,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def flags_verdict(rows: list[dict]) -> str | None:
+    """One line: tieflax tied with the recommended GPU XLA flags against without, when both ran."""
+    by = {r["variant"]: r for r in rows}
+    base, flagged = by.get("tieflax-tied"), by.get("tieflax-tied-xla-flags")
+    if not base or not flagged:
+        return None
+    if "xla_gpu_" not in flagged["xla_flags"]:
+        return "GPU XLA flags: not added (no GPU here), so the two tied rows ran the same flags"
+    change = flagged["step_s"] / base["step_s"] - 1
+    return (f"GPU XLA flags (TIEFLAX_GPU_XLA_FLAGS=recommended): {base['step_s'] * 1e3:.1f} -> "
+            f"{flagged['step_s'] * 1e3:.1f} ms/step ({change:+.1%}), loss {base['loss']:.4f} -> {flagged['loss']:.4f}")
+
+
 def parse(argv=None):
     smoke = {"steps": 2, "warmup": 1, "batch": 2, "seq_len": 64, "profile_steps": 1}
     full = {"steps": 5, "warmup": 2, "batch": 8, "seq_len": 2048, "profile_steps": 3}
@@ -312,6 +356,8 @@ def parse(argv=None):
     ap.add_argument("--remat", default="none", help="tieflax's remat policy (HF runs without checkpointing)")
     ap.add_argument("--profile", metavar="DIR", help="also trace a few steps of tieflax tied and HF + Liger here")
     ap.add_argument("--profile-steps", type=int, default=d["profile_steps"], help="steps traced")
+    ap.add_argument("--budget-s", type=float, help="seconds for all variants: none starts with under 30 s "
+                    "left, a running one is stopped when they are spent (the table of the rest still prints)")
     args = ap.parse_args(argv)
     for name in ("variants",) if not args.variant else ():
         unknown = set(getattr(args, name).split(",")) - set(VARIANTS)
@@ -335,6 +381,9 @@ def main(argv=None) -> None:
     print(f"\n{where}, batch {args.batch} x {args.seq_len} tokens, median of {args.steps} steps after "
           f"{args.warmup} warm-up{' (SMOKE: tiny model)' if SMOKE else ''}\n")
     print(table(rows))
+    verdict = flags_verdict(rows)
+    if verdict:
+        print(f"\n{verdict}")
     print(json.dumps({"benchmark": "gpu_step", "smoke": SMOKE, "batch": args.batch, "seq_len": args.seq_len,
                       "steps": args.steps, "rows": rows}))
     if not any(r["variant"].startswith("tieflax") for r in rows):

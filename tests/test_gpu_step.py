@@ -26,8 +26,9 @@ def _run(args, **env):
 
 @pytest.mark.slow
 def test_smoke_step_and_profile_table(tmp_path):
-    variants = "tieflax-tied,tieflax-untied" + (",hf" if HAVE_TORCH else "")
-    done = _run(["benchmarks/gpu_step.py", "--variants", variants, "--profile", str(tmp_path)], SMOKE="1")
+    variants = "tieflax-tied,tieflax-tied-xla-flags,tieflax-untied" + (",hf" if HAVE_TORCH else "")
+    done = _run(["benchmarks/gpu_step.py", "--variants", variants, "--profile", str(tmp_path)], SMOKE="1",
+                TIEFLAX_GPU_XLA_FLAGS="recommended")  # the parent's choice: each variant's process sets its own
     result = json.loads(done.stdout.strip().splitlines()[-1])
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == set(variants.split(","))
@@ -35,6 +36,11 @@ def test_smoke_step_and_profile_table(tmp_path):
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and 0 < r["loss"] < 20
         assert r["mfu"] is None  # a CPU has no peak in tieflax's targets: no invented MFU
     assert rows["tieflax-untied"]["argument_bytes"] > rows["tieflax-tied"]["argument_bytes"]  # a second table
+    # The flags variant asked for the GPU XLA flags, the others not; on a CPU none were added to XLA_FLAGS.
+    assert rows["tieflax-tied-xla-flags"]["gpu_xla_flags"] == "recommended"
+    assert rows["tieflax-tied"]["gpu_xla_flags"] == rows["tieflax-untied"]["gpu_xla_flags"] == "off"
+    assert all("xla_gpu_" not in r["xla_flags"] for r in rows.values() if "xla_flags" in r)
+    assert "GPU XLA flags: not added (no GPU here)" in done.stdout
 
     profiles = [str(tmp_path / "tieflax-tied")] + ([str(tmp_path / "hf-liger.trace.json")] if HAVE_TORCH else [])
     out = _run(["tools/profile_table.py", *profiles, "--hlo", str(tmp_path / "tieflax-tied.hlo.txt"), "--json"])
@@ -50,6 +56,14 @@ def test_smoke_step_and_profile_table(tmp_path):
         assert torch_split["by_category"].get("matmul", 0) > 0 and torch_split["by_category"].get("attention", 0) > 0
     else:
         pytest.skip("torch/transformers not installed: the HF peer and its trace were not checked")
+
+
+def test_a_spent_budget_starts_no_variant_and_says_so():
+    done = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--budget-s", "20"], cwd=ROOT, text=True,
+                          capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", SMOKE="1"),
+                          timeout=300)
+    assert done.returncode != 0 and "no tieflax variant ran" in done.stderr
+    assert "tieflax-tied: not started, 20 s of the 20 s budget left" in done.stderr
 
 
 def test_categories():
