@@ -335,8 +335,8 @@ def flags_verdict(rows: list[dict]) -> str | None:
     base, flagged = by.get("tieflax-tied"), by.get("tieflax-tied-xla-flags")
     if not base or not flagged:
         return None
-    if "xla_gpu_" not in flagged["xla_flags"]:
-        return "GPU XLA flags: not added (no GPU here), so the two tied rows ran the same flags"
+    if flagged["xla_flags"] == base["xla_flags"]:
+        return "GPU XLA flags: not added (no GPU here, or the jaxlib was not checked), so both tied rows ran the same"
     change = flagged["step_s"] / base["step_s"] - 1
     return (f"GPU XLA flags (TIEFLAX_GPU_XLA_FLAGS=recommended): {base['step_s'] * 1e3:.1f} -> "
             f"{flagged['step_s'] * 1e3:.1f} ms/step ({change:+.1%}), loss {base['loss']:.4f} -> {flagged['loss']:.4f}")

@@ -40,7 +40,7 @@ def test_smoke_step_and_profile_table(tmp_path):
     assert rows["tieflax-tied-xla-flags"]["gpu_xla_flags"] == "recommended"
     assert rows["tieflax-tied"]["gpu_xla_flags"] == rows["tieflax-untied"]["gpu_xla_flags"] == "off"
     assert all("xla_gpu_" not in r["xla_flags"] for r in rows.values() if "xla_flags" in r)
-    assert "GPU XLA flags: not added (no GPU here)" in done.stdout
+    assert "GPU XLA flags: not added (no GPU here, or the jaxlib was not checked)" in done.stdout
 
     profiles = [str(tmp_path / "tieflax-tied")] + ([str(tmp_path / "hf-liger.trace.json")] if HAVE_TORCH else [])
     out = _run(["tools/profile_table.py", *profiles, "--hlo", str(tmp_path / "tieflax-tied.hlo.txt"), "--json"])
@@ -64,6 +64,17 @@ def test_a_spent_budget_starts_no_variant_and_says_so():
                           timeout=300)
     assert done.returncode != 0 and "no tieflax variant ran" in done.stderr
     assert "tieflax-tied: not started, 20 s of the 20 s budget left" in done.stderr
+
+
+def test_the_flags_verdict_compares_the_two_tied_rows():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gpu_step import flags_verdict
+
+    tied = {"variant": "tieflax-tied", "step_s": 0.5, "loss": 10.0, "xla_flags": ""}
+    flagged = {**tied, "variant": "tieflax-tied-xla-flags", "step_s": 0.45, "xla_flags": flags_text()}
+    assert "500.0 -> 450.0 ms/step (-10.0%)" in flags_verdict([tied, flagged])
+    assert "not added" in flags_verdict([tied, {**flagged, "xla_flags": ""}])
+    assert flags_verdict([tied]) is None
 
 
 def test_categories():
