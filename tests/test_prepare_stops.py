@@ -110,13 +110,17 @@ def test_a_megabyte_without_a_space_does_not_stall_bpe_training(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_bpe_training_stops_prepare_within_5_s(tmp_path, sig):
+def test_a_signal_during_bpe_training_ends_the_trainer_at_once_and_prepare_in_one_line(tmp_path, sig):
+    """The Rust BPE trainer never returns to Python while it works, so a signal must end it rather than wait
+    for it. What is timed is the trainer's end (an implementation that waits leaves it running for the rest
+    of its life, several seconds: 30,000 merges of this corpus), not Python's exit after it, which a busy
+    machine stretches (5.5 s at a load average of 11) and which is bounded only as a hang would be."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     _stdlib_corpus(corpus, 1000)
     proc = subprocess.Popen(BASE + ["--out", str(tmp_path / "store"), "--config.data.source=files",
                                     f"--config.data.files.paths={corpus}/*.txt",
-                                    "--config.data.tokenizer.vocab_size=20000", "--config.model.vocab_size=20000"],
+                                    "--config.data.tokenizer.vocab_size=30000", "--config.model.vocab_size=30000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err: list[str] = []
     reader = threading.Thread(target=_lines, args=(proc.stderr, err), daemon=True)
@@ -140,12 +144,16 @@ def test_a_signal_during_bpe_training_stops_prepare_within_5_s(tmp_path, sig):
     family = _descendants(proc.pid) | {proc.pid}
     t_sig = time.monotonic()
     proc.send_signal(sig)
-    proc.wait(timeout=30)
+    while _alive(set(trainer)) and time.monotonic() - t_sig < 30:
+        time.sleep(0.02)
+    trainer_ended = time.monotonic() - t_sig
+    proc.wait(timeout=60)
     took = time.monotonic() - t_sig
     reader.join(timeout=5)
     said = [line.strip() for line in err if line.startswith("tieflax") and "training a" not in line]
-    print(f"{signal.Signals(sig).name} during BPE training: exit {proc.returncode} after {took:.2f} s: {said}")
-    assert took < 5, took
+    print(f"{signal.Signals(sig).name} during BPE training: trainer ended after {trainer_ended:.2f} s, exit "
+          f"{proc.returncode} after {took:.2f} s: {said}")
+    assert trainer_ended < 2, trainer_ended
     assert proc.returncode in (130, 143, 1) and proc.returncode != 0, (proc.returncode, err)
     assert len(said) == 1 and said[0].startswith(f"tieflax prepare: stopped by {signal.Signals(sig).name}"), err
     assert not any("Traceback" in line for line in err), err
