@@ -11,6 +11,15 @@ import pytest
 
 from tieflax.model import ModelConfig, TransformerLM, embedding_matrices
 from tieflax.model.surgery import tie, untie
+from tiny_programs import without_backend_optimisations
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tiny_programs_compile_fast():
+    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
+    with without_backend_optimisations():
+        yield
+
 
 V, D = 300, 32
 FAMILIES = {
