@@ -227,6 +227,9 @@ class _StateHandler(ocp.PyTreeCheckpointHandler):
             return super().metadata(*args, **kwargs)
 
 
+_LOOPS_OF_FAILED_RESTORES: list = []
+
+
 @contextlib.contextmanager
 def _reads_end_before_their_loop_closes():
     """orbax runs a restore's reads on a fresh event loop and closes it as soon as the restore returns. When
@@ -243,10 +246,13 @@ def _reads_end_before_their_loop_closes():
 
     def run_then_drain(coro):
         loop = asyncio.new_event_loop()
+        failed = True
         try:
             asyncio.set_event_loop(loop)
             try:
-                return loop.run_until_complete(coro)
+                result = loop.run_until_complete(coro)
+                failed = False
+                return result
             finally:
                 left = asyncio.all_tasks(loop)
                 if left:  # their errors are the one already raised, or its twins: retrieved, not reported
@@ -254,7 +260,14 @@ def _reads_end_before_their_loop_closes():
                                                              storage.deadline_seconds()))
         finally:
             asyncio.set_event_loop(None)
-            loop.close()
+            if failed:
+                # A failed restore can leave TensorStore reads whose awaiting task has already ended (cancelled
+                # with the first failure): no task to drain, yet each calls back into this loop when it ends,
+                # seconds later on a busy machine. Left open (and referenced, so that garbage collection does
+                # not close it), the loop takes those callbacks silently; one loop per failed restore.
+                _LOOPS_OF_FAILED_RESTORES.append(loop)
+            else:
+                loop.close()
 
     asyncio_utils._run_sync_via_new_loop = run_then_drain
     try:
