@@ -258,8 +258,10 @@ def test_residual_stream_runs_from_the_embedding_to_before_the_final_norm(family
     xs_scanned = TransformerLM(scanned).apply({"params": stack_layers(params, scanned)}, TOKENS,
                                               method="residual_stream")
     # Scanned and unrolled layers may reassociate fp32 sums, an error of a few ulps of the stream's values
-    # (large after Gemma's sqrt(d) input scale), so the bound is relative as well as absolute.
-    np.testing.assert_allclose(xs_scanned, xs, atol=2e-6, rtol=1e-6)
+    # (large after Gemma's sqrt(d) input scale), so the bound is relative as well as absolute. Compiled
+    # without backend optimisations on jax 0.12 (tests/tiny_programs.py), one element of 2,560 differed by
+    # 2.2e-6 (at 0.152); a wrong layer order or a missing block differs by 1e-1.
+    np.testing.assert_allclose(xs_scanned, xs, atol=1e-5, rtol=1e-6)
 
 
 def test_surgery_roundtrip():

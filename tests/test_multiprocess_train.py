@@ -122,11 +122,15 @@ def test_checkpoints_of_two_processes_resume_on_one_and_back(tmp_path, capsys):
     np.testing.assert_allclose({r["step"]: r["loss"] for r in read_metrics(run, "val")}[8], want_val,
                                rtol=LOSS_RTOL)
 
-def test_a_save_failing_on_process_1_stops_both_within_one_log_interval(tmp_path, monkeypatch):
+def test_a_save_failing_on_process_1_stops_both_by_the_next_save(tmp_path, monkeypatch):
     """Process 1 may not write its share of the step-4 checkpoint (a storage server that answers 403 to
     its objects, as Cloud Storage answers a role that cannot create them); process 0's share succeeds.
-    Both processes must stop with the same one line, naming process 1 and the refused write, by the next
-    log step, instead of process 0 waiting at orbax's commit barrier for a save that will never end."""
+    Both processes must stop with the same one line, naming process 1 and the refused write, at the first
+    log step after orbax reports the save ended and at the latest where the next save would start (step 6),
+    instead of process 0 waiting at orbax's commit barrier for a save that will never end. How many log
+    steps pass before orbax reports the refusal depends on the machine's load (one on an idle machine, two
+    in a clean clone's 3.12 suite on three workers), so the bound is the next save, as in test_train's
+    full-disk test."""
     from object_store import GcsServer  # noqa: PLC0415
 
     data_dir = str(tmp_path / "data")
@@ -144,7 +148,7 @@ def test_a_save_failing_on_process_1_stops_both_within_one_log_interval(tmp_path
         assert len(stopped) == 1 and "process 1" in stopped[0] and "checkpoint 4" in stopped[0], proc.stderr
         assert [ln for ln in process_1.splitlines() if ln.startswith("tieflax train:")] == stopped, process_1
         logged = [r["step"] for r in read_metrics(run, "train")]
-        assert max(logged) <= 4 + config.train.log_every, logged  # stopped within one log interval
+        assert max(logged) <= 4 + config.train.checkpoint_every, logged  # stopped by the next save
         assert ckpt.latest_step(run) == 2  # the failed step is not taken for a checkpoint
     finally:
         server.stop()
