@@ -9,6 +9,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+import gc  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -67,6 +68,19 @@ SLOW_TESTS = {
 def is_slow(file_name: str, test_name: str) -> bool:
     """Whether a test (its file's base name, its function's name without parameters) is in the slow tier."""
     return file_name in SLOW_FILES or test_name in SLOW_TESTS.get(file_name, ())
+
+
+def pytest_configure(config):
+    # The CLI's collector thresholds (tieflax/cli.py says why) for the tests that trace in this process.
+    from tieflax.cli import COLLECTOR_THRESHOLDS  # noqa: PLC0415
+
+    gc.set_threshold(*COLLECTOR_THRESHOLDS)
+
+
+def pytest_collection_finish(session):
+    # Everything imported to collect the tests lives to the end: out of the collector's every full pass.
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):

@@ -245,6 +245,30 @@ def test_two_processes_evaluate_a_bucket_run_as_one_does_per_sample(watched, eva
             assert got == pytest.approx(want, abs=1e-6), (task, s["doc_id"])
 
 
+def test_two_processes_sample_as_one_does_and_process_0_alone_prints(watched, tmp_path, capsys):
+    """``tieflax sample`` under 2 processes x 4 devices (gloo) joins one job on the run's mesh: process 0
+    prints the continuation one process gives (sampled, so the seed's draws must agree too); process 1
+    prints nothing. Alone, each process would load the run on its own 4 devices and both would print."""
+    from tieflax import cli
+
+    argv = ["sample", "--workdir", watched["workdir"], "--prompt", "def main(", "--max-new-tokens", "12",
+            "--temperature", "0.8", "--seed", "1", "--step", "20"]
+    assert cli.main(argv) == 0
+    want = capsys.readouterr().out
+    assert want.strip(), "the one-process sample printed nothing"
+    cmd = ["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "4", sys.executable, "-m",
+           "tieflax.cli", *argv]
+    env = subprocess_env(4, WORKDIR_LOGS=str(tmp_path))
+    env.pop("XLA_FLAGS")  # the launcher sets the per-process device count
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
+                          start_new_session=True)
+    other = open(tmp_path / "process_1.log").read() if (tmp_path / "process_1.log").exists() else ""
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n--- process 1 ---\n{other[-3000:]}"
+    printed = [ln for ln in proc.stdout.splitlines() if not ln.startswith("[Gloo]")]  # gloo's own lines
+    assert printed == want.splitlines(), (proc.stdout, want)
+    assert want.strip() not in other, other[-3000:]
+
+
 # ------------------------------------------------------------------------------------------ units
 
 def test_interval_line_shows_mfu_and_memory_where_known():

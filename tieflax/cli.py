@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import gc
 import importlib
 import importlib.util
 import json
@@ -75,9 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# CPython's cyclic collector runs after every 700 net allocations of container objects by default. Tracing
+# and lowering a JAX program allocates millions of short-lived ones (tracers, equations, attribute dicts),
+# so the collector ran thousands of times per program, each pass walking the young objects: about a tenth
+# of a small training run's CPU time (a 20-step run on a CPU: 3.9 -> 3.5 CPU-s). Fewer, larger passes
+# collect the same cycles; the process's memory grows by at most the garbage of one larger pass.
+COLLECTOR_THRESHOLDS = (50_000, 20, 100)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
     from tieflax.platforms import skip_absent_tpu  # noqa: PLC0415
+
+    gc.set_threshold(*COLLECTOR_THRESHOLDS)
 
     args, module, debug = argparse.Namespace(command=None), None, False
     try:

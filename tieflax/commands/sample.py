@@ -1,7 +1,9 @@
 """``tieflax sample --workdir RUN --prompt TEXT``: continue a prompt with a run's checkpoint (KV cache).
 
 Greedy by default; ``--temperature T`` samples, reproducibly for a given ``--seed``. Stops at the run's
-EOS token or after ``--max-new-tokens``. Prints the continuation only.
+EOS token or after ``--max-new-tokens``. Prints the continuation only. Under a multi-process launcher
+(``launch/``: pod hosts, SLURM tasks) the processes generate together on the run's mesh and process 0
+alone prints.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     refuse_overrides(args, "sample", "it generates with the run's own config")
+    from tieflax import distributed  # noqa: PLC0415
+
+    # Before any device is touched: a launcher's processes join one job (each alone would load the run on
+    # its own devices and every one would print).
+    distributed.initialize()
     from tieflax.eval.decode import EvalError, Generator  # noqa: PLC0415
     from tieflax.eval.loaded import load_run  # noqa: PLC0415 (no lm-eval: sample runs on the base install)
 
@@ -44,5 +51,6 @@ def run(args: argparse.Namespace) -> int:
     out = generator.generate(generator.layer_params(run.params), [prompt] * shards,
                              max_new_tokens=args.max_new_tokens, stop_ids=(run.eos_id,),
                              temperature=args.temperature, seed=args.seed)
-    print(run.tokenizer.decode(out.tokens[0, :out.lengths[0]].tolist(), skip_special_tokens=True))
+    if distributed.is_main_process():  # the result is replicated: every process holds the same tokens
+        print(run.tokenizer.decode(out.tokens[0, :out.lengths[0]].tolist(), skip_special_tokens=True))
     return 0

@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 
 from tieflax import storage
 from tieflax.errors import UserError
-from tieflax.run import layout
+from tieflax.run import event_loops, layout
 from tieflax.run import identity
 from tieflax.run.identity import save_config
 from tieflax.run.layout import CHECKPOINT_DIR, INITIAL_PARAMS_DIR, UNREADABLE_DIR, check_location
@@ -216,66 +216,6 @@ class _StateHandler(ocp.PyTreeCheckpointHandler):
     async def async_save(self, *args, **kwargs):
         return OWN_SHARE.counted(await super().async_save(*args, **kwargs))
 
-    def restore(self, *args, **kwargs):
-        """orbax's restore, whose event loop is closed only once every read it started has ended."""
-        with _reads_end_before_their_loop_closes():
-            return super().restore(*args, **kwargs)
-
-    def metadata(self, *args, **kwargs):
-        """orbax's metadata (it opens every array), whose event loop is closed once every read has ended."""
-        with _reads_end_before_their_loop_closes():
-            return super().metadata(*args, **kwargs)
-
-
-_LOOPS_OF_FAILED_RESTORES: list = []
-
-
-@contextlib.contextmanager
-def _reads_end_before_their_loop_closes():
-    """orbax runs a restore's reads on a fresh event loop and closes it as soon as the restore returns. When
-    one read fails (a damaged array file), the others are still in flight in TensorStore: each one, ending
-    later, calls back into the closed loop ("Event loop is closed", unraisable, after the one line that
-    said the checkpoint is unreadable). Within this block the loop is closed only after its remaining tasks
-    have ended (within the storage deadline, so that a silent bucket cannot hold it)."""
-    from orbax.checkpoint._src import asyncio_utils  # noqa: PLC0415
-
-    fresh_loop = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
-    if fresh_loop is None:  # another orbax: its own way of running a restore
-        yield
-        return
-
-    def run_then_drain(coro):
-        loop = asyncio.new_event_loop()
-        failed = True
-        try:
-            asyncio.set_event_loop(loop)
-            try:
-                result = loop.run_until_complete(coro)
-                failed = False
-                return result
-            finally:
-                left = asyncio.all_tasks(loop)
-                if left:  # their errors are the one already raised, or its twins: retrieved, not reported
-                    loop.run_until_complete(asyncio.wait_for(asyncio.gather(*left, return_exceptions=True),
-                                                             storage.deadline_seconds()))
-        finally:
-            asyncio.set_event_loop(None)
-            if failed:
-                # A failed restore can leave TensorStore reads whose awaiting task has already ended (cancelled
-                # with the first failure): no task to drain, yet each calls back into this loop when it ends,
-                # seconds later on a busy machine. Left open (and referenced, so that garbage collection does
-                # not close it), the loop takes those callbacks silently; one loop per failed restore.
-                _LOOPS_OF_FAILED_RESTORES.append(loop)
-            else:
-                loop.close()
-
-    asyncio_utils._run_sync_via_new_loop = run_then_drain
-    try:
-        yield
-    finally:
-        asyncio_utils._run_sync_via_new_loop = fresh_loop
-
-
 
 def _handlers():
     """The handlers of the two items, by item and arguments, so that a manager can read a checkpoint's
@@ -285,6 +225,7 @@ def _handlers():
     import grain  # noqa: PLC0415
     from orbax.checkpoint._src.handlers.handler_registration import DefaultCheckpointHandlerRegistry  # noqa: PLC0415
 
+    event_loops.install()  # orbax's calls end cleanly when one of their reads or writes fails
     registry, state, data = DefaultCheckpointHandlerRegistry(), _StateHandler(), _data_iterator_handler()
     for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
         registry.add("state", args, state)
