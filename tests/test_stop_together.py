@@ -179,6 +179,9 @@ def test_one_process_whose_save_stalls_stops_every_process_with_the_same_line(mo
             assert len(said) == 1 and "Traceback" not in err, err[-3000:]
         assert lines[0] == lines[1], lines
         assert lines[0][0].startswith("tieflax train: process 1: ") and f"no answer from {bucket} within" in lines[0][0]
+        # The deadline that passed is the checkpoint's, and the line names its setting (it named the storage
+        # deadline's before).
+        assert lines[0][0].endswith("TIEFLAX_CHECKPOINT_DEADLINE_S sets the deadline)"), lines[0][0]
         # The stalled save's deadline (the storage deadline for its start, the checkpoint deadline for its
         # commit), the steps up to the next agreement, the exit (process 0 last, after the others' word), on a
         # busy 2-core machine: 30 s. Both within seconds of each other, not one on JAX's heartbeat timeout (100 s).

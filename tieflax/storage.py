@@ -565,7 +565,7 @@ def deadline_within(seconds: float):
 
 
 @contextlib.contextmanager
-def watchdog(path: str, action: str, seconds: float | None = None):
+def watchdog(path: str, action: str, seconds: float | None = None, setting: str = DEADLINE_ENV):
     """For remote work done by a library outside this layer, which no deadline can cancel (orbax's
     checkpoint saves, through gcsfs and its own tensorstore): when the block has not ended within
     ``seconds`` (default: the storage deadline), the process prints the one line of a passed deadline and
@@ -586,7 +586,7 @@ def watchdog(path: str, action: str, seconds: float | None = None):
         prefix = " ".join(["tieflax", *[a for a in sys.argv[1:2] if not a.startswith("-")]])  # as the console
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        os.write(2, f"{prefix}: {no_answer(path, action, seconds)}\n".encode())
+        os.write(2, f"{prefix}: {no_answer(path, action, seconds, setting)}\n".encode())
         os._exit(1)
 
     threading.Thread(target=expire, name="tieflax-storage-watchdog", daemon=True).start()
@@ -635,9 +635,10 @@ def _remote(path: str, action: str, fn):
         _DEADLINE.at = outer
 
 
-def no_answer(path: str, action: str, seconds: float) -> str:
+def no_answer(path: str, action: str, seconds: float, setting: str = DEADLINE_ENV) -> str:
     """The one line of a remote ``action`` on ``path`` that got no answer within ``seconds``, with the fix
-    (also for callers that time a library's remote work themselves, such as checkpoint saves)."""
+    (also for callers that time a library's remote work themselves, such as checkpoint saves);
+    ``setting``: the variable that set ``seconds`` (checkpoint saves have a deadline of their own)."""
     scheme, bucket, _ = bucket_and_key(path)
     if scheme == "gs" and not _gcs_credentials_configured():
         fix = ("no credentials are configured (no GOOGLE_APPLICATION_CREDENTIALS, no "
@@ -646,7 +647,7 @@ def no_answer(path: str, action: str, seconds: float) -> str:
     else:
         fix = f"check the network and that {scheme}://{bucket} is reachable"
     return (f"cannot {action} {path}: no answer from {scheme}://{bucket} within {seconds:g} s; {fix}, then rerun "
-            f"the command (work done so far is kept; {DEADLINE_ENV} sets the deadline)")
+            f"the command (work done so far is kept; {setting} sets the deadline)")
 
 
 # What a store that stopped answering looks like from the libraries underneath orbax (gcsfs/aiohttp, tensorstore's

@@ -537,7 +537,7 @@ class SaveDeadlinePassed(CheckpointError):
     """A save on a bucket still running past the checkpoint deadline (multi-process: every process polls)."""
 
     def __init__(self, step: int, where: str, seconds: float):
-        super().__init__(storage.no_answer(where, f"finish checkpoint {step} in", seconds))
+        super().__init__(storage.no_answer(where, f"finish checkpoint {step} in", seconds, SAVE_DEADLINE_ENV))
         self.step, self.where, self.seconds = step, where, seconds
 
 
@@ -626,7 +626,8 @@ class SaveWatch:
         step, self.pending = self.pending, None
         # The rest of a save (its arrays, its commit marker) may take long on a large model, but not
         # forever: TIEFLAX_CHECKPOINT_DEADLINE_S (default 30 min), then one line and exit 1.
-        with storage.watchdog(self._where(), f"finish checkpoint {step} in", save_deadline_seconds()):
+        with storage.watchdog(self._where(), f"finish checkpoint {step} in", save_deadline_seconds(),
+                              SAVE_DEADLINE_ENV):
             try:
                 self.manager.wait_until_finished()
             except Exception as e:  # noqa: BLE001

@@ -124,7 +124,7 @@ def _late_line(saves: ckpt.SaveWatch, error: "ckpt.SaveDeadlinePassed | None", c
     their share when some are and some are not (a process not late itself builds it from its own save,
     the same step and place, and the deadline every process reads from the same setting)."""
     text = str(error) if error is not None else storage.no_answer(
-        saves.where, f"finish checkpoint {saves.pending} in", ckpt.save_deadline_seconds())
+        saves.where, f"finish checkpoint {saves.pending} in", ckpt.save_deadline_seconds(), ckpt.SAVE_DEADLINE_ENV)
     stalled = [i for i, c in enumerate(codes) if c & _UNWRITTEN]
     if not stalled or len(stalled) == len(codes):
         return text
