@@ -29,12 +29,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The longest files first: with workers taking a file at a time (setup.cfg), a long file started last
 # would leave one worker running alone at the end. Ordered by the seconds each file took in one whole-suite
 # run (`--durations=0`, summed per file, 2026-12-04: relative figures).
-_LONGEST_FILES_FIRST = ("test_storage_deadline.py", "test_multiprocess_train.py", "test_memory_options.py",
+_LONGEST_FILES_FIRST = ("test_storage_deadline.py", "test_storage_deadline_two_processes.py",
+                        "test_multiprocess_train.py", "test_stop_together.py", "test_memory_options.py",
                         "test_pod_launcher.py", "test_train.py", "test_compare_tasks.py", "test_notebooks.py",
                         "test_eval_harness.py", "test_gpu_step.py", "test_compare.py", "test_decode.py",
                         "test_cross_entropy.py", "test_scan.py", "test_extras_missing.py", "test_model_loss.py",
                         "test_train_observers.py", "test_store_changes.py", "test_run_identity.py",
-                        "test_model.py", "test_checkpoint_outage.py", "test_convert.py", "test_stop_together.py",
+                        "test_model.py", "test_checkpoint_outage.py", "test_convert.py",
                         "test_token_store.py", "test_plan.py", "test_path_layer.py", "test_bucket_run.py")
 
 # Tiers. `slow` marks what drives the CLI, trains a model, spawns processes (a second Python, a notebook
@@ -50,7 +51,7 @@ SLOW_FILES = frozenset({
     "test_gpu_step.py", "test_multiprocess_train.py", "test_notebooks.py", "test_path_layer.py",
     "test_plan.py", "test_pod_launcher.py", "test_prepare_settings.py", "test_prepare_stops.py",
     "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
-    "test_storage_deadline.py", "test_store_changes.py", "test_token_store.py", "test_train.py",
+    "test_storage_deadline.py", "test_storage_deadline_two_processes.py", "test_store_changes.py", "test_token_store.py", "test_train.py",
     "test_train_observers.py", "test_user_errors.py",
 })
 SLOW_TESTS = {
@@ -108,6 +109,28 @@ def s3():
     from object_store import S3Server  # noqa: PLC0415
 
     yield from _serve(S3Server())
+
+
+@pytest.fixture
+def own_gcs(monkeypatch):
+    """A Cloud Storage protocol server of the test's own (``tests/object_store.py``), which the test may
+    freeze (SIGSTOP, a bucket that stops answering) without touching the session's; thawed and stopped
+    after it. The standard variables point at it for the test's duration."""
+    import signal  # noqa: PLC0415
+
+    from object_store import GcsServer  # noqa: PLC0415
+    from tieflax import storage  # noqa: PLC0415
+
+    server = GcsServer()
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    storage._BUCKETS.clear()  # stores opened against another server
+    try:
+        yield server
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+        storage._BUCKETS.clear()
 
 
 def _serve(server):

@@ -75,8 +75,9 @@ def test_a_failed_call_takes_its_late_completions_and_cancels_its_pending_tasks(
 
 
 def test_a_plain_fresh_loop_meets_the_closed_loop_that_run_sync_then_close_prevents(caplog):
-    """The failure mode itself, on the loop orbax makes (a fresh loop closed as the call returns): the late
-    completion raises 'Event loop is closed' in the completing thread."""
+    """The failure modes themselves, on the loop orbax makes (a fresh loop closed as the call returns): the
+    late completion raises 'Event loop is closed' in the completing thread, and the read still pending is
+    destroyed pending."""
 
     def run_on_a_plain_loop(coro):
         loop = asyncio.new_event_loop()
@@ -90,6 +91,7 @@ def test_a_plain_fresh_loop_meets_the_closed_loop_that_run_sync_then_close_preve
         with pytest.raises(OSError):
             run_on_a_plain_loop(_call_that_fails_with_a_read_in_flight(reads))
         assert "Event loop is closed" in reads.arrived()
+        assert _destroyed_pending_tasks(caplog)  # collected here, so that it is not printed later
 
 
 def test_a_call_that_succeeds_returns_its_value_and_orbax_uses_the_loop():
