@@ -50,12 +50,21 @@ def run_sync_then_close(coro):
                 task.cancel()
             if left:  # their errors are the one already raised, or its twins: retrieved, not reported
                 loop.run_until_complete(asyncio.wait_for(asyncio.gather(*left, return_exceptions=True),
-                                                         storage.deadline_seconds()))
+                                                         _deadline_seconds()))
         except (asyncio.TimeoutError, asyncio.CancelledError):
             pass  # a task that ignores its cancellation past the deadline: left to the closed loop
         finally:
             asyncio.set_event_loop(None)
             loop.close()
+
+
+def _deadline_seconds() -> float:
+    """The storage deadline; its default where the setting is malformed (that is reported by the storage
+    call that reads it: here it must not replace the error being raised)."""
+    try:
+        return storage.deadline_seconds()
+    except storage.StorageError:
+        return storage.DEFAULT_DEADLINE_S
 
 
 def install() -> None:
