@@ -175,6 +175,7 @@ class LockFile:
         self.folder, self.path, self.record, self.owner = folder, storage.join(folder, name), record, owner
         self._refuse = refuse
         self._created = False
+        self._mine = False  # this object created the file (O_EXCL): release() removes it
 
     def _holder(self) -> dict | None:
         try:
@@ -206,15 +207,22 @@ class LockFile:
                 print(f"tieflax: {self.owner}: taking over {what}", file=sys.stderr, flush=True)
                 storage.delete(self.path)
                 continue
+            # From here on release() removes the file, also when a signal stops the record's write below.
+            self._mine = True
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(self.record, f)
             return True
         raise self._refuse(None, self.path)
 
     def release(self) -> None:
-        """Removes the file while it is still this process's, then the folder if the lock made it."""
+        """Removes the file this object created while it is still this process's (its record, or no record
+        yet: a signal came while it was written), then the folder if the lock made it. Nothing when
+        ``acquire`` did not create it (refused, or held already by an outer command)."""
+        if not self._mine:
+            return
+        self._mine = False
         holder = self._holder()
-        if holder and holder.get("pid") == self.record["pid"] and holder.get("host") == self.record["host"]:
+        if holder is None or (holder.get("pid") == self.record["pid"] and holder.get("host") == self.record["host"]):
             storage.delete(self.path)
         if self._created:
             with contextlib.suppress(OSError):

@@ -90,12 +90,10 @@ def _take(workdir: str, command: str):
         lock = lease.Lease(storage.join(workdir, LOCK_FILE), me, owner=workdir, refuse=refuse)
     else:
         lock = lease.LockFile(workdir, LOCK_FILE, me, owner=workdir, refuse=refuse)
-    owned = lock.acquire()
-    try:
-        yield Held(lock if owned else None)
+    try:  # acquire inside: a signal landing while it takes the lock still releases what it took
+        yield Held(lock if lock.acquire() else None)
     finally:
-        if owned:
-            lock.release()
+        lock.release()  # only what this call took (nothing when an outer command holds the lock)
 
 
 def _me(command: str) -> dict:
