@@ -8,14 +8,6 @@ from scipy import stats
 
 from tieflax import analysis
 from tieflax.model import ModelConfig, TransformerLM, head_loss_kwargs
-from tiny_programs import without_backend_optimisations
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 RNG = np.random.default_rng(0)

@@ -21,14 +21,6 @@ from jax.sharding import PartitionSpec as P
 from tieflax.ops.cross_entropy import cross_entropy, tiles
 from tieflax.ops.reference import dense_cross_entropy, naive_cross_entropy, numpy_cross_entropy
 from tieflax.sharding import make_mesh
-from tiny_programs import without_backend_optimisations
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 # Shapes chosen so nothing divides evenly: 147 valid rows in 152 padded ones, blocks of 5 tokens x 7 rows.

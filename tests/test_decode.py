@@ -10,14 +10,6 @@ from tieflax import sharding as shd
 from tieflax.eval.decode import EvalError, Generator
 from tieflax.model import ModelConfig, TransformerLM
 from tieflax.model.layer_stacking import stack_layers
-from tiny_programs import without_backend_optimisations
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 V = 300

@@ -10,14 +10,6 @@ from absl.testing import parameterized
 
 from tieflax.ops.embedding_lookup import vocab_parallel_embed
 from tieflax.sharding import make_mesh
-from tiny_programs import without_backend_optimisations
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 V_PAD, D, B, T = 40, 6, 8, 5

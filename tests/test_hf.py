@@ -26,14 +26,6 @@ from tieflax.interop import hf_config, hf_weights  # noqa: E402
 from tieflax.interop.hf import (UnsafeCheckpoint, load_hf_checkpoint, read_safetensors,  # noqa: E402
                                 save_hf_checkpoint)
 from tieflax.model import TransformerLM  # noqa: E402
-from tiny_programs import without_backend_optimisations  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 transformers.logging.set_verbosity_error()

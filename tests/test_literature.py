@@ -14,14 +14,6 @@ import pytest
 from tieflax.analysis import literature as lit
 from tieflax.analysis import stats as st
 from tieflax.study import literature as study_lit
-from tiny_programs import without_backend_optimisations
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 # ----------------------------------------------------------------------------------- unembedding bias

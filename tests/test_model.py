@@ -11,14 +11,6 @@ import pytest
 
 from tieflax.model import ModelConfig, TransformerLM, embedding_matrices
 from tieflax.model.surgery import tie, untie
-from tiny_programs import without_backend_optimisations
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 V, D = 300, 32
@@ -259,7 +251,7 @@ def test_residual_stream_runs_from_the_embedding_to_before_the_final_norm(family
                                               method="residual_stream")
     # Scanned and unrolled layers may reassociate fp32 sums, an error of a few ulps of the stream's values
     # (large after Gemma's sqrt(d) input scale), so the bound is relative as well as absolute. Compiled
-    # without backend optimisations on jax 0.12 (tests/tiny_programs.py), one element of 2,560 differed by
+    # without backend optimisations on jax 0.12 (tests/conftest.py), one element of 2,560 differed by
     # 2.2e-6 (at 0.152); a wrong layer order or a missing block differs by 1e-1.
     np.testing.assert_allclose(xs_scanned, xs, atol=1e-5, rtol=1e-6)
 

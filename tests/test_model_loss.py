@@ -7,20 +7,11 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import pytest
 from absl.testing import parameterized
 
 from tieflax.model import ModelConfig, TransformerLM
 from tieflax.model.surgery import untie
 from tieflax.sharding import make_mesh
-from tiny_programs import without_backend_optimisations
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tiny_programs_compile_fast():
-    """This file's programs are tiny: compiled without backend optimisations (``tests/tiny_programs.py``)."""
-    with without_backend_optimisations():
-        yield
 
 
 V, D = 1000, 32  # V_pad = 1024: 24 padded rows, and V is not a multiple of any block or shard count
