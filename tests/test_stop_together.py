@@ -240,9 +240,10 @@ _START_OF_SAVE_20 = r"(?:^|\r\n)GET \S*/o/run%2Fcheckpoints%2F20[ ?]"
 def test_a_stall_inside_one_process_s_save_start_stops_every_process_with_the_same_line(monkeypatch):
     """Process 0's storage stops answering inside the blocking start of checkpoint 20's save (its request for
     run/checkpoints/20 is the one its proxy freezes on): every process ends within a bound of the storage
-    deadline with exit 1 and the same one line naming process 0, and checkpoint 10 stays readable. (Before:
-    each process ended on its own watchdog with a line of its own, process 1 blaming the bucket it never
-    asked anything of.)"""
+    deadline with exit 1 and the same one line naming process 0, process 0 last, and checkpoint 10 stays
+    readable. (Before: each process ended on its own watchdog at the same moment with a line naming no
+    process, process 1's blaming the bucket that answered it, and process 0, the coordinator, did not wait for
+    process 1 to leave.)"""
     from object_store import GcsServer  # noqa: PLC0415
     from tieflax import storage  # noqa: PLC0415
     from tieflax.run import checkpoints as ckpt  # noqa: PLC0415

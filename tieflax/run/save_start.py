@@ -85,8 +85,10 @@ class SaveStart:
         self.thread = threading.get_ident()
         self._lock = threading.Lock()
         self._stopping = False  # the watchdog's thread ends the process: the start's thread says nothing
+        self._mine: tuple[str, str] | None = None  # this process's word (known here if the coordinator is gone)
 
     def _say(self, word: str, line: str = "") -> None:
+        self._mine = (word, line)
         with contextlib.suppress(Exception):  # the coordinator gone: the others find this process silent
             distributed.say(f"{self.key}/{self.me}", f"{word}:{line}")
 
@@ -107,12 +109,14 @@ class SaveStart:
     def _decide(self, ended: threading.Event | None = None) -> str | None:
         """Reads the words until they decide (at the latest ``bound_s`` after the start began): the line
         to stop with, or None to go on; also None once ``ended`` is set (the start returned after all)."""
+        words: dict[int, tuple[str, str]] = {}
         while True:
             if ended is not None and ended.is_set():
                 return None
-            words = self._heard()
-            final = words is None or time.monotonic() >= self.began + self.bound_s
-            decided = verdict(words or {}, self.count, final=final, silent=self._silent_line)
+            heard = self._heard()
+            words = {**(words if heard is None else heard), self.me: self._mine}
+            final = heard is None or time.monotonic() >= self.began + self.bound_s
+            decided = verdict(words, self.count, final=final, silent=self._silent_line)
             if decided is not UNDECIDED:
                 return decided
             time.sleep(_POLL_S)
