@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -93,25 +94,48 @@ def test_a_sigint_on_one_process_stops_every_process_at_the_same_step_with_130(t
 
 
 # ------------------------------------------------------------------------------- one host's save stalls
-# One host's network stops answering (the bucket answers the others): process 1 reaches the bucket through a
-# TCP proxy of its own, frozen with SIGSTOP (it accepts connections and never answers: a stalled network).
+# One host's network stops answering (the bucket answers the others): that process reaches the bucket through a
+# TCP proxy of its own, frozen with SIGSTOP (it accepts connections and never answers: a stalled network), or
+# frozen by the proxy itself when it forwards a request matching the regex of its second argument (from that
+# request on, nothing goes through it any more, and "frozen" is printed).
 _PROXY = """
-import socket, sys, threading
+import re, socket, sys, threading
 upstream = ("127.0.0.1", int(sys.argv[1]))
+freeze_on = re.compile(sys.argv[2].encode()) if len(sys.argv) > 2 else None
+frozen, lock, upstreams, held = threading.Event(), threading.Lock(), [], []
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 server.bind(("127.0.0.1", 0))
 server.listen(128)
 print(server.getsockname()[1], flush=True)
-def pump(a, b):
+def hold():
+    threading.Event().wait()   # a stalled network: nothing more goes through, nothing is closed
+def freeze():
+    # The emulator serves one connection at a time: its side of each connection is closed, so that it serves
+    # the other processes (the client's side stays open and unanswered).
+    with lock:
+        frozen.set()
+        for up in upstreams:
+            try:
+                up.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    print("frozen", flush=True)
+def pump(a, b, requests):
     try:
         while True:
             data = a.recv(65536)
             if not data:
                 break
+            if requests and freeze_on is not None and not frozen.is_set() and freeze_on.search(data):
+                freeze()
+            if frozen.is_set():
+                hold()
             b.sendall(data)
     except OSError:
         pass
+    if frozen.is_set():
+        hold()
     for s in (a, b):
         try:
             s.shutdown(socket.SHUT_RDWR)
@@ -119,13 +143,18 @@ def pump(a, b):
             pass
 while True:
     client, _ = server.accept()
+    if frozen.is_set():
+        held.append(client)   # accepted, never answered
+        continue
     try:
         up = socket.create_connection(upstream)
     except OSError:
         client.close()
         continue
-    for a, b in ((client, up), (up, client)):
-        threading.Thread(target=pump, args=(a, b), daemon=True).start()
+    with lock:
+        upstreams.append(up)
+    for a, b, requests in ((client, up, True), (up, client, False)):
+        threading.Thread(target=pump, args=(a, b, requests), daemon=True).start()
 """
 # The storage deadline of the run below, and its checkpoint deadline (two of it); every bound derives from them.
 # Above the slowest honest answer of the emulator on a loaded machine (see tests/test_storage_deadline.py).
@@ -196,6 +225,67 @@ def test_one_process_whose_save_stalls_stops_every_process_with_the_same_line(mo
         assert committed and step == committed[-1] and params, (committed, step)
     finally:
         os.kill(proxy.pid, signal.SIGCONT)
+        proxy.kill()
+        storage._BUCKETS.clear()
+        server.stop()
+
+
+# Process 0's first request inside the blocking start of checkpoint 20's save: orbax's primary process asks
+# whether the step's folder exists (run/checkpoints/20) before it hands the writes to the background. The other
+# processes make no request in that phase (their writes all go to the background): they wait for process 0 at
+# orbax's next barrier, inside their own start.
+_START_OF_SAVE_20 = r"(?:^|\r\n)GET \S*/o/run%2Fcheckpoints%2F20[ ?]"
+
+
+def test_a_stall_inside_one_process_s_save_start_stops_every_process_with_the_same_line(monkeypatch):
+    """Process 0's storage stops answering inside the blocking start of checkpoint 20's save (its request for
+    run/checkpoints/20 is the one its proxy freezes on): every process ends within a bound of the storage
+    deadline with exit 1 and the same one line naming process 0, process 0 last, and checkpoint 10 stays
+    readable. (Before: each process ended on its own watchdog at the same moment with a line naming no
+    process, process 1's blaming the bucket that answered it, and process 0, the coordinator, did not wait for
+    process 1 to leave.)"""
+    from object_store import GcsServer  # noqa: PLC0415
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
+
+    server = GcsServer()
+    proxy = subprocess.Popen([sys.executable, "-c", _PROXY, str(server.port), _START_OF_SAVE_20],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        through_proxy = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
+        bucket = server.new_bucket()
+        env = {**server.env, storage.DEADLINE_ENV: str(DEADLINE), ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
+        procs = _start(bucket + "/run", per_process=({"STORAGE_EMULATOR_HOST": through_proxy,
+                                                      "TENSORSTORE_GCS_HTTP_URL": through_proxy}, {}), **env)
+        frozen = []
+        threading.Thread(target=lambda: frozen.append(proxy.stdout.readline()), daemon=True).start()
+        _wait_for(lambda: frozen, procs)
+        ended = _ends(procs, PROGRESS_CAP_S)
+        outs = [p.communicate() for p in procs]
+        lines = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, err in outs]
+        print(f"ended {ended} s after process 0's storage stalled in the start of checkpoint 20: {lines}")
+        assert [p.returncode for p in procs] == [1, 1], [(p.returncode, err[-3000:]) for p, (_, err) in
+                                                         zip(procs, outs)]
+        for (_, err), said in zip(outs, lines):
+            assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+        assert lines[0] == lines[1], lines
+        line = lines[0][0]
+        assert line.startswith(f"tieflax train: process 0: cannot save checkpoint 20 to {bucket}/run/checkpoints: "
+                               f"no answer from {bucket} within {DEADLINE} s"), line
+        assert line.endswith(f"{storage.DEADLINE_ENV} sets the deadline)"), line
+        # Process 0's watchdog passes DEADLINE after its start began (the stall came with its first request);
+        # process 1's, waiting for it at orbax's barrier, within the moment the two take to leave the collective
+        # before the save; then each reads the other's word and exits (process 0 last, after the others' word),
+        # on a busy 2-core machine: 30 s. Not one on JAX's heartbeat timeout (100 s).
+        assert max(ended) < DEADLINE + 30 and max(ended) - min(ended) < 15, ended
+        assert ended[0] >= ended[1], ended   # the coordinator ends last
+        assert _committed(server, bucket) == [10], _committed(server, bucket)
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        storage._BUCKETS.clear()
+        _, params, step = ckpt.load_latest_params(bucket + "/run")
+        assert step == 10 and params, step
+    finally:
         proxy.kill()
         storage._BUCKETS.clear()
         server.stop()

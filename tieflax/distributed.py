@@ -103,6 +103,23 @@ def first_failure(local_error: str | None, tag: str) -> str | None:
     return message if first == 0 else f"process {first}: {message}"
 
 
+def say(key: str, value: str) -> None:
+    """Posts ``value`` under ``key`` in the coordinator's key-value store (a later word replaces it)."""
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+
+    jax_distributed.global_state.client.key_value_set(key, value, allow_overwrite=True)
+
+
+def words_under(prefix: str) -> dict[int, str]:
+    """What the processes posted under ``prefix``/<process index> (``say``), by process index; answers at
+    once (nothing waits for a process that has not posted)."""
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+
+    prefix = prefix.rstrip("/") + "/"
+    found = jax_distributed.global_state.client.key_value_dir_get(prefix)
+    return {int(key[len(prefix):]): value for key, value in found if key[len(prefix):].isdigit()}
+
+
 def leave_coordinator_last(timeout_s: float = 30.0) -> None:
     """Call before a process of a multi-process job ends on its own (``os._exit``, every process at the same
     step). Process 0 holds the coordination service: when it ends first, another process still on its way

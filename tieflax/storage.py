@@ -37,7 +37,7 @@ import re
 import tempfile
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tieflax.errors import UserError
 
@@ -565,13 +565,19 @@ def deadline_within(seconds: float):
 
 
 @contextlib.contextmanager
-def watchdog(path: str, action: str, seconds: float | None = None, setting: str = DEADLINE_ENV):
+def watchdog(path: str, action: str, seconds: float | None = None, setting: str = DEADLINE_ENV,
+             ran_out: Callable[[str, threading.Event], None] | None = None):
     """For remote work done by a library outside this layer, which no deadline can cancel (orbax's
     checkpoint saves, through gcsfs and its own tensorstore): when the block has not ended within
     ``seconds`` (default: the storage deadline), the process prints the one line of a passed deadline and
     exits 1 at once (``os._exit``: its threads may be stuck in the library). Nothing is committed by an
     unfinished block: a checkpoint without its commit marker is not a checkpoint; a rerun resumes from the
-    last one. Local paths: no watchdog."""
+    last one. Local paths: no watchdog.
+
+    ``ran_out(line, ended)``, if given, is called instead, in the watchdog's thread, with that line and the
+    event set when the block ends: a process of a multi-process job first learns from the others whose
+    storage stopped (``tieflax.run.save_start``); it stops the process itself, or returns when the block
+    ended after all."""
     if not is_remote(path):
         yield
         return
@@ -581,19 +587,33 @@ def watchdog(path: str, action: str, seconds: float | None = None, setting: str 
     def expire():
         if done.wait(seconds):
             return
-        import sys  # noqa: PLC0415
-
-        prefix = " ".join(["tieflax", *[a for a in sys.argv[1:2] if not a.startswith("-")]])  # as the console
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        os.write(2, f"{prefix}: {no_answer(path, action, seconds, setting)}\n".encode())
-        os._exit(1)
+        line = no_answer(path, action, seconds, setting)
+        if ran_out is not None:
+            ran_out(line, done)
+        else:
+            stop_at_once(line)
 
     threading.Thread(target=expire, name="tieflax-storage-watchdog", daemon=True).start()
     try:
         yield
     finally:
         done.set()
+
+
+def stop_at_once(line: str, before_exit: Callable[[], None] | None = None) -> None:
+    """Prints ``line`` as the console prints a failure (``tieflax <command>: ...``) and exits 1 at once
+    (``os._exit``: other threads may be stuck in a library); ``before_exit`` runs in between (a process of
+    a multi-process job tells the coordinator it leaves)."""
+    import sys  # noqa: PLC0415
+
+    prefix = " ".join(["tieflax", *[a for a in sys.argv[1:2] if not a.startswith("-")]])  # as the console
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os.write(2, f"{prefix}: {line}\n".encode())
+    if before_exit is not None:
+        with contextlib.suppress(Exception):
+            before_exit()
+    os._exit(1)
 
 
 def _wait(future):

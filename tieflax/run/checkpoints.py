@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 
 from tieflax import storage
 from tieflax.errors import UserError
-from tieflax.run import event_loops, layout
+from tieflax.run import event_loops, layout, save_start
 from tieflax.run import identity
 from tieflax.run.identity import save_config
 from tieflax.run.layout import CHECKPOINT_DIR, INITIAL_PARAMS_DIR, UNREADABLE_DIR, check_location
@@ -549,6 +549,7 @@ class SaveWatch:
     def __init__(self, manager: ocp.CheckpointManager):
         self.manager = manager
         self.pending: int | None = None
+        self.starting: save_start.SaveStart | None = None  # the last start (several processes)
         self._started = 0.0  # when the pending save started (monotonic)
         # A bucket that stops answering for less than the checkpoint deadline is ridden out: the save it broke
         # is said in one line, training goes on, the next save tries again (the last one is retried here);
@@ -559,12 +560,18 @@ class SaveWatch:
         logging.getLogger("absl").addFilter(self._quiet)
 
     def start(self, step: int, state: Any, loader) -> None:
+        """Starts saving ``step`` (orbax's blocking part; the writes go on in the background). With several
+        processes, ``starting`` then holds this start, for every process to agree on how it ended
+        (``tieflax.train.stop.agree_on_start``)."""
+        self.starting = self._save_start(step) if jax.process_count() > 1 else None
         self._raise_if_failed(wait=True)  # orbax waits for the previous save anyway
         # A bucket that stops answering would hold orbax's start of a save (gcsfs, tensorstore) forever:
-        # past the storage deadline the process says so in one line and exits 1 (the step not committed).
+        # past the storage deadline the process says so in one line and exits 1 (the step not committed);
+        # with several processes, the line every process stops with (save_start.SaveStart.ran_out).
         self._started = time.monotonic()
         OWN_SHARE.begin()
-        with storage.watchdog(self._where(), f"save checkpoint {step} to"):
+        with storage.watchdog(self._where(), f"save checkpoint {step} to",
+                              ran_out=self.starting.ran_out if self.starting is not None else None):
             try:
                 save(self.manager, step, state, loader)
             except Exception as e:  # noqa: BLE001
@@ -575,6 +582,15 @@ class SaveWatch:
         self.pending = step
         self._started = time.monotonic()
         self._saving = (step, state, loader)
+
+    def _save_start(self, step: int) -> save_start.SaveStart:
+        """This start, as the processes agree on it, with the bound of that agreement: on a bucket twice the
+        storage deadline (every process's start ends at that deadline, on its watchdog; the second one
+        leaves room for the moment the processes take to leave the collective before it, and for their
+        words); on a local disk, where no watchdog ends a start, the checkpoint deadline."""
+        if storage.is_remote(self._where()):
+            return save_start.SaveStart(step, self._where(), 2 * storage.deadline_seconds(), storage.DEADLINE_ENV)
+        return save_start.SaveStart(step, self._where(), save_deadline_seconds(), SAVE_DEADLINE_ENV)
 
     def _where(self) -> str:
         return str(getattr(self.manager, "directory", "")) or "checkpoints"

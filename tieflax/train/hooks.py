@@ -29,7 +29,7 @@ from tieflax.run import checkpoints as ckpt
 from tieflax.run.console import device_memory
 from tieflax.run.run import Run
 from tieflax.train.step import TrainingError
-from tieflax.train.stop import agree_on_saves, raise_if_any_failed, settle_saves
+from tieflax.train.stop import agree_on_saves, agree_on_start, raise_if_any_failed, settle_saves
 from tieflax.train.validation import perplexity
 
 log = logging.getLogger(__name__)
@@ -178,13 +178,13 @@ class Checkpoints:
             return
         if single:
             saves.start(at.step, at.state, self.loader)
-        else:  # a save refused at its start on any process stops every one
+        else:  # a save refused, or stalled, at its start on any process stops every one
             try:
                 saves.start(at.step, at.state, self.loader)
                 refused = None
             except ckpt.CheckpointError as e:
                 refused = e
-            raise_if_any_failed(refused, saves)
+            agree_on_start(refused, saves)
         self.note_saved()  # starting this save waited for the one before
         self.announced = at.step
 

@@ -140,3 +140,15 @@ def raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
         saves.abandon()
         raise ProcessesStopped(message) from error
 
+
+
+def agree_on_start(refused: ckpt.CheckpointError | None, saves: ckpt.SaveWatch) -> None:
+    """Every process calls this right after its start of a save (``refused``: the error it raised): all
+    go on, or all raise ProcessesStopped with the same line. Through the coordinator's key-value store,
+    within a deadline (``tieflax.run.save_start``), not a device collective: a process whose storage
+    stalled inside its start never reaches a collective, and the others would wait there until JAX's
+    heartbeat timeout, then crash without a line."""
+    line = saves.starting.agree(refused)
+    if line is not None:
+        saves.abandon()
+        raise ProcessesStopped(line) from refused

@@ -1,0 +1,145 @@
+"""Multi-process: how each process's blocking start of a checkpoint save ended, learned by every process
+through the coordinator's key-value store, within a deadline.
+
+Why not a device collective right after the start: a process whose storage stops answering inside its
+start never reaches it, and the others would wait there until JAX's heartbeat timeout (100 s), then crash
+without a line. Why the start's watchdog asks the others before it exits: the processes that wait for
+the stalled one at orbax's barrier inside their own start run out of time as well, and each would end
+with a line of its own, blaming storage that answered it.
+
+Each process posts one word under ``tieflax/save-start/<round>/<process>`` (a later word replaces it):
+
+    ok:             its start returned
+    failed:<line>   its start raised (the line says why)
+    stalled:<line>  its watchdog ran out while its own storage work was unanswered
+    waiting:        its watchdog ran out while it waited at orbax's barrier for another process
+
+and reads the others' until they decide (``verdict``): all ``ok``, training goes on; otherwise every
+process stops with the same line: the stalled processes' (naming them), else the first failed one's,
+else, past the bound, one naming the processes that said nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+import jax
+
+from tieflax import distributed, storage
+
+OK, FAILED, STALLED, WAITING = "ok", "failed", "stalled", "waiting"
+UNDECIDED = object()  # ``verdict``: not every word needed is there yet
+_POLL_S = 0.05
+_ROUNDS = itertools.count(1)  # every process starts the same saves in the same order: the same keys
+
+
+def verdict(words: dict[int, tuple[str, str]], count: int, *, final: bool, silent: Callable[[list[int]], str]):
+    """The line every process stops with, None to go on, or UNDECIDED (words still missing, before the
+    bound: ``final`` False). ``words``: process -> (word, line); ``silent``: the line naming the processes
+    that said nothing by the bound (or only that they wait)."""
+    said_all = len(words) == count
+    stalled = sorted(p for p, (word, _) in words.items() if word == STALLED)
+    if stalled and (said_all or final):
+        text = words[stalled[0]][1]
+        if len(stalled) == count:  # every process's storage stopped: the bucket itself
+            return text
+        return f"process{'es' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}: {text}"
+    failed = sorted(p for p, (word, _) in words.items() if word == FAILED)
+    if failed and (said_all or final):  # as distributed.first_failure says it
+        return words[failed[0]][1] if failed[0] == 0 else f"process {failed[0]}: {words[failed[0]][1]}"
+    if said_all and all(word == OK for word, _ in words.values()):
+        return None
+    if not final:
+        return UNDECIDED
+    return silent([p for p in range(count) if words.get(p, (WAITING, ""))[0] == WAITING])
+
+
+def waits_at_orbax_barrier(thread_id: int) -> bool:
+    """True when that thread is inside orbax's barrier (``sync_global_processes``): it waits there for
+    another process, not for its own storage."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "sync_global_processes" and f"{os.sep}orbax{os.sep}" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class SaveStart:
+    """This process's start of one save in a multi-process job: its word to the others, and theirs.
+    Made on the thread that runs the start, when the start begins; ``bound_s``: how long after that the
+    words are waited for."""
+
+    def __init__(self, step: int, where: str, bound_s: float, setting: str):
+        self.step, self.where, self.bound_s, self.setting = step, where, bound_s, setting
+        self.key = f"tieflax/save-start/{next(_ROUNDS)}"
+        self.began = time.monotonic()
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._stopping = False  # the watchdog's thread ends the process: the start's thread says nothing
+        self._mine: tuple[str, str] | None = None  # this process's word (known here if the coordinator is gone)
+
+    def _say(self, word: str, line: str = "") -> None:
+        self._mine = (word, line)
+        with contextlib.suppress(Exception):  # the coordinator gone: the others find this process silent
+            distributed.say(f"{self.key}/{self.me}", f"{word}:{line}")
+
+    def _heard(self) -> dict[int, tuple[str, str]] | None:
+        """The words posted so far; None when the coordinator no longer answers."""
+        try:
+            words = distributed.words_under(self.key)
+        except Exception:  # noqa: BLE001 (the coordinator, process 0, is gone)
+            return None
+        return {p: tuple(value.split(":", 1)) if ":" in value else (value, "") for p, value in words.items()}
+
+    def _silent_line(self, processes: list[int]) -> str:
+        named = f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}"
+        return (f"{named}: no word about the start of checkpoint {self.step} in {self.where} within "
+                f"{self.bound_s:g} s (the host may have stopped or lost its network); check that host, then rerun "
+                f"the command (work done so far is kept; {self.setting} sets the deadline)")
+
+    def _decide(self, ended: threading.Event | None = None) -> str | None:
+        """Reads the words until they decide (at the latest ``bound_s`` after the start began): the line
+        to stop with, or None to go on; also None once ``ended`` is set (the start returned after all)."""
+        words: dict[int, tuple[str, str]] = {}
+        while True:
+            if ended is not None and ended.is_set():
+                return None
+            heard = self._heard()
+            words = {**(words if heard is None else heard), self.me: self._mine}
+            final = heard is None or time.monotonic() >= self.began + self.bound_s
+            decided = verdict(words, self.count, final=final, silent=self._silent_line)
+            if decided is not UNDECIDED:
+                return decided
+            time.sleep(_POLL_S)
+
+    def ran_out(self, line: str, ended: threading.Event) -> None:
+        """The start's watchdog ran out (its thread; ``line``: its own no-answer line). A process waiting
+        at orbax's barrier waits on for the others' word, or its start's end; a stalled one says so. Then
+        every process stops with the same line, process 0 last (it holds the coordinator)."""
+        waiting = waits_at_orbax_barrier(self.thread)
+        self._say(WAITING if waiting else STALLED, "" if waiting else line)
+        decided = self._decide(ended if waiting else None)
+        with self._lock:
+            if decided is None or ended.is_set():  # the start went on: its thread agrees with the others
+                return
+            self._stopping = True
+        storage.stop_at_once(decided, before_exit=distributed.leave_coordinator_last)
+
+    def agree(self, refused: Exception | None) -> str | None:
+        """The start returned (``refused``: or raised): says so and reads the others' words; the line every
+        process stops with, or None to go on."""
+        with self._lock:
+            stopping = self._stopping
+        if stopping:  # the watchdog's thread is printing the line and ending the process
+            threading.Event().wait()
+        self._say(OK if refused is None else FAILED, "" if refused is None else str(refused))
+        return self._decide()
