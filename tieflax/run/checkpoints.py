@@ -584,10 +584,11 @@ class SaveWatch:
         self._saving = (step, state, loader)
 
     def _save_start(self, step: int) -> save_start.SaveStart:
-        """This start, as the processes agree on it, with the bound of that agreement: on a bucket twice the
-        storage deadline (every process's start ends at that deadline, on its watchdog; the second one
-        leaves room for the moment the processes take to leave the collective before it, and for their
-        words); on a local disk, where no watchdog ends a start, the checkpoint deadline."""
+        """This start, as the processes agree on it, with the bound of that agreement (each process's wait
+        for the others' words once its own start ended): on a bucket twice the storage deadline (every
+        process's start ends within that deadline, on its watchdog at the latest; the second one leaves
+        room for the skew between the processes' starts and for their words); on a local disk, where no
+        watchdog ends a start, the checkpoint deadline."""
         if storage.is_remote(self._where()):
             return save_start.SaveStart(step, self._where(), 2 * storage.deadline_seconds(), storage.DEADLINE_ENV)
         return save_start.SaveStart(step, self._where(), save_deadline_seconds(), SAVE_DEADLINE_ENV)

@@ -74,13 +74,14 @@ def waits_at_orbax_barrier(thread_id: int) -> bool:
 
 class SaveStart:
     """This process's start of one save in a multi-process job: its word to the others, and theirs.
-    Made on the thread that runs the start, when the start begins; ``bound_s``: how long after that the
-    words are waited for."""
+    Made on the thread that runs the start, before it; ``bound_s``: how long this process waits for the
+    others' words once its own start has ended (returned, raised, or run out). Counted from then, not from
+    the start's beginning: the wait for the previous save that comes first may take any time up to the
+    checkpoint deadline, and a peer that was not given the bound would be named silent."""
 
     def __init__(self, step: int, where: str, bound_s: float, setting: str):
         self.step, self.where, self.bound_s, self.setting = step, where, bound_s, setting
         self.key = f"tieflax/save-start/{next(_ROUNDS)}"
-        self.began = time.monotonic()
         self.me, self.count = jax.process_index(), jax.process_count()
         self.thread = threading.get_ident()
         self._lock = threading.Lock()
@@ -107,15 +108,16 @@ class SaveStart:
                 f"the command (work done so far is kept; {self.setting} sets the deadline)")
 
     def _decide(self, ended: threading.Event | None = None) -> str | None:
-        """Reads the words until they decide (at the latest ``bound_s`` after the start began): the line
-        to stop with, or None to go on; also None once ``ended`` is set (the start returned after all)."""
+        """Reads the words until they decide (at the latest ``bound_s`` from now): the line to stop with, or
+        None to go on; also None once ``ended`` is set (the start returned after all)."""
         words: dict[int, tuple[str, str]] = {}
+        until = time.monotonic() + self.bound_s
         while True:
             if ended is not None and ended.is_set():
                 return None
             heard = self._heard()
             words = {**(words if heard is None else heard), self.me: self._mine}
-            final = heard is None or time.monotonic() >= self.began + self.bound_s
+            final = heard is None or time.monotonic() >= until
             decided = verdict(words, self.count, final=final, silent=self._silent_line)
             if decided is not UNDECIDED:
                 return decided

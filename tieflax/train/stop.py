@@ -141,7 +141,6 @@ def raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
         raise ProcessesStopped(message) from error
 
 
-
 def agree_on_start(refused: ckpt.CheckpointError | None, saves: ckpt.SaveWatch) -> None:
     """Every process calls this right after its start of a save (``refused``: the error it raised): all
     go on, or all raise ProcessesStopped with the same line. Through the coordinator's key-value store,
