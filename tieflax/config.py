@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 import ml_collections
 
-from tieflax.model.config import ConfigError, ModelConfig, remat_name
+from tieflax.errors import ConfigError
+from tieflax.model.config import ModelConfig, remat_name
 
 
 def default_model_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -65,7 +66,7 @@ def section_with_defaults(config: ml_collections.ConfigDict, name: str,
 def validate_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """Checks every section's ranges (model, train, data, mesh, seed), naming the field; returns the
     validated ``ModelConfig``. Runs when a config is loaded, before anything is written."""
-    from tieflax.data.config import DataError, validate_data_config  # noqa: PLC0415
+    from tieflax.data.config import validate_data_config  # noqa: PLC0415
     from tieflax.train_config import validate_train_config  # noqa: PLC0415
 
     mc = model_config(config)
@@ -74,10 +75,7 @@ def validate_config(config: ml_collections.ConfigDict) -> ModelConfig:
         raise ConfigError(f"config.train.tied_input_grad_scale = {config.train.tied_input_grad_scale!r} has no "
                           "effect with model.tie_embeddings=False (it scales a tied matrix's lookup-path gradient); "
                           "set it to 1.0 or tie the embeddings.")
-    try:
-        validate_data_config(config.data)
-    except DataError as e:  # one error type for every config field
-        raise ConfigError(f"config.{e}" if str(e).startswith("data.") else str(e)) from None
+    validate_data_config(config.data)
     for axis in ("data", "fsdp", "tensor"):
         size = config.mesh.get(axis, 1)
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):

@@ -14,9 +14,10 @@ class UserError(Exception):
     """A failure of the input or the environment, not of tieflax: ``str(e)`` names what and the fix."""
 
 
-class ConfigValueError(UserError, ValueError):
-    """A config section (``compare``, ``sweep``, ...) holds a value that cannot be used; the message names
-    the field and the valid choices. A ValueError too, so callers that caught ValueError still do."""
+class ConfigError(UserError, ValueError):
+    """A config value cannot be used: the message names the field (``config.<section>.<field>``) and the
+    fix. The one error of every section's checks (model, train, data, mesh, seed, compare, sweep, tasks),
+    each beside that section's defaults. A ValueError too, so callers that caught ValueError still do."""
 
 
 class Interrupted(BaseException):

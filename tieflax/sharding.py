@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from tieflax.errors import ConfigValueError
+from tieflax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -70,24 +70,24 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
 def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
     """Resolves ``config.mesh`` (``data``, ``fsdp``, ``tensor``; one of them may be -1 = "the rest").
 
-    Raises ConfigValueError (a ValueError and a user error: one line) naming ``config.mesh.<axis>`` when the
+    Raises ConfigError (a ValueError and a user error: one line) naming ``config.mesh.<axis>`` when the
     sizes cannot tile ``num_devices``.
     """
     sizes = [int(mesh_config[a]) for a in MESH_AXES]
     free = [a for a, n in zip(MESH_AXES, sizes) if n == -1]
     for a, n in zip(MESH_AXES, sizes):
         if n == 0 or n < -1:
-            raise ConfigValueError(f"config.mesh.{a} = {n}: use a positive size, or -1 for all remaining devices.")
+            raise ConfigError(f"config.mesh.{a} = {n}: use a positive size, or -1 for all remaining devices.")
     if len(free) > 1:
-        raise ConfigValueError(f"config.mesh: only one axis may be -1, got {free}; give the others sizes.")
+        raise ConfigError(f"config.mesh: only one axis may be -1, got {free}; give the others sizes.")
     fixed = int(np.prod([n for n in sizes if n != -1]))
     if free:
         if num_devices % fixed:
-            raise ConfigValueError(f"config.mesh: the fixed axes multiply to {fixed}, which does not divide the "
+            raise ConfigError(f"config.mesh: the fixed axes multiply to {fixed}, which does not divide the "
                              f"{num_devices} devices; change config.mesh.{'/'.join(MESH_AXES)}.")
         sizes[MESH_AXES.index(free[0])] = num_devices // fixed
     elif fixed != num_devices:
-        raise ConfigValueError(f"config.mesh data*fsdp*tensor = {fixed} but {num_devices} devices are available; "
+        raise ConfigError(f"config.mesh data*fsdp*tensor = {fixed} but {num_devices} devices are available; "
                          "set one axis to -1 or make the product match.")
     return tuple(sizes)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from tieflax.errors import ConfigError
+
 
 def default_train_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -118,8 +120,6 @@ TRACKERS = ("tensorboard", "wandb")
 
 def validate_train_config(c: ml_collections.ConfigDict) -> None:
     """Fails naming ``config.train.<field>``, its range and a fix, for any value out of range."""
-    from tieflax.model.config import ConfigError  # noqa: PLC0415
-
     for field, (lo, hi, lo_ok, hi_ok, why) in _RANGES.items():
         if field not in c:
             continue
@@ -147,8 +147,6 @@ def _names(value) -> bool:
 
 def _validate_observers(c: ml_collections.ConfigDict) -> None:
     """Trackers, W&B names, the profiler window and the in-training tasks (types and ranges)."""
-    from tieflax.model.config import ConfigError  # noqa: PLC0415
-
     trackers = c.get("trackers", ())
     if not _names(trackers) or any(t not in TRACKERS for t in trackers) or len(set(trackers)) < len(trackers):
         raise ConfigError(f"config.train.trackers = {trackers!r}: give a tuple of distinct names from {TRACKERS}, "

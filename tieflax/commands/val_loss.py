@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tieflax import strict_json  # noqa: PLC0415
     from tieflax.config import apply_override, model_config, validate_config  # noqa: PLC0415
-    from tieflax.model.config import ConfigError  # noqa: PLC0415
+    from tieflax.errors import ConfigError  # noqa: PLC0415
     from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
     from tieflax.train import evaluate_run  # noqa: PLC0415
 

@@ -9,13 +9,18 @@ from __future__ import annotations
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from tieflax.errors import UserError
+from tieflax.errors import ConfigError, UserError
 
 SOURCES = ("kjv", "python_stdlib", "files", "hf", "tokens")
 
 
 class DataError(UserError, ValueError):
     """A bad data input or setting. The message names the input or config field and the fix."""
+
+
+class DataConfigError(DataError, ConfigError):
+    """A ``config.data`` field that cannot be used: a ConfigError like every config field's, and a
+    DataError for the data layer's callers (``tieflax prepare``)."""
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -135,7 +140,7 @@ def _check_no_ignored_section(c: ml_collections.ConfigDict) -> None:
             continue
         changed = _set_away_from_default(c, section)
         if changed:
-            raise DataError(f"data.{section}.{changed[0]} is set but data.source = {c.source!r} does not read "
+            raise DataConfigError(f"config.data.{section}.{changed[0]} is set but data.source = {c.source!r} does not read "
                             f"data.{section}: set data.source = {source!r} to use it, or leave data.{section} "
                             "at its defaults")
 
@@ -143,29 +148,29 @@ def _check_no_ignored_section(c: ml_collections.ConfigDict) -> None:
 def validate_data_config(c: ml_collections.ConfigDict) -> None:
     """Fails early, naming the field and the fix, before any file is read."""
     if c.source not in SOURCES:
-        raise DataError(f"data.source = {c.source!r} is not one of {SOURCES}.")
+        raise DataConfigError(f"config.data.source = {c.source!r} is not one of {SOURCES}.")
     _check_no_ignored_section(c)
     if not 0.0 < c.val_fraction < 1.0:
-        raise DataError(f"data.val_fraction = {c.val_fraction} must lie strictly between 0 and 1.")
+        raise DataConfigError(f"config.data.val_fraction = {c.val_fraction} must lie strictly between 0 and 1.")
     if c.source == "files" and not c.files.paths:
-        raise DataError("data.source = 'files' but data.files.paths is empty: list your text files "
+        raise DataConfigError("config.data.source = 'files' but data.files.paths is empty: list your text files "
                         "or globs, e.g. data.files.paths = ['corpus/*.txt'].")
     if c.source == "hf" and not c.hf.path:
-        raise DataError("data.source = 'hf' but data.hf.path is empty: name a dataset, e.g. "
+        raise DataConfigError("config.data.source = 'hf' but data.hf.path is empty: name a dataset, e.g. "
                         "data.hf.path = 'wikitext', data.hf.name = 'wikitext-2-raw-v1'.")
     if c.source == "tokens" and not c.tokens.path:
         if not c.tokens.train_path:
-            raise DataError("data.source = 'tokens' but data.tokens.path and data.tokens.train_path are "
+            raise DataConfigError("config.data.source = 'tokens' but data.tokens.path and data.tokens.train_path are "
                             "empty: give a token store (tieflax prepare) or the pre-tokenised train file "
                             "(.npy, .bin or .array_record).")
         if not c.tokenizer.path and (c.tokens.vocab_size <= 0 or c.tokens.eos_id < 0):
-            raise DataError("data.source = 'tokens' with no data.tokenizer.path needs "
+            raise DataConfigError("config.data.source = 'tokens' with no data.tokenizer.path needs "
                             "data.tokens.vocab_size and data.tokens.eos_id set to the values the files "
                             "were tokenised with.")
     if c.files.errors not in ("strict", "replace"):
-        raise DataError(f"data.files.errors = {c.files.errors!r}: use 'strict' or 'replace'.")
+        raise DataConfigError(f"config.data.files.errors = {c.files.errors!r}: use 'strict' or 'replace'.")
     if c.tokenizer.vocab_size < 257 and not c.tokenizer.path:
-        raise DataError(f"data.tokenizer.vocab_size = {c.tokenizer.vocab_size} is below the 256 byte "
+        raise DataConfigError(f"config.data.tokenizer.vocab_size = {c.tokenizer.vocab_size} is below the 256 byte "
                         "tokens plus EOS a byte-level BPE needs; use at least 257.")
     if c.read_threads < 0 or c.prefetch_buffer_size < 0:
-        raise DataError("data.read_threads and data.prefetch_buffer_size must be >= 0.")
+        raise DataConfigError("config.data.read_threads and data.prefetch_buffer_size must be >= 0.")

@@ -29,7 +29,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tieflax import sharding as shd
-from tieflax.model.config import ConfigError, ModelConfig
+from tieflax.errors import ConfigError
+from tieflax.model.config import ModelConfig
 from tieflax.model.kv_cache import init_cache
 from tieflax.model.layer_stacking import is_stacked, unstack_layers
 from tieflax.model.transformer import TransformerLM

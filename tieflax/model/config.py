@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from tieflax.errors import UserError
+from tieflax.errors import ConfigError
 
 FAMILIES = ("gpt2", "llama", "mistral", "gemma", "gemma2", "qwen2")
 NORMS = ("layernorm", "rmsnorm")
@@ -25,10 +25,6 @@ HEAD_INITS = ("normal", "copy_embed")
 ATTENTIONS = ("auto", "xla", "splash", "cudnn")  # tieflax.ops.attention.IMPLEMENTATIONS
 # Rematerialisation policies, by the names pod training code uses (see ``tieflax.model.remat``).
 REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj")
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

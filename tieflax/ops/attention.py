@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from tieflax.errors import ConfigValueError
+from tieflax.errors import ConfigError
 from tieflax.ops import cudnn_attention as cudnn_lib
 from tieflax.ops.splash_attention import splash_attention
 
@@ -112,14 +112,14 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array], *, sca
       [B, T, H, Dh] in q's dtype.
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ConfigValueError(f"attention implementation {implementation!r} is not one of {IMPLEMENTATIONS} "
+        raise ConfigError(f"attention implementation {implementation!r} is not one of {IMPLEMENTATIONS} "
                          "(set config.model.attention)")
     options = dict(scale=scale, softcap=softcap, window=window)
     dtype, head_dim = jnp.dtype(q.dtype).name, q.shape[-1]
     reason = cudnn_lib.unsupported_reason(dtype=dtype, head_dim=head_dim, softcap=softcap)
     if implementation == "cudnn":
         if reason:
-            raise ConfigValueError(f"config.model.attention='cudnn': {reason[1]} (config.model.{reason[0]}); "
+            raise ConfigError(f"config.model.attention='cudnn': {reason[1]} (config.model.{reason[0]}); "
                              "use 'auto' or 'xla'")
     if mesh is not None:
         platform = mesh_platform(mesh)
@@ -131,7 +131,7 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array], *, sca
         return xla_attention(q, k, v, segment_ids, **options)
     if implementation == "cudnn":
         if not cudnn_lib.cudnn_available():
-            raise ConfigValueError(_cudnn_elsewhere(jax.default_backend()))
+            raise ConfigError(_cudnn_elsewhere(jax.default_backend()))
         return _run("cudnn", "cuda", options, None, q, k, v, segment_ids)
     # No mesh: the platform is known only when lowering; platform_dependent keeps the branch of the
     # platform the program is lowered for.
@@ -155,7 +155,7 @@ def _run(implementation: str, platform: str, options: dict, mesh: Optional[Mesh]
             segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
     else:
         if platform not in CUDA_PLATFORMS or not cudnn_lib.cudnn_available():
-            raise ConfigValueError(_cudnn_elsewhere(platform))
+            raise ConfigError(_cudnn_elsewhere(platform))
         local = functools.partial(cudnn_lib.cudnn_attention, scale=options["scale"], window=options["window"])
     if mesh is None:
         return local(q, k, v, segment_ids)
@@ -170,7 +170,7 @@ def _run(implementation: str, platform: str, options: dict, mesh: Optional[Mesh]
 def check_platform(implementation: str, platform: str) -> None:
     """Refuses, before tracing, an implementation that cannot run on ``platform`` ('tpu', 'cuda', 'cpu')."""
     if implementation == "cudnn" and (platform not in CUDA_PLATFORMS or not cudnn_lib.cudnn_available()):
-        raise ConfigValueError(_cudnn_elsewhere(platform))
+        raise ConfigError(_cudnn_elsewhere(platform))
 
 
 def _cudnn_elsewhere(platform: str) -> str:

@@ -39,7 +39,7 @@ from tieflax.run import layout
 from tieflax.run.layout import ANALYSIS_DIR
 from tieflax import strict_json as jsonable
 from tieflax.config import section_with_defaults
-from tieflax.errors import ConfigValueError
+from tieflax.errors import ConfigError
 from tieflax.model.params import param_report
 
 # Variants a user can name; DEFAULT_VARIANTS is what `tieflax compare` trains unless told otherwise.
@@ -103,30 +103,30 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     bad = [v for v in cc.variants if v not in VARIANTS]
     if bad or not cc.variants:
         what = f"{', '.join(map(repr, bad))} unknown; " if bad else ""
-        raise ConfigValueError(f"config.compare.variants = {tuple(cc.variants)}: {what}choose a non-empty subset "
+        raise ConfigError(f"config.compare.variants = {tuple(cc.variants)}: {what}choose a non-empty subset "
                                f"of {VARIANTS}")
     if "tied" not in cc.variants:
-        raise ConfigValueError(f"config.compare.variants = {tuple(cc.variants)} must include 'tied': every "
+        raise ConfigError(f"config.compare.variants = {tuple(cc.variants)} must include 'tied': every "
                                "comparison is paired against it; add it, e.g. ('tied', 'untied')")
     if not cc.seeds:
-        raise ConfigValueError("config.compare.seeds is empty: give at least one seed, e.g. (0, 1, 2)")
+        raise ConfigError("config.compare.seeds is empty: give at least one seed, e.g. (0, 1, 2)")
     for name, low in _COUNTS.items():  # before the first run trains: a bad count fails here, not at the report
         value = cc[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigValueError(f"config.compare.{name} = {value!r}: must be a whole number >= {low} "
+            raise ConfigError(f"config.compare.{name} = {value!r}: must be a whole number >= {low} "
                                    f"({_COUNTS_WHY[name]})")
     vocab = config.model.vocab_size if "model" in config else None
     if vocab is not None and cc.n_bins > vocab:
-        raise ConfigValueError(f"config.compare.n_bins = {cc.n_bins}: more frequency bins than the {vocab} tokens of "
+        raise ConfigError(f"config.compare.n_bins = {cc.n_bins}: more frequency bins than the {vocab} tokens of "
                                "the vocabulary; use at most that many (default 8)")
     if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32 for s in cc.seeds):
-        raise ConfigValueError(f"config.compare.seeds = {tuple(cc.seeds)!r}: give whole numbers in [0, 2**32)")
+        raise ConfigError(f"config.compare.seeds = {tuple(cc.seeds)!r}: give whole numbers in [0, 2**32)")
     if isinstance(cc.input_grad_scale, bool) or not isinstance(cc.input_grad_scale, (int, float)) \
             or not cc.input_grad_scale > 0:
-        raise ConfigValueError(f"config.compare.input_grad_scale = {cc.input_grad_scale!r}: must be a number > 0 "
+        raise ConfigError(f"config.compare.input_grad_scale = {cc.input_grad_scale!r}: must be a number > 0 "
                                "(the factor on the tied matrix's lookup-path gradient), e.g. 5.0")
     if cc.lens_fit_tokens < 0 or cc.lens_score_tokens < 0 or cc.knn < 1:
-        raise ConfigValueError(f"config.compare.lens_fit_tokens = {cc.lens_fit_tokens} and lens_score_tokens = "
+        raise ConfigError(f"config.compare.lens_fit_tokens = {cc.lens_fit_tokens} and lens_score_tokens = "
                                f"{cc.lens_score_tokens} must be >= 0 (0 = no lens / every document of the "
                                f"scoring half), config.compare.knn = {cc.knn} >= 1")
     from tieflax.study.tasks import check_settings  # noqa: PLC0415
@@ -165,7 +165,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
     both shapes, both totals and the relative mismatch.
     """
     if strategy not in MATCH_STRATEGIES:
-        raise ConfigValueError(f"match strategy {strategy!r}: choose one of {MATCH_STRATEGIES}")
+        raise ConfigError(f"match strategy {strategy!r}: choose one of {MATCH_STRATEGIES}")
     base = mc.replace(tie_embeddings=True, head_init="normal", head_init_std=0.0)
     target = param_report(base).total_tied
     untied = base.replace(tie_embeddings=False)
@@ -173,7 +173,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
         t1, t2 = _untied_total(untied.replace(embed_dim=1)), _untied_total(untied.replace(embed_dim=2))
         e = round((target - t1) / max(t2 - t1, 1)) + 1  # the nearest total (E is coarse: 2 (V + d) a step)
         if e < 1:
-            raise ConfigValueError(f"no embedding width fits the untied model in {target:,} parameters")
+            raise ConfigError(f"no embedding width fits the untied model in {target:,} parameters")
         matched = untied.replace(embed_dim=int(e))
         total = _untied_total(matched)
         return matched, dict(strategy=strategy, target_total=target, matched_total=total,
@@ -190,7 +190,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
                 break
             d -= step
         if d <= 0:
-            raise ConfigValueError(f"no untied width of this model fits in {target:,} parameters (the two V x d "
+            raise ConfigError(f"no untied width of this model fits in {target:,} parameters (the two V x d "
                              "matrices alone exceed it); use the 'untied_depth' variant or a larger body")
     else:
         layers = mc.n_layers
@@ -198,7 +198,7 @@ def matched_untied_config(mc, strategy: str = "embed_dim"):
         while layers > 0 and _untied_total(cand := untied.replace(n_layers=layers)) > target:
             layers -= 1
         if layers == 0:
-            raise ConfigValueError(
+            raise ConfigError(
                 f"an untied model needs {mc.vocab_size * mc.d_model:,} more parameters than the tied one, "
                 f"more than {mc.n_layers} layers hold: even one layer exceeds the tied total {target:,}. "
                 "Use the 'untied_width' or 'untied_matched' variant.")
@@ -304,7 +304,7 @@ def study_data(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collectio
             break
         batches.append({k: np.asarray(v) for k, v in dict(batch).items()})
     if not batches:
-        raise ConfigValueError("the validation split is empty: raise config.data.val_fraction")
+        raise ConfigError("the validation split is empty: raise config.data.val_fraction")
     opener = prepared.bos_id if getattr(prepared, "bos_id", None) is not None else prepared.eos_id
     ids = document_ids(np.concatenate([b["inputs"] for b in batches]), opener)
     doc_ids = np.split(ids, np.cumsum([len(b["inputs"]) for b in batches])[:-1])

@@ -36,7 +36,7 @@ from tieflax import strict_json as jsonable
 from tieflax.analysis import stats as st
 from tieflax.strict_json import to_jsonable
 from tieflax.config import section_with_defaults
-from tieflax.errors import ConfigValueError
+from tieflax.errors import ConfigError
 from tieflax.run.layout import WorkdirError, check_location
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
@@ -58,16 +58,16 @@ def sweep_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     """``config.sweep`` completed with defaults; errors name the field."""
     c = section_with_defaults(config, "sweep", default_sweep_config())
     if not c.sizes or any(len(s) != 4 for s in c.sizes):
-        raise ConfigValueError("config.sweep.sizes must be a non-empty tuple of (d_model, n_layers, d_ff, n_heads)")
+        raise ConfigError("config.sweep.sizes must be a non-empty tuple of (d_model, n_layers, d_ff, n_heads)")
     bad = [v for v in c.variants if v not in SWEEP_VARIANTS]
     if bad or "tied" not in c.variants:
         what = f"{', '.join(map(repr, bad))} unknown; " if bad else "'tied' missing; "
-        raise ConfigValueError(f"config.sweep.variants = {tuple(c.variants)}: {what}include 'tied' and choose "
+        raise ConfigError(f"config.sweep.variants = {tuple(c.variants)}: {what}include 'tied' and choose "
                                f"from {SWEEP_VARIANTS}")
     if not c.seeds or not c.lrs:
-        raise ConfigValueError("config.sweep.seeds and config.sweep.lrs must be non-empty")
+        raise ConfigError("config.sweep.seeds and config.sweep.lrs must be non-empty")
     if not 0 <= c.lr_size < len(c.sizes):
-        raise ConfigValueError(f"config.sweep.lr_size = {c.lr_size}: an index into config.sweep.sizes "
+        raise ConfigError(f"config.sweep.lr_size = {c.lr_size}: an index into config.sweep.sizes "
                          f"(0..{len(c.sizes) - 1})")
     return c
 

@@ -27,7 +27,7 @@ from tieflax.run import layout
 from tieflax.run.layout import ANALYSIS_DIR, LM_EVAL_DIR
 from tieflax import strict_json as jsonable
 from tieflax.analysis import stats as st
-from tieflax.errors import ConfigValueError, UserError
+from tieflax.errors import ConfigError, UserError
 
 TASKS_FILE = "tasks.json"
 PREFERRED = ("acc", "exact_match")   # the main metric when a task has it; else its first metric
@@ -47,10 +47,10 @@ def check_settings(cc, *, lookup: bool = False) -> None:
     """Config checks (one line naming the field); with ``lookup`` also that lm-eval is installed and
     knows every task (run once before anything is trained: indexing lm-eval's registry takes seconds)."""
     if isinstance(cc.tasks, str) or not all(isinstance(t, str) and t.strip() for t in cc.tasks):
-        raise ConfigValueError(f"config.compare.tasks = {cc.tasks!r}: give a tuple of lm-eval task names, "
+        raise ConfigError(f"config.compare.tasks = {cc.tasks!r}: give a tuple of lm-eval task names, "
                                "e.g. ('arc_easy', 'hellaswag'), or () for none")
     if cc.task_limit < 0 or cc.task_num_fewshot < -1:
-        raise ConfigValueError(f"config.compare.task_limit = {cc.task_limit} / task_num_fewshot = "
+        raise ConfigError(f"config.compare.task_limit = {cc.task_limit} / task_num_fewshot = "
                                f"{cc.task_num_fewshot}: limit >= 0 (0 = every item), num_fewshot >= 0 or -1 "
                                "(-1 = the task's own)")
     if not cc.tasks or not lookup:
@@ -58,7 +58,7 @@ def check_settings(cc, *, lookup: bool = False) -> None:
     try:
         from tieflax.eval.tasks import task_manager  # noqa: PLC0415
     except ImportError:
-        raise ConfigValueError("config.compare.tasks needs lm-evaluation-harness: pip install -e '.[eval]'") from None
+        raise ConfigError("config.compare.tasks needs lm-evaluation-harness: pip install -e '.[eval]'") from None
     task_manager(list(cc.tasks), cc.task_include_path or None)   # unknown task or bad folder: one line
 
 

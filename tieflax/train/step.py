@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from tieflax import sharding as shd
 from tieflax.config import model_config
-from tieflax.errors import UserError
-from tieflax.model import ConfigError, ModelConfig, TransformerLM
+from tieflax.errors import ConfigError, UserError
+from tieflax.model import ModelConfig, TransformerLM
 from tieflax.model.tie import fold_tied_gradient, gradient_twin, untied_view
 from tieflax.optim import make_optimizer
 from tieflax.train_config import validate_train_config
