@@ -94,9 +94,8 @@ def test_a_call_to_a_bucket_that_never_answers_stops_at_the_deadline_in_one_line
     assert "\n" not in got["frozen"]
     assert got["again"] == "x"
     assert got["bad"] and "TIEFLAX_STORAGE_DEADLINE_S='soon': give the deadline" in got["bad"], got
-    # Closing comment: in the clean clone's suite (two workers, this file after others in the same worker
-    # process) the in-process version of this test twice read the object back from the frozen server's
-    # bucket; alone it always raised. What state of the worker process does it is not known yet.
+    # The same read inside a long-lived process (a test worker after other files, as a notebook lives):
+    # tests/test_storage.py.
 
 
 def test_val_loss_of_a_gs_workdir_without_credentials_offline_stops_in_one_line(tmp_path):
