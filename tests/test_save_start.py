@@ -30,10 +30,14 @@ def test_stalled_processes_are_all_named_unless_every_process_stalled():
     assert verdict({0: (STALLED, LINE), 1: (STALLED, LINE)}, 2, final=False, silent=_silent) == LINE
 
 
-def test_a_failed_start_says_its_line_as_the_first_failure_does():
+def test_a_failed_start_is_named_process_0_included_unless_every_process_failed():
     assert verdict({0: (OK, ""), 1: (FAILED, "denied")}, 2, final=False, silent=_silent) == "process 1: denied"
-    assert verdict({0: (FAILED, "denied"), 1: (WAITING, "")}, 2, final=False, silent=_silent) == "denied"
+    # Process 0's refused write is its host's (its account, its network), as its stall is: named.
+    assert verdict({0: (FAILED, "denied"), 1: (WAITING, "")}, 2, final=False, silent=_silent) == "process 0: denied"
+    assert verdict({0: (FAILED, "denied"), 1: (OK, "")}, 2, final=False, silent=_silent) == "process 0: denied"
     assert verdict({0: (FAILED, "denied")}, 2, final=False, silent=_silent) is UNDECIDED
+    assert verdict({0: (FAILED, "denied")}, 2, final=True, silent=_silent) == "process 0: denied"
+    assert verdict({0: (FAILED, "a"), 1: (FAILED, "b")}, 2, final=False, silent=_silent) == "a"  # the bucket's
 
 
 def test_past_the_bound_the_processes_that_said_nothing_or_only_wait_are_named():

@@ -73,13 +73,16 @@ def any_process(flag: bool) -> bool:
     return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
 
 
-def first_failure(local_error: str | None, tag: str) -> str | None:
+def first_failure(local_error: str | None, tag: str, *, name_process_0: bool = False) -> str | None:
     """Every process calls this at the same point; all get the same answer: the message of the lowest
     failing process, or None when no process failed.
 
     A failure seen by one process (a lock refused, a save that failed, a checkpoint it cannot read)
     becomes every process's failure, decided by one collective, instead of the others waiting at the
-    next collective forever. Single-process: returns ``local_error``.
+    next collective forever. The message names the failing process (``process 1: ...``) unless it is
+    process 0, the job's own voice; ``name_process_0``: that one too, unless every process failed (a
+    failure of one host's own, such as its storage refusing its share of a save). Single-process: returns
+    ``local_error``.
     """
     if jax.process_count() == 1:
         return local_error
@@ -100,7 +103,9 @@ def first_failure(local_error: str | None, tag: str) -> str | None:
     if jax.process_index() == first:
         client.key_value_set(key, local_error)
     message = client.blocking_key_value_get(key, 120_000)
-    return message if first == 0 else f"process {first}: {message}"
+    if first == 0 and not (name_process_0 and not failed.all()):
+        return message
+    return f"process {first}: {message}"
 
 
 def say(key: str, value: str) -> None:

@@ -15,8 +15,9 @@ Each process posts one word under ``tieflax/save-start/<round>/<process>`` (a la
     waiting:        its watchdog ran out while it waited at orbax's barrier for another process
 
 and reads the others' until they decide (``verdict``): all ``ok``, training goes on; otherwise every
-process stops with the same line: the stalled processes' (naming them), else the first failed one's,
-else, past the bound, one naming the processes that said nothing.
+process stops with the same line: the stalled processes' (naming them), else the first failed one's
+(naming it), else, past the bound, one naming the processes that said nothing. Only when every process
+stalled, or every one failed, is none named: the bucket itself, not one host.
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def verdict(words: dict[int, tuple[str, str]], count: int, *, final: bool, silen
             return text
         return f"process{'es' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}: {text}"
     failed = sorted(p for p, (word, _) in words.items() if word == FAILED)
-    if failed and (said_all or final):  # as distributed.first_failure says it
-        return words[failed[0]][1] if failed[0] == 0 else f"process {failed[0]}: {words[failed[0]][1]}"
+    if failed and (said_all or final):
+        # Named as a stalled process is, process 0 included: a write refused on one host (its account, its
+        # network) is that host's to fix, and the others print the same line with storage that answered them.
+        text = words[failed[0]][1]
+        return text if len(failed) == count else f"process {failed[0]}: {text}"
     if said_all and all(word == OK for word, _ in words.values()):
         return None
     if not final:

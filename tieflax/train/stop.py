@@ -135,7 +135,7 @@ def raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
     """Every process calls this at the same step: all raise the first failing process's error, or none."""
     from tieflax import distributed  # noqa: PLC0415
 
-    message = distributed.first_failure(str(error) if error is not None else None, "save")
+    message = distributed.first_failure(str(error) if error is not None else None, "save", name_process_0=True)
     if message is not None:
         saves.abandon()
         raise ProcessesStopped(message) from error
