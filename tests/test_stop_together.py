@@ -5,8 +5,10 @@ A SIGINT reaching one process (a terminal's Ctrl-C reaches only the process in t
 process saves the same step's checkpoint and exits 130 with the same line (it exited 130 only there; the
 others exited 0 as if SIGTERM had come). One process whose storage stops answering while it saves (the
 bucket answers the others): every process stops at the same step with the same line naming that process.
-A write failing on every process (the bucket itself silent) is held by tests/test_storage_deadline.py's
-two-process test.
+One process refused (403) a request of a save, in its blocking start or in its writes: every process stops
+within seconds with the same line naming that process; a refused read that gcsfs does without is no
+failure. A write failing on every process (the bucket itself silent) is held by
+tests/test_storage_deadline.py's two-process test.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32",
 PROGRESS_CAP_S = 1200
 
 
-def _start(workdir: str, per_process: tuple[dict, ...] = ({}, {}), **env) -> list[subprocess.Popen]:
-    """The 2 processes, started; ``per_process``: each one's own variables beside ``env``."""
+def _start(workdir: str, per_process: tuple[dict, ...] = ({}, {}), steps: int | None = None,
+           **env) -> list[subprocess.Popen]:
+    """The 2 processes, started; ``per_process``: each one's own variables beside ``env``; ``steps``: a run
+    that ends by itself after that many steps (else it trains until it is stopped)."""
+    train = TRAIN + ([f"--config.train.num_steps={steps}"] if steps is not None else [])
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
            "TIEFLAX_COORDINATOR": f"localhost:{free_port()}", "TIEFLAX_NUM_PROCESSES": "2", **env}
     procs = []
     for i in range(2):
-        procs.append(subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *TRAIN], cwd=REPO,
+        procs.append(subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *train], cwd=REPO,
                                       env={**env, **per_process[i], "TIEFLAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
     return procs
@@ -97,11 +102,21 @@ def test_a_sigint_on_one_process_stops_every_process_at_the_same_step_with_130(t
 # One host's network stops answering (the bucket answers the others): that process reaches the bucket through a
 # TCP proxy of its own, frozen with SIGSTOP (it accepts connections and never answers: a stalled network), or
 # frozen by the proxy itself when it forwards a request matching the regex of its second argument (from that
-# request on, nothing goes through it any more, and "frozen" is printed).
+# request on, nothing goes through it any more, and "frozen" is printed). With a third argument "refuse", every
+# matching request is answered by the proxy itself with Cloud Storage's 403 (a JSON error body; then the
+# connection closes) instead of being forwarded, and "refused" is printed; everything else goes through.
+# With "delay=<seconds>", the first matching request is held that long, then forwarded ("delayed" is printed
+# as it is held): a slow answer, not a stalled one.
 _PROXY = """
-import re, socket, sys, threading
+import re, socket, sys, threading, time
 upstream = ("127.0.0.1", int(sys.argv[1]))
 freeze_on = re.compile(sys.argv[2].encode()) if len(sys.argv) > 2 else None
+refuse = len(sys.argv) > 3 and sys.argv[3] == "refuse"
+delay = float(sys.argv[3].split("=")[1]) if len(sys.argv) > 3 and sys.argv[3].startswith("delay=") else None
+delayed = threading.Event()
+FORBIDDEN = (b'{"error": {"code": 403, "message": "tieflax-test@example.iam.gserviceaccount.com does not have '
+             b'storage.objects.create access to the Google Cloud Storage object.", "errors": [{"message": '
+             b'"forbidden", "domain": "global", "reason": "forbidden"}]}}')
 frozen, lock, upstreams, held = threading.Event(), threading.Lock(), [], []
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,13 +136,37 @@ def freeze():
             except OSError:
                 pass
     print("frozen", flush=True)
+def answer_403(client, data):
+    # The request's body (an upload) is read to its end, never forwarded; then Cloud Storage's answer, and the
+    # connection is closed on both sides, as the emulator closes each after one answer (HTTP/1.0). Kept open, the
+    # emulator, which serves one connection at a time, would wait for a request on its side that never comes,
+    # and every process's storage would stop answering.
+    head, _, body = data.partition(b"\\r\\n\\r\\n")
+    length = re.search(rb"\\r\\ncontent-length: *(\\d+)", head, re.IGNORECASE)
+    left = (int(length.group(1)) if length else 0) - len(body)
+    while left > 0:
+        more = client.recv(min(left, 65536))
+        if not more:
+            return
+        left -= len(more)
+    client.sendall(b"HTTP/1.1 403 Forbidden\\r\\nContent-Type: application/json; charset=UTF-8\\r\\n"
+                   b"Connection: close\\r\\nContent-Length: %d\\r\\n\\r\\n%s" % (len(FORBIDDEN), FORBIDDEN))
+    print("refused", flush=True)
 def pump(a, b, requests):
     try:
         while True:
             data = a.recv(65536)
             if not data:
                 break
-            if requests and freeze_on is not None and not frozen.is_set() and freeze_on.search(data):
+            if requests and refuse and freeze_on.search(data):
+                answer_403(a, data)
+                break
+            if requests and delay is not None and not delayed.is_set() and freeze_on.search(data):
+                delayed.set()
+                print("delayed", flush=True)
+                time.sleep(delay)
+            if requests and not refuse and delay is None and freeze_on is not None and not frozen.is_set() and \\
+                    freeze_on.search(data):
                 freeze()
             if frozen.is_set():
                 hold()
@@ -288,4 +327,140 @@ def test_a_stall_inside_one_process_s_save_start_stops_every_process_with_the_sa
     finally:
         proxy.kill()
         storage._BUCKETS.clear()
+        server.stop()
+
+
+# ----------------------------------------------------------------------------- one host's write is refused
+# Cloud Storage refuses one host's request with 403 (that host's account lacks a permission; the others' does
+# not): the request goes no further than that process's proxy, which answers it itself (its "refuse" mode).
+def _through_refusing_proxy(server, regex: str, steps: int | None = None):
+    """-> (proxy, bucket, procs, refused): the 2 processes on a new bucket, process 0 through a proxy that
+    answers its requests matching ``regex`` with 403; ``refused``: a list that gets the proxy's first word."""
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
+
+    proxy = subprocess.Popen([sys.executable, "-c", _PROXY, str(server.port), regex, "refuse"],
+                             stdout=subprocess.PIPE, text=True)
+    through_proxy = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
+    bucket = server.new_bucket()
+    env = {**server.env, storage.DEADLINE_ENV: str(DEADLINE), ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
+    procs = _start(bucket + "/run", per_process=({"STORAGE_EMULATOR_HOST": through_proxy,
+                                                  "TENSORSTORE_GCS_HTTP_URL": through_proxy}, {}), steps=steps, **env)
+    refused: list[str] = []
+    threading.Thread(target=lambda: refused.append(proxy.stdout.readline()), daemon=True).start()
+    return proxy, bucket, procs, refused
+
+
+# What process 0 is refused of checkpoint 20's save. Its start: the read of the step's folder (_START_OF_SAVE_20)
+# and gcsfs's listing that stands in for a refused read; then no request is left in the start (orbax creates the
+# step's folder in the background), so the start raises. In the background: the step's metadata (gcsfs's
+# write), and the first object of process 0's own share of the arrays (tensorstore's).
+_START_AND_LISTING_OF_SAVE_20 = r"(?:^|\r\n)GET \S*/o(?:/|\?prefix=)run(?:%2F|/)checkpoints(?:%2F|/)20[ ?&]"
+_METADATA_OF_SAVE_20 = r"(?:^|\r\n)POST \S*name=run(?:/|%2F)checkpoints(?:/|%2F)20(?:/|%2F)_CHECKPOINT_METADATA"
+_OWN_SHARE_OF_SAVE_20 = r"(?:^|\r\n)POST \S*name=run(?:/|%2F)checkpoints(?:/|%2F)20(?:/|%2F)state(?:/|%2F)ocdbt"
+
+
+@pytest.mark.parametrize("refused", [_START_AND_LISTING_OF_SAVE_20, _METADATA_OF_SAVE_20, _OWN_SHARE_OF_SAVE_20],
+                         ids=["save-start", "step-metadata", "own-share"])
+def test_a_request_refused_on_process_0_stops_every_process_with_the_same_line_naming_it(monkeypatch, refused):
+    """Cloud Storage answers 403 to process 0's requests of checkpoint 20's save (the others' go through),
+    in the blocking start of the save or in its background writes: every process ends at once (a refusal is
+    an answer: no deadline has to pass) with exit 1 and the same one line, naming process 0 and the refused
+    request, process 0 last, and checkpoint 10 stays readable. (Before: the same line on both, but naming no
+    process, so that the advice "this account may not write there" pointed at every host's account, process
+    1's too, whose requests went through.)"""
+    from object_store import GcsServer  # noqa: PLC0415
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
+
+    server = GcsServer()
+    proxy, bucket, procs, said = _through_refusing_proxy(server, refused)
+    try:
+        _wait_for(lambda: said, procs)
+        ended = _ends(procs, PROGRESS_CAP_S)
+        outs = [p.communicate() for p in procs]
+        lines = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, err in outs]
+        print(f"ended {ended} s after process 0's request was refused: {lines}")
+        assert [p.returncode for p in procs] == [1, 1], [(p.returncode, err[-3000:]) for p, (_, err) in
+                                                         zip(procs, outs)]
+        for (_, err), said in zip(outs, lines):
+            assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+        assert lines[0] == lines[1], lines
+        line = lines[0][0]
+        assert line.startswith("tieflax train: process 0: saving checkpoint 20 failed, training stopped (this "
+                               "account may not write there"), line
+        assert re.search(r"Forbidden|PERMISSION_DENIED", line) and re.search(r"checkpoints(/|%2F)20\b", line), line
+        # No deadline passes on the way (the storage deadline is DEADLINE): the next agreement, the exit.
+        assert max(ended) < DEADLINE and max(ended) - min(ended) < 10, ended
+        assert ended[0] >= ended[1], ended   # the coordinator ends last
+        assert _committed(server, bucket) == [10], _committed(server, bucket)
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        storage._BUCKETS.clear()
+        _, params, step = ckpt.load_latest_params(bucket + "/run")
+        assert step == 10 and params, step
+    finally:
+        proxy.kill()
+        storage._BUCKETS.clear()
+        server.stop()
+
+
+def test_a_refused_read_of_the_step_folder_is_worked_around_and_training_goes_on():
+    """Cloud Storage answers 403 to process 0's read of the folder object run/checkpoints/20 (the request that
+    starts the save of checkpoint 20; a role that may list objects but not get them): no write was refused,
+    gcsfs asks again with a listing (its way round a refused get), and the save goes through. The run goes
+    on and ends by itself with every checkpoint committed, not with a line: a run that trains on is not a
+    hang."""
+    from object_store import GcsServer  # noqa: PLC0415
+
+    server = GcsServer()
+    proxy, bucket, procs, refused = _through_refusing_proxy(server, _START_OF_SAVE_20, steps=30)
+    try:
+        ended = _ends(procs, PROGRESS_CAP_S)
+        outs = [p.communicate() for p in procs]
+        assert refused == ["refused\n"], (refused, [err[-3000:] for _, err in outs])
+        assert [p.returncode for p in procs] == [0, 0], [(p.returncode, err[-3000:]) for p, (_, err) in
+                                                         zip(procs, outs)]
+        assert None not in ended and _committed(server, bucket) == [10, 20, 30], (ended, _committed(server, bucket))
+        for _, err in outs:
+            assert not [line for line in err.splitlines() if line.startswith("tieflax")], err[-3000:]
+    finally:
+        proxy.kill()
+        server.stop()
+
+
+def test_a_slow_start_on_process_0_keeps_the_others_waiting_and_the_run_goes_on():
+    """Process 0's read that starts checkpoint 20's save is answered late: held by its proxy past process 1's
+    storage deadline, within process 0's own (twice as long: as if process 1's start had begun that much
+    sooner). Process 1's watchdog runs out while it waits for process 0 at orbax's barrier, it says it waits,
+    no other process said its start failed or stalled, and once process 0's start ends, process 1's goes on:
+    the run ends by itself, every checkpoint committed, not a line said. A slow host is not a stalled one."""
+    from object_store import GcsServer  # noqa: PLC0415
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
+
+    held = DEADLINE + 7   # past process 1's watchdog (DEADLINE), well within process 0's (2 * DEADLINE)
+    server = GcsServer()
+    proxy = subprocess.Popen([sys.executable, "-c", _PROXY, str(server.port), _START_OF_SAVE_20, f"delay={held}"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        through_proxy = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
+        bucket = server.new_bucket()
+        env = {**server.env, ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
+        procs = _start(bucket + "/run", per_process=({"STORAGE_EMULATOR_HOST": through_proxy, "TENSORSTORE_GCS_HTTP_URL":
+                                                      through_proxy, storage.DEADLINE_ENV: str(2 * DEADLINE)},
+                                                     {storage.DEADLINE_ENV: str(DEADLINE)}), steps=30, **env)
+        said: list[str] = []
+        threading.Thread(target=lambda: said.append(proxy.stdout.readline()), daemon=True).start()
+        ended = _ends(procs, PROGRESS_CAP_S)
+        outs = [p.communicate() for p in procs]
+        print(f"ended {ended} s after the start (process 0's request held {held} s): {said}")
+        assert said == ["delayed\n"], (said, [err[-3000:] for _, err in outs])
+        assert [p.returncode for p in procs] == [0, 0], [(p.returncode, err[-3000:]) for p, (_, err) in
+                                                         zip(procs, outs)]
+        for _, err in outs:
+            assert not [line for line in err.splitlines() if line.startswith("tieflax")], err[-3000:]
+        assert _committed(server, bucket) == [10, 20, 30], _committed(server, bucket)
+    finally:
+        proxy.kill()
         server.stop()

@@ -567,11 +567,13 @@ class SaveWatch:
         self._raise_if_failed(wait=True)  # orbax waits for the previous save anyway
         # A bucket that stops answering would hold orbax's start of a save (gcsfs, tensorstore) forever:
         # past the storage deadline the process says so in one line and exits 1 (the step not committed);
-        # with several processes, the line every process stops with (save_start.SaveStart.ran_out).
+        # with several processes, the line every process stops with (save_start.SaveStart.ran_out), at once
+        # for a process waiting at orbax's barrier for one whose start failed (SaveStart.listening).
         self._started = time.monotonic()
         OWN_SHARE.begin()
+        listening = self.starting.listening() if self.starting is not None else contextlib.nullcontext()
         with storage.watchdog(self._where(), f"save checkpoint {step} to",
-                              ran_out=self.starting.ran_out if self.starting is not None else None):
+                              ran_out=self.starting.ran_out if self.starting is not None else None), listening:
             try:
                 save(self.manager, step, state, loader)
             except Exception as e:  # noqa: BLE001

@@ -18,6 +18,10 @@ and reads the others' until they decide (``verdict``): all ``ok``, training goes
 process stops with the same line: the stalled processes' (naming them), else the first failed one's
 (naming it), else, past the bound, one naming the processes that said nothing. Only when every process
 stalled, or every one failed, is none named: the bucket itself, not one host.
+
+While its start runs, each process also reads the others' words (``SaveStart.listening``): one that waits
+at orbax's barrier for a process whose start failed or stalled stops at once with their line, instead of
+when its own watchdog runs out (a refusal is answered at once; the storage deadline may be minutes).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from tieflax import distributed, storage
 OK, FAILED, STALLED, WAITING = "ok", "failed", "stalled", "waiting"
 UNDECIDED = object()  # ``verdict``: not every word needed is there yet
 _POLL_S = 0.05
+# How often a process reads the others' words while its own start runs (``SaveStart.listening``): a start
+# lasts well under a second when nothing fails, so this is a few reads per save.
+_LISTEN_S = 0.25
 _ROUNDS = itertools.count(1)  # every process starts the same saves in the same order: the same keys
 
 
@@ -90,6 +97,7 @@ class SaveStart:
         self.thread = threading.get_ident()
         self._lock = threading.Lock()
         self._stopping = False  # the watchdog's thread ends the process: the start's thread says nothing
+        self._spoken = False  # the watchdog, or the listener, said this start's word before it ended
         self._mine: tuple[str, str] | None = None  # this process's word (known here if the coordinator is gone)
 
     def _say(self, word: str, line: str = "") -> None:
@@ -132,7 +140,42 @@ class SaveStart:
         at orbax's barrier waits on for the others' word, or its start's end; a stalled one says so. Then
         every process stops with the same line, process 0 last (it holds the coordinator)."""
         waiting = waits_at_orbax_barrier(self.thread)
-        self._say(WAITING if waiting else STALLED, "" if waiting else line)
+        self._speak(WAITING if waiting else STALLED, "" if waiting else line, ended, waiting)
+
+    @contextlib.contextmanager
+    def listening(self):
+        """The start's block, with a thread that reads the others' words while it runs (``_listen``)."""
+        ended = threading.Event()
+        threading.Thread(target=self._listen, args=(ended,), name="tieflax-save-start-listener", daemon=True).start()
+        try:
+            yield
+        finally:
+            ended.set()
+
+    def _listen(self, ended: threading.Event) -> None:
+        """Until the start ends: once another process said its start failed or stalled while this one waits
+        at orbax's barrier, this one says it waits and stops with their line now. That process left the
+        save, or is stopping: the barrier is never reached, and waiting for this start's watchdog would
+        hold every process for the whole storage deadline (on a local disk, where no watchdog runs, for as
+        long as orbax's barrier waits) after a refusal that was answered at once."""
+        while not ended.wait(_LISTEN_S):
+            heard = self._heard()
+            if heard is None:  # the coordinator is gone: the watchdog ends this process
+                return
+            gave_up = any(word in (FAILED, STALLED) for p, (word, _) in heard.items() if p != self.me)
+            if gave_up and waits_at_orbax_barrier(self.thread):
+                self._speak(WAITING, "", ended, waiting=True)
+                return
+
+    def _speak(self, word: str, line: str, ended: threading.Event, waiting: bool) -> None:
+        """Says this start's word before it ended (once: the watchdog's thread or the listener's), reads the
+        others' until they decide (a waiting process: or until its start ends after all), then stops the
+        process with the decided line, or returns when the start went on."""
+        with self._lock:
+            if self._spoken:
+                return
+            self._spoken = True
+        self._say(word, line)
         decided = self._decide(ended if waiting else None)
         with self._lock:
             if decided is None or ended.is_set():  # the start went on: its thread agrees with the others
