@@ -29,6 +29,13 @@ import pytest  # noqa: E402
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tieflax-test-jax-cache-")
+# One data cache for the run, made and removed the same way (tieflax.data.config.shared_cache_dir): the
+# runs that train on the same corpus with the same settings share its BPE and token files instead of each
+# training and tokenising its own. Its entries are named by digests of what they hold, so a run reads the
+# ids it would have made; the tests of where a run keeps its own cache clear the variable.
+_OWN_DATA_CACHE = None
+if "TIEFLAX_DATA_CACHE_DIR" not in os.environ:
+    _OWN_DATA_CACHE = os.environ["TIEFLAX_DATA_CACHE_DIR"] = tempfile.mkdtemp(prefix="tieflax-test-data-cache-")
 # Every program, however quick to compile: the small ones (init, eval, data steps) recur in every CLI
 # subprocess, and caching them too took a tenth off test_run_identity.py's CPU time.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -158,3 +165,5 @@ def _serve(server):
 def pytest_unconfigure(config):
     if _OWN_CACHE:   # set only in the process that made it: the controller, after its workers ended
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    if _OWN_DATA_CACHE:
+        shutil.rmtree(_OWN_DATA_CACHE, ignore_errors=True)

@@ -244,8 +244,9 @@ def test_given_tokenizer_may_be_smaller_than_a_padded_model_vocab(built, tmp_pat
         prepare_dataset(c, tmp_path / "w", vocab_size=V - 1)
 
 
-def test_a_bucket_workdir_caches_files_from_a_bucket_glob_with_the_local_numbers(tmp_path, gcs):
+def test_a_bucket_workdir_caches_files_from_a_bucket_glob_with_the_local_numbers(tmp_path, gcs, monkeypatch):
     from tieflax import storage
+    monkeypatch.delenv("TIEFLAX_DATA_CACHE_DIR", raising=False)  # each workdir's own cache: on the bucket
     write_corpus(tmp_path / "corpus")
     local = prepare_dataset(files_config(tmp_path / "corpus"), tmp_path / "w", vocab_size=V)
     bucket = gcs.new_bucket()
@@ -285,3 +286,33 @@ def test_a_data_setting_the_source_does_not_read_is_refused_naming_both_fields()
     # A token store beside the corpus section it was prepared from is what `tieflax prepare` leaves.
     c.source, c.tokens.path, c.hf.path = "tokens", "/data/store", ""
     validate_data_config(c)
+
+
+def test_runs_sharing_a_data_cache_train_one_bpe_and_tokenise_once(tmp_path, monkeypatch):
+    """With a shared data cache (TIEFLAX_DATA_CACHE_DIR), a second workdir on the same documents and settings
+    copies the first one's BPE from the cache (no trainer started) and reads its token files: the same
+    tokenizer and ids. Another vocabulary size is another BPE; without the variable each workdir keeps
+    its own cache."""
+    from tieflax.data import workers
+
+    write_corpus(tmp_path / "corpus")
+    monkeypatch.setenv("TIEFLAX_DATA_CACHE_DIR", str(tmp_path / "shared"))
+    first = prepare_dataset(files_config(tmp_path / "corpus"), tmp_path / "a", vocab_size=V)
+    assert first.data_dir.parent == tmp_path / "shared" and len(list((tmp_path / "shared").glob("bpe-*.json"))) == 1
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a BPE was trained although the shared cache holds it")
+
+    monkeypatch.setattr(workers, "run_bpe_trainer", no_training)
+    second = prepare_dataset(files_config(tmp_path / "corpus"), tmp_path / "b", vocab_size=V)
+    assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "a" / "tokenizer.json").read_text()
+    assert second.data_dir == first.data_dir
+    np.testing.assert_array_equal(second.train_tokens, first.train_tokens)
+    bigger = files_config(tmp_path / "corpus")
+    bigger.tokenizer.vocab_size = V + 8
+    with pytest.raises(AssertionError, match="a BPE was trained"):  # another size: not the cached BPE
+        prepare_dataset(bigger, tmp_path / "c", vocab_size=V + 8)
+    monkeypatch.undo()
+    monkeypatch.delenv("TIEFLAX_DATA_CACHE_DIR", raising=False)
+    own = prepare_dataset(files_config(tmp_path / "corpus"), tmp_path / "d", vocab_size=V)
+    assert own.data_dir.parent == tmp_path / "d" / "data_cache"

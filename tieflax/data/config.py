@@ -6,12 +6,17 @@ belong to the training config and are passed to :func:`tieflax.data.make_loader`
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 from ml_collections.config_dict import placeholder
 
 from tieflax.errors import ConfigError, UserError
 
 SOURCES = ("kjv", "python_stdlib", "files", "hf", "tokens")
+# The data cache that runs share when ``data.cache_dir`` is '' (a machine's or a test session's, as
+# JAX_COMPILATION_CACHE_DIR is for compiled programs): see :func:`shared_cache_dir`.
+CACHE_DIR_ENV = "TIEFLAX_DATA_CACHE_DIR"
 
 
 class DataError(UserError, ValueError):
@@ -55,7 +60,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.split_seed = 0  # which documents are held out; independent of the shuffle seed
     c.max_val_documents = 0  # 0 = no cap; caps the held-out set for huge corpora
 
-    c.cache_dir = ""  # '' = <workdir>/data_cache; or a shared path such as ~/.cache/tieflax
+    # '' = $TIEFLAX_DATA_CACHE_DIR if set, else <workdir>/data_cache; or a shared path such as
+    # ~/.cache/tieflax. Every entry is named by a digest of what it holds, so runs can share one.
+    c.cache_dir = ""
 
     # Packing. Documents are joined as [EOS d0 EOS d1 ... EOS] (or [BOS d0 EOS BOS d1 EOS ...]): a
     # token opens each document, so with document masking every position predicts its target from
@@ -67,6 +74,13 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.read_threads = 2
     c.prefetch_buffer_size = 256
     return c
+
+
+def shared_cache_dir(c: ml_collections.ConfigDict) -> str:
+    """The data cache shared by runs: ``data.cache_dir``, else ``$TIEFLAX_DATA_CACHE_DIR``, else '' (each
+    run keeps its own, ``<workdir>/data_cache``). A shared one also holds the BPEs trained on its corpora
+    (:func:`tieflax.data.tokenizer.resolve_tokenizer`), so a second run on the same text trains none."""
+    return c.cache_dir or os.environ.get(CACHE_DIR_ENV, "")
 
 
 def _files_defaults() -> ml_collections.ConfigDict:

@@ -3,7 +3,7 @@
 Runs once per workdir and is cheap afterwards: the default corpus (the King James Bible) is read,
 split, tokenised and counted in a few seconds on a laptop CPU, with no network.
 
-The cache (under ``data.cache_dir``, default ``<workdir>/data_cache``) is ``<source>-<key16>/``, in
+The cache (under ``data.cache_dir``, else ``$TIEFLAX_DATA_CACHE_DIR``, else ``<workdir>/data_cache``) is ``<source>-<key16>/``, in
 the format that ``tieflax.data.cache`` owns and checks (content digests included). ``key`` is a SHA-256
 over the documents' text, the tokenizer's JSON, the split settings and the file format version, so a
 changed corpus or tokenizer gets a new folder and never reads stale ids. A folder whose files do not
@@ -26,7 +26,7 @@ from tieflax.data import tokenizer as tokenizer_lib
 from tieflax.data.cache import (FORMAT_VERSION, SPLITS, PreparedDataset, count_tokens,  # noqa: F401
                                 cache_path, is_committed, join_documents, loader_settings, open_cache,
                                 split_indices, token_dtype, write_cache)
-from tieflax.data.config import DataError, validate_data_config  # noqa: F401
+from tieflax.data.config import DataError, shared_cache_dir, validate_data_config  # noqa: F401
 from tieflax.data.sources import Document, load_documents
 from tieflax.data.token_files import prepare_token_files
 from tieflax.data.tokenizer import resolve_tokenizer  # noqa: F401 (re-exported)
@@ -55,14 +55,15 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, workdir: str | os.Pa
         return open_store_dataset(c, str(workdir), vocab_size=vocab_size)
     # a local workdir/cache stays a Path (memmapped files); a bucket one is a URL (see cache.cache_path)
     workdir = cache_path(storage.resolve(str(workdir)))
-    cache_root = cache_path(storage.resolve(c.cache_dir) if c.cache_dir else cache_path(workdir, "data_cache"))
+    shared = shared_cache_dir(c)
+    cache_root = cache_path(storage.resolve(shared) if shared else cache_path(workdir, "data_cache"))
     if c.source == "tokens":
         return prepare_token_files(c, workdir, cache_root, vocab_size=vocab_size)
 
     docs = load_documents(c)
     train_docs, val_docs = split_documents(docs, c.val_fraction, c.split_seed, c.max_val_documents,
                                            where=f"data.source = {c.source!r}")
-    tok = tokenizer_lib.resolve_tokenizer(c, workdir, train_docs)
+    tok = tokenizer_lib.resolve_tokenizer(c, workdir, train_docs, shared_cache=cache_root if shared else None)
     tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), vocab_size,
                                    where=f"tokenizer {cache_path(workdir, tokenizer_lib.TOKENIZER_FILE)}",
                                    allow_smaller_tokenizer=bool(c.tokenizer.path))

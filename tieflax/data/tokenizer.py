@@ -7,12 +7,14 @@ workdir, so a run's token ids never change under it. To retrain, delete that fil
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 from typing import Iterable, Iterator
 
 import ml_collections
+import tokenizers
 from tokenizers import Tokenizer
 
 from tieflax import storage
@@ -147,12 +149,27 @@ def check_vocab_size(tokenizer_vocab: int, model_vocab: int, *, where: str,
         "retrain it).")
 
 
+def bpe_key(c: ml_collections.ConfigDict, texts: Iterable[str]) -> str:
+    """SHA-256 of everything a trained BPE depends on: its texts in order, the trainer's settings and the
+    ``tokenizers`` version (another version may learn other merges)."""
+    h = hashlib.sha256(json.dumps({"tokenizers": tokenizers.__version__, "vocab_size": c.tokenizer.vocab_size,
+                                   "min_frequency": c.tokenizer.min_frequency, "eos": c.tokenizer.eos_token,
+                                   "max_piece_chars": MAX_PIECE_CHARS}, sort_keys=True).encode())
+    for text in texts:
+        h.update(text.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def resolve_tokenizer(c: ml_collections.ConfigDict, workdir,
-                      train_docs: list) -> Tokenizer:
+                      train_docs: list, *, shared_cache=None) -> Tokenizer:
     """The run's tokenizer: ``<workdir>/tokenizer.json`` if present, else the given or a trained one.
 
     A given tokenizer (``data.tokenizer.path``) is copied into the workdir; a workdir copy that differs
-    from it is an error, since the workdir's checkpoints were trained on the copy's ids.
+    from it is an error, since the workdir's checkpoints were trained on the copy's ids. With a data cache
+    shared by runs (``shared_cache``, see :func:`tieflax.data.config.shared_cache_dir`), a trained BPE is
+    also kept there as ``bpe-<key16>.json`` (:func:`bpe_key`) and the next run on the same texts and
+    settings copies it instead of training: training is deterministic, so the ids are the same.
     """
     saved = storage.join(str(workdir), TOKENIZER_FILE)  # the workdir as prepare_dataset resolved it
     if c.tokenizer.path:
@@ -176,10 +193,21 @@ def resolve_tokenizer(c: ml_collections.ConfigDict, workdir,
                 f"Set data.tokenizer.vocab_size = {got} to keep it, or delete it (and the run's "
                 "checkpoints) to train a new one.")
         return tok
+    cached = None
+    if shared_cache is not None:
+        cached = storage.join(str(shared_cache), f"bpe-{bpe_key(c, (d.text for d in train_docs))[:16]}.json")
+        if storage.is_file(cached):
+            tok = load_tokenizer(cached)
+            log.info("the %d-token byte-level BPE of these documents is in the data cache: %s",
+                     c.tokenizer.vocab_size, cached)
+            save_tokenizer(tok, saved)
+            return tok
     log.info("training a %d-token byte-level BPE on %d documents", c.tokenizer.vocab_size,
              len(train_docs))
     tok = train_bpe((d.text for d in train_docs), vocab_size=c.tokenizer.vocab_size,
                                   eos_token=c.tokenizer.eos_token,
                                   min_frequency=c.tokenizer.min_frequency, length=len(train_docs))
     save_tokenizer(tok, saved)
+    if cached is not None:
+        save_tokenizer(tok, cached)  # whole or absent (see save_tokenizer): a concurrent run reads either
     return tok
