@@ -13,6 +13,7 @@ when the launch is multi-process and does nothing for a plain single-process run
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
@@ -47,12 +48,27 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if cpu:
         # CPU devices of different processes talk over gloo; without it cross-process collectives fail.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _native_output_to_stderr()
     if explicit:
         jax.distributed.initialize(coordinator_address=coordinator_address,
                                    num_processes=num_processes, process_id=process_id)
     else:
         jax.distributed.initialize()  # TPU pod / SLURM: JAX reads the cluster from the environment
     return True
+
+
+def _native_output_to_stderr() -> None:
+    """gloo says "[Gloo] Rank 0 is connected to 1 peer ranks ..." on the process's stdout (file descriptor
+    1) from the threads that connect it, at the first collective, several at once and cut into each other:
+    between a command's own lines (a sample, train's final JSON line), which a caller reads from stdout.
+    So descriptor 1 becomes a copy of stderr, for native code, and ``sys.stdout`` writes to the original
+    stdout, buffered as before."""
+    old = sys.stdout
+    old.flush()
+    original = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(original, "w", encoding=old.encoding, errors=old.errors)
+    sys.stdout.reconfigure(line_buffering=old.line_buffering, write_through=old.write_through)
 
 
 def is_main_process() -> bool:
