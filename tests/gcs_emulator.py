@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import http.server
 import logging
 import re
 import threading
@@ -149,6 +150,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     patch_handlers(args.require_token, args.deny_writes)
+    # The emulator serves one connection at a time. While a test holds it frozen (SIGSTOP), the kernel
+    # queues the connections its clients open, as a stalled network's server would; with the default
+    # queue of 5 the rest are dropped or refused, which a client reads as a server gone, not one silent.
+    http.server.HTTPServer.request_queue_size = 128
     emulator_server.create_server(args.host, args.port, in_memory=True).run()
 
 

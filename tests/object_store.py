@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import urllib.parse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -126,6 +127,23 @@ class GcsServer:
             token = page.get("nextPageToken")
             if not token:
                 return names
+
+    def thaw(self, timeout: float = 120.0) -> None:
+        """Resumes a server a test froze (SIGSTOP) and returns once it answers a request. It first serves,
+        one by one, what the clients sent while it was frozen (a training run's writes of a few MB); a rerun
+        started before that is over would spend its storage deadline waiting behind them on a busy machine."""
+        os.kill(self.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:  # one request, queued behind the others: a retry would only add to the queue
+                with urllib.request.urlopen(urllib.request.Request(f"{self.url}/storage/v1/b?project=test",
+                                                                   headers=self._auth),
+                                            timeout=max(1.0, deadline - time.monotonic())):
+                    return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the test server did not answer within {timeout:.0f} s of its thaw: {e}")
+                time.sleep(0.2)
 
     def stop(self) -> None:
         self.process.kill()

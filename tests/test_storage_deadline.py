@@ -153,7 +153,7 @@ def test_gs_prepare_whose_bucket_stops_answering_stops_in_one_line_and_resumes(o
     assert t_stop is not None, ("the prepare ended before 3 shards were done", proc.communicate())
     _, err = proc.communicate(timeout=10 * DEADLINE)
     took = time.monotonic() - t_stop
-    os.kill(own_gcs.process.pid, signal.SIGCONT)
+    own_gcs.thaw()  # and waits until it has served what was sent while it was frozen
     said = [line for line in err.splitlines() if line.startswith("tieflax prepare: cannot")]
     assert proc.returncode == 1, err
     assert "Traceback" not in err and len(said) == 1, err
@@ -209,7 +209,7 @@ def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(
     assert t_stop is not None, ("the run ended before its first checkpoint", proc.communicate())
     _, err = proc.communicate(timeout=10 * DEADLINE)
     took = time.monotonic() - t_stop
-    os.kill(own_gcs.process.pid, signal.SIGCONT)
+    own_gcs.thaw()  # and waits until it has served what was sent while it was frozen
     said = [line for line in err.splitlines() if line.startswith("tieflax")]
     print(f"stopped {took:.1f} s after the bucket stopped answering (deadline {DEADLINE} s): {said}")
     assert proc.returncode == 1 and "Traceback" not in err and len(said) == 1, err

@@ -69,7 +69,7 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
                 ended[i] = time.monotonic() - t_stop
         time.sleep(0.1)
     results = _finish(procs, 1)
-    os.kill(own_gcs.process.pid, signal.SIGCONT)
+    own_gcs.thaw()  # and waits until it has served what was sent while it was frozen
     said = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, _, err in results]
     print(f"stopped {ended[0]:.1f} s (process 0) and {ended[1]:.1f} s (process 1) after the bucket stopped "
           f"answering (deadline {DEADLINE} s, checkpoint deadline {2 * DEADLINE} s): {said[0]}")
