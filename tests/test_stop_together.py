@@ -73,6 +73,31 @@ def _wait_for(predicate, procs) -> None:
         time.sleep(0.1)
 
 
+def _the_one_line(procs, outs, what: str) -> str:
+    """Every process exited 1 with one ``tieflax`` line on stderr, the same on each, and no traceback; -> that
+    line. ``what``: what happened, for the printed timings."""
+    lines = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, err in outs]
+    print(f"after {what}: {lines}")
+    assert [p.returncode for p in procs] == [1, 1], [(p.returncode, err[-3000:]) for p, (_, err) in zip(procs, outs)]
+    for (_, err), said in zip(outs, lines):
+        assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0] == lines[1], lines
+    return lines[0][0]
+
+
+def _only_checkpoint_10_readable(server, bucket: str, monkeypatch) -> None:
+    """The run's committed checkpoints are [10], and step 10 loads (read here, against ``server``)."""
+    from tieflax import storage  # noqa: PLC0415
+    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
+
+    assert _committed(server, bucket) == [10], _committed(server, bucket)
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    storage._BUCKETS.clear()
+    _, params, step = ckpt.load_latest_params(bucket + "/run")
+    assert step == 10 and params, step
+
+
 def _steps(workdir) -> list[int]:
     folder = os.path.join(workdir, "checkpoints")
     return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
@@ -239,17 +264,11 @@ def test_one_process_whose_save_stalls_stops_every_process_with_the_same_line(mo
         ended = _ends(procs, PROGRESS_CAP_S)
         outs = [p.communicate() for p in procs]
         os.kill(proxy.pid, signal.SIGCONT)
-        lines = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, err in outs]
-        print(f"ended {ended} s after process 1's storage stalled: {lines}")
-        assert [p.returncode for p in procs] == [1, 1], [(p.returncode, err[-3000:]) for p, (_, err) in
-                                                         zip(procs, outs)]
-        for (_, err), said in zip(outs, lines):
-            assert len(said) == 1 and "Traceback" not in err, err[-3000:]
-        assert lines[0] == lines[1], lines
-        assert lines[0][0].startswith("tieflax train: process 1: ") and f"no answer from {bucket} within" in lines[0][0]
+        line = _the_one_line(procs, outs, f"{ended} s: process 1's storage stalled")
+        assert line.startswith("tieflax train: process 1: ") and f"no answer from {bucket} within" in line
         # The deadline that passed is the checkpoint's, and the line names its setting (it named the storage
         # deadline's before).
-        assert lines[0][0].endswith("TIEFLAX_CHECKPOINT_DEADLINE_S sets the deadline)"), lines[0][0]
+        assert line.endswith("TIEFLAX_CHECKPOINT_DEADLINE_S sets the deadline)"), line
         # The stalled save's deadline (the storage deadline for its start, the checkpoint deadline for its
         # commit), the steps up to the next agreement, the exit (process 0 last, after the others' word), on a
         # busy 2-core machine: 30 s. Both within seconds of each other, not one on JAX's heartbeat timeout (100 s).
@@ -301,14 +320,7 @@ def test_a_stall_inside_one_process_s_save_start_stops_every_process_with_the_sa
         _wait_for(lambda: frozen, procs)
         ended = _ends(procs, PROGRESS_CAP_S)
         outs = [p.communicate() for p in procs]
-        lines = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, err in outs]
-        print(f"ended {ended} s after process 0's storage stalled in the start of checkpoint 20: {lines}")
-        assert [p.returncode for p in procs] == [1, 1], [(p.returncode, err[-3000:]) for p, (_, err) in
-                                                         zip(procs, outs)]
-        for (_, err), said in zip(outs, lines):
-            assert len(said) == 1 and "Traceback" not in err, err[-3000:]
-        assert lines[0] == lines[1], lines
-        line = lines[0][0]
+        line = _the_one_line(procs, outs, f"{ended} s: process 0's storage stalled in the start of checkpoint 20")
         assert line.startswith(f"tieflax train: process 0: cannot save checkpoint 20 to {bucket}/run/checkpoints: "
                                f"no answer from {bucket} within {DEADLINE} s"), line
         assert line.endswith(f"{storage.DEADLINE_ENV} sets the deadline)"), line
@@ -318,12 +330,7 @@ def test_a_stall_inside_one_process_s_save_start_stops_every_process_with_the_sa
         # on a busy 2-core machine: 30 s. Not one on JAX's heartbeat timeout (100 s).
         assert max(ended) < DEADLINE + 30 and max(ended) - min(ended) < 15, ended
         assert ended[0] >= ended[1], ended   # the coordinator ends last
-        assert _committed(server, bucket) == [10], _committed(server, bucket)
-        for k, v in server.env.items():
-            monkeypatch.setenv(k, v)
-        storage._BUCKETS.clear()
-        _, params, step = ckpt.load_latest_params(bucket + "/run")
-        assert step == 10 and params, step
+        _only_checkpoint_10_readable(server, bucket, monkeypatch)
     finally:
         proxy.kill()
         storage._BUCKETS.clear()
@@ -371,7 +378,6 @@ def test_a_request_refused_on_process_0_stops_every_process_with_the_same_line_n
     1's too, whose requests went through.)"""
     from object_store import GcsServer  # noqa: PLC0415
     from tieflax import storage  # noqa: PLC0415
-    from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
 
     server = GcsServer()
     proxy, bucket, procs, said = _through_refusing_proxy(server, refused)
@@ -379,26 +385,14 @@ def test_a_request_refused_on_process_0_stops_every_process_with_the_same_line_n
         _wait_for(lambda: said, procs)
         ended = _ends(procs, PROGRESS_CAP_S)
         outs = [p.communicate() for p in procs]
-        lines = [[line for line in err.splitlines() if line.startswith("tieflax")] for _, err in outs]
-        print(f"ended {ended} s after process 0's request was refused: {lines}")
-        assert [p.returncode for p in procs] == [1, 1], [(p.returncode, err[-3000:]) for p, (_, err) in
-                                                         zip(procs, outs)]
-        for (_, err), said in zip(outs, lines):
-            assert len(said) == 1 and "Traceback" not in err, err[-3000:]
-        assert lines[0] == lines[1], lines
-        line = lines[0][0]
+        line = _the_one_line(procs, outs, f"{ended} s: process 0's request was refused")
         assert line.startswith("tieflax train: process 0: saving checkpoint 20 failed, training stopped (this "
                                "account may not write there"), line
         assert re.search(r"Forbidden|PERMISSION_DENIED", line) and re.search(r"checkpoints(/|%2F)20\b", line), line
         # No deadline passes on the way (the storage deadline is DEADLINE): the next agreement, the exit.
         assert max(ended) < DEADLINE and max(ended) - min(ended) < 10, ended
         assert ended[0] >= ended[1], ended   # the coordinator ends last
-        assert _committed(server, bucket) == [10], _committed(server, bucket)
-        for k, v in server.env.items():
-            monkeypatch.setenv(k, v)
-        storage._BUCKETS.clear()
-        _, params, step = ckpt.load_latest_params(bucket + "/run")
-        assert step == 10 and params, step
+        _only_checkpoint_10_readable(server, bucket, monkeypatch)
     finally:
         proxy.kill()
         storage._BUCKETS.clear()
