@@ -64,11 +64,17 @@ def _native_output_to_stderr() -> None:
     So descriptor 1 becomes a copy of stderr, for native code, and ``sys.stdout`` writes to the original
     stdout, buffered as before."""
     old = sys.stdout
+    try:
+        if old.fileno() != 1:
+            return
+    except (AttributeError, OSError, ValueError):  # not a file (a notebook's stream): not ours to move
+        return
     old.flush()
     original = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = os.fdopen(original, "w", encoding=old.encoding, errors=old.errors)
-    sys.stdout.reconfigure(line_buffering=old.line_buffering, write_through=old.write_through)
+    sys.stdout.reconfigure(line_buffering=getattr(old, "line_buffering", False),
+                           write_through=getattr(old, "write_through", False))
 
 
 def is_main_process() -> bool:
