@@ -3,11 +3,11 @@
 Runs once per workdir and is cheap afterwards: the default corpus (the King James Bible) is read,
 split, tokenised and counted in a few seconds on a laptop CPU, with no network.
 
-The cache (under ``data.cache_dir``, else ``$TIEFLAX_DATA_CACHE_DIR``, else ``<workdir>/data_cache``) is ``<source>-<key16>/``, in
-the format that ``tieflax.data.cache`` owns and checks (content digests included). ``key`` is a SHA-256
-over the documents' text, the tokenizer's JSON, the split settings and the file format version, so a
-changed corpus or tokenizer gets a new folder and never reads stale ids. A folder whose files do not
-match its ``meta.json`` is reported as corrupt with the fix (delete it).
+The cache (under ``data.cache_dir``, else ``$TIEFLAX_DATA_CACHE_DIR``, else ``<workdir>/data_cache``) is
+``<source>-<key16>/``, in the format that ``tieflax.data.cache`` owns and checks (content digests
+included). ``key`` is a SHA-256 over the documents' text, the tokenizer's JSON, the split settings and
+the file format version, so a changed corpus or tokenizer gets a new folder and never reads stale ids.
+A folder whose files do not match its ``meta.json`` is reported as corrupt with the fix (delete it).
 """
 
 from __future__ import annotations
