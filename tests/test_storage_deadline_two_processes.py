@@ -16,17 +16,21 @@ from test_storage_deadline import DEADLINE, PROGRESS_CAP_S, TRAIN, _committed, _
 from tieflax.lease import RELEASE_SECONDS
 
 
-def _train_2(server, workdir: str, num_steps: int) -> list[subprocess.Popen]:
-    """2 processes x 1 CPU device over gloo, each started here (so that each one's exit is timed)."""
+def _train(server, workdir: str, num_steps: int, processes: int = 2) -> list[subprocess.Popen]:
+    """2 processes x 1 CPU device over gloo, each started here (so that each one's exit is timed); or, with
+    ``processes=1``, one process x 2 devices: the same mesh and program without the second process (whose
+    compiled programs never come from JAX's persistent cache, which only process 0 writes)."""
     from test_train_support import free_port  # noqa: PLC0415
 
     argv = [a if not a.startswith("--config.train.num_steps=") else f"--config.train.num_steps={num_steps}"
             for a in TRAIN]
-    env = _env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE), TIEFLAX_COORDINATOR=f"localhost:{free_port()}",
-               TIEFLAX_NUM_PROCESSES="2", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = _env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={2 // processes}")
+    if processes > 1:
+        env.update(TIEFLAX_COORDINATOR=f"localhost:{free_port()}", TIEFLAX_NUM_PROCESSES=str(processes))
     return [subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *argv],
                              env={**env, "TIEFLAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+                             stderr=subprocess.PIPE, text=True) for i in range(processes)]
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
@@ -48,11 +52,11 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     every process, a save's background commit), one collective at the log step or the save makes every
     process stop there, instead of the others waiting at the next collective until JAX's heartbeat
     timeout (100 s, then a crash) or its shutdown barrier (300 s). A rerun resumes to the final loss of a
-    run that never stopped."""
+    run that never stopped (one process with the same two devices)."""
     import json
 
     bucket = own_gcs.new_bucket()
-    procs = _train_2(own_gcs, bucket + "/run", 60)
+    procs = _train(own_gcs, bucket + "/run", 60)
     t_stop = None
     t0 = time.monotonic()
     while all(p.poll() is None for p in procs) and time.monotonic() - t0 < PROGRESS_CAP_S:
@@ -80,8 +84,10 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     assert max(ended) < 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 15, ended
     committed = _committed(own_gcs, bucket)
     assert committed and committed[-1] != 60, committed
-    again = _finish(_train_2(own_gcs, bucket + "/run", 60), PROGRESS_CAP_S)
-    ref = _finish(_train_2(own_gcs, own_gcs.new_bucket() + "/run", 60), PROGRESS_CAP_S)
+    again = _finish(_train(own_gcs, bucket + "/run", 60), PROGRESS_CAP_S)
+    # The uninterrupted reference: one process x 2 devices, the same mesh (data=2) and program; a sum of two
+    # shards has one order, so its losses are the 2-process run's (measured: equal to every printed digit).
+    ref = _finish(_train(own_gcs, own_gcs.new_bucket() + "/run", 60, processes=1), PROGRESS_CAP_S)
     for code, _, err in again + ref:
         assert code == 0, err[-3000:]
     resumed, whole = json.loads(again[0][1].strip().splitlines()[-1]), json.loads(ref[0][1].strip().splitlines()[-1])
