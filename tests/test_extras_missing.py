@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from test_train_support import suite_xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "experiments", "tiny.py")
 SEQ = 32
@@ -21,7 +23,7 @@ TRAIN = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=51
          f"--config.model.max_seq_len={SEQ}", f"--config.train.seq_len={SEQ}", "--config.train.num_steps=2",
          "--config.train.global_batch_size=8", "--config.train.eval_every=1000", "--config.train.eval_batches=1"]
 
-ONE_DEVICE = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+ONE_DEVICE = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags(1)}
 # `python -c WITHOUT <hidden,...> tieflax args...`: the console with those top-level packages absent.
 WITHOUT = """
 import importlib.abc, sys

@@ -17,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from test_train_support import REPO, config_overrides, micro_config, prepare_shared_data, subprocess_env
+from test_train_support import REPO, config_overrides, micro_config, prepare_shared_data, subprocess_env, suite_xla_flags
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.metrics import read_metrics
 from tieflax.train import train_and_evaluate
@@ -38,7 +38,7 @@ def _launch(workdir: str, config, logs: str, expect_failure: bool = False, args:
            "tieflax.cli", "train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),
            "--workdir", workdir, *config_overrides(config), *args]
     env = subprocess_env(4, WORKDIR_LOGS=logs, **env_changes)
-    env.pop("XLA_FLAGS")  # the launcher sets the per-process device count
+    env["XLA_FLAGS"] = suite_xla_flags(None)  # the launcher sets the per-process device count
     # Its own session, so that a timeout kills the launcher's processes too, not only the launcher.
     with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as launched:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from test_train_support import suite_xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "launch", "tpu_pod.sh")
 
@@ -227,7 +229,7 @@ def test_readme_pod_examples_prepare_each_hosts_share_finalize_then_train_from_t
     assert st.read_manifest(str(store))["input_shards"] >= 2
 
     env["FAKE_COORDINATOR"] = f"localhost:{free_port()}"
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # a 2-device mesh, one per host
+    env["XLA_FLAGS"] = suite_xla_flags(1)  # a 2-device mesh, one per host
     run = tmp_path / "runs" / "llama3_8b_untied"
     proc = _launch(env, "--no-install", "--tag", "train1", "my-v5p-64", "us-east5-a", "my-project", "--",
                    "--config", "configs/models/llama3_8b.py", "--workdir", str(run),
@@ -259,7 +261,7 @@ def test_readme_pod_example_compare_runs_detached_as_one_two_process_job_with_it
     from test_train_support import free_port
 
     env = {**_fake(tmp_path, 2), "FAKE_COORDINATOR": f"localhost:{free_port()}",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # a 2-device mesh, one per host
+           "XLA_FLAGS": suite_xla_flags(1)}  # a 2-device mesh, one per host
     study, logs = tmp_path / "study", tmp_path / "logs"
     overrides = [
         "data.source=files", "data.tokens.dtype=''", f"data.files.paths={corpus}/*.txt",

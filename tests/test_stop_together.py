@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from test_train_support import REPO, free_port
+from test_train_support import REPO, free_port, suite_xla_flags
 
 TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32", "--config.model.n_layers=1",
          "--config.model.n_heads=2", "--config.model.d_ff=64", "--config.model.max_seq_len=32",
@@ -39,7 +39,7 @@ def _start(workdir: str, per_process: tuple[dict, ...] = ({}, {}), steps: int | 
     """The 2 processes, started; ``per_process``: each one's own variables beside ``env``; ``steps``: a run
     that ends by itself after that many steps (else it trains until it is stopped)."""
     train = TRAIN + ([f"--config.train.num_steps={steps}"] if steps is not None else [])
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags(1),
            "TIEFLAX_COORDINATOR": f"localhost:{free_port()}", "TIEFLAX_NUM_PROCESSES": "2", **env}
     procs = []
     for i in range(2):

@@ -20,12 +20,12 @@ def _train(server, workdir: str, num_steps: int, processes: int = 2) -> list[sub
     """2 processes x 1 CPU device over gloo, each started here (so that each one's exit is timed); or, with
     ``processes=1``, one process x 2 devices: the same mesh and program without the second process (whose
     compiled programs never come from JAX's persistent cache, which only process 0 writes)."""
-    from test_train_support import free_port  # noqa: PLC0415
+    from test_train_support import free_port, suite_xla_flags  # noqa: PLC0415
 
     argv = [a if not a.startswith("--config.train.num_steps=") else f"--config.train.num_steps={num_steps}"
             for a in TRAIN]
     env = _env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={2 // processes}")
+               XLA_FLAGS=suite_xla_flags(2 // processes))
     if processes > 1:
         env.update(TIEFLAX_COORDINATOR=f"localhost:{free_port()}", TIEFLAX_NUM_PROCESSES=str(processes))
     return [subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *argv],

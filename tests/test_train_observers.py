@@ -21,7 +21,7 @@ import pytest
 
 from console_support import capture_console, foreign_problems
 from test_eval_harness import write_tasks
-from test_train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env
+from test_train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env, suite_xla_flags
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.metrics import read_metrics
 from tieflax.run.trackers import FLUSH_SECONDS
@@ -227,7 +227,7 @@ def test_two_processes_evaluate_a_bucket_run_as_one_does_per_sample(watched, eva
            "tieflax.cli", "evaluate", "--workdir", run, "--tasks", ",".join(EVAL_TASKS), "--include-path",
            watched["tasks"], "--step", "20", "--output", out, "--log-samples"]
     env = subprocess_env(4, WORKDIR_LOGS=str(tmp_path))
-    env.pop("XLA_FLAGS")  # the launcher sets the per-process device count
+    env["XLA_FLAGS"] = suite_xla_flags(None)  # the launcher sets the per-process device count
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
                           start_new_session=True)
     other = open(tmp_path / "process_1.log").read() if (tmp_path / "process_1.log").exists() else ""
@@ -259,7 +259,7 @@ def test_two_processes_sample_as_one_does_and_process_0_alone_prints(watched, tm
     cmd = ["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "4", sys.executable, "-m",
            "tieflax.cli", *argv]
     env = subprocess_env(4, WORKDIR_LOGS=str(tmp_path))
-    env.pop("XLA_FLAGS")  # the launcher sets the per-process device count
+    env["XLA_FLAGS"] = suite_xla_flags(None)  # the launcher sets the per-process device count
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
                           start_new_session=True)
     other = open(tmp_path / "process_1.log").read() if (tmp_path / "process_1.log").exists() else ""

@@ -63,9 +63,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def suite_xla_flags(devices: int | None, xla_emitters: bool = False) -> str:
+    """The suite's ``XLA_FLAGS`` (tests/conftest.py: its compiler settings) for a subprocess with ``devices``
+    CPU devices; None: without a device count, for a launcher that sets its own. ``xla_emitters``: with
+    XLA's own CPU emitters, not the suite's older ones."""
+    dropped = ("--xla_force_host_platform_device_count=",) + (("--xla_cpu_use_fusion_emitters=",) if xla_emitters else ())
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(dropped)]
+    return " ".join(([f"--xla_force_host_platform_device_count={devices}"] if devices is not None else []) + flags)
+
+
 def subprocess_env(devices: int, **extra: str) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = suite_xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     # JAX_COMPILATION_CACHE_DIR comes from tests/conftest.py: runs of one config share their compiled

@@ -94,7 +94,7 @@ def settle_saves(saves: ckpt.SaveWatch) -> None:
 
 
 # What each process tells the others about the pending save, in one collective (bits of an int32).
-_PENDING, _UNWRITTEN, _FAILED, _LATE = 1, 2, 4, 8
+PENDING, UNWRITTEN, FAILED, LATE = 1, 2, 4, 8
 
 
 def agree_on_saves(saves: ckpt.SaveWatch) -> bool:
@@ -108,26 +108,30 @@ def agree_on_saves(saves: ckpt.SaveWatch) -> bool:
     unwritten = saves.pending is not None and not ckpt.OWN_SHARE.written
     error = saves.failure(wait=False)
     late = isinstance(error, ckpt.SaveDeadlinePassed)
-    code = ((_PENDING if saves.pending is not None else 0) | (_UNWRITTEN if unwritten else 0)
-            | (_LATE if late else 0) | (_FAILED if error is not None and not late else 0))
+    code = ((PENDING if saves.pending is not None else 0) | (UNWRITTEN if unwritten else 0)
+            | (LATE if late else 0) | (FAILED if error is not None and not late else 0))
     codes = [int(c) for c in np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)]
-    if any(c & _FAILED for c in codes):
+    if any(c & FAILED for c in codes):
         raise_if_any_failed(None if late else error, saves)
-    if any(c & _LATE for c in codes):
+    if any(c & LATE for c in codes):
         saves.abandon()
-        raise ProcessesStopped(_late_line(saves, error if late else None, codes)) from error
-    return any(c & _PENDING for c in codes)
+        raise ProcessesStopped(late_line(saves, error if late else None, codes)) from error
+    return any(c & PENDING for c in codes)
 
 
-def _late_line(saves: ckpt.SaveWatch, error: "ckpt.SaveDeadlinePassed | None", codes: list[int]) -> str:
+def late_line(saves: ckpt.SaveWatch, error: "ckpt.SaveDeadlinePassed | None", codes: list[int]) -> str:
     """The same line on every process: the checkpoint deadline passed, naming the processes still writing
-    their share when some are and some are not (a process not late itself builds it from its own save,
-    the same step and place, and the deadline every process reads from the same setting)."""
+    their share when some are and some are not, or process 0 when every share is written (what is left of
+    a save then, its commit marker and the removal of checkpoints past ``keep_checkpoints``, is orbax's
+    primary process's alone; the others wait for it). A process not late itself builds the line from its
+    own save: the same step and place, and the deadline every process reads from the same setting."""
     text = str(error) if error is not None else storage.no_answer(
         saves.where, f"finish checkpoint {saves.pending} in", ckpt.save_deadline_seconds(), ckpt.SAVE_DEADLINE_ENV)
-    stalled = [i for i, c in enumerate(codes) if c & _UNWRITTEN]
-    if not stalled or len(stalled) == len(codes):
+    stalled = [i for i, c in enumerate(codes) if c & UNWRITTEN]
+    if len(stalled) == len(codes):
         return text
+    if not stalled:
+        return f"process 0 (finishing the save: its commit marker, old checkpoints' removal): {text}"
     return f"process{'es' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}: {text}"
 
 
