@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from test_train_support import suite_xla_flags
 from tieflax.hardware.gpu_flags import flags_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,7 +18,7 @@ HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 def _run(args, **env):
     # One device, as on the one GPU the benchmark is for (the suite's XLA_FLAGS ask for 8 CPU devices).
-    env = {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **env}
+    env = {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags(None), **env}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, **env), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
