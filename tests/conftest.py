@@ -56,6 +56,12 @@ if "TIEFLAX_DATA_CACHE_DIR" not in os.environ:
 # Every program, however quick to compile: the small ones (init, eval, data steps) recur in every CLI
 # subprocess, and caching them too took a tenth off test_run_identity.py's CPU time.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Every process of a multi-process run writes that cache, not process 0 alone as JAX does: on CPU the cache
+# key differs per process, so process 1 would compile every program of every 2-process launch
+# (tests/every_process_caches/sitecustomize.py, which Python loads at start from PYTHONPATH).
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _EVERY_PROCESS_CACHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "every_process_caches")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_EVERY_PROCESS_CACHES, os.environ.get("PYTHONPATH")]))
 
 # The repository's own modules compiled to bytecode once, here, before the workers start: the suite starts
 # hundreds of Python processes (workers, CLI commands, pod hosts, notebook kernels), and under
