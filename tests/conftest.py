@@ -56,9 +56,10 @@ if "TIEFLAX_DATA_CACHE_DIR" not in os.environ:
 # Every program, however quick to compile: the small ones (init, eval, data steps) recur in every CLI
 # subprocess, and caching them too took a tenth off test_run_identity.py's CPU time.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# Every process of a multi-process run writes that cache, not process 0 alone as JAX does: on CPU the cache
-# key differs per process, so process 1 would compile every program of every 2-process launch
-# (tests/every_process_caches/sitecustomize.py, which Python loads at start from PYTHONPATH).
+# Every process of a multi-process run writes that cache, not process 0 alone as JAX does (on CPU the cache
+# key differs per process, so process 1 would compile every program of every 2-process launch), and each
+# entry is renamed into place once written, so no process reads one half-written:
+# tests/every_process_caches/sitecustomize.py, which Python loads at start from PYTHONPATH.
 if "PYTEST_XDIST_WORKER" not in os.environ:
     _EVERY_PROCESS_CACHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "every_process_caches")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_EVERY_PROCESS_CACHES, os.environ.get("PYTHONPATH")]))
@@ -103,7 +104,8 @@ SLOW_FILES = frozenset({
     "test_gpu_step.py", "test_multiprocess_train.py", "test_notebooks.py", "test_path_layer.py",
     "test_plan.py", "test_pod_launcher.py", "test_prepare_settings.py", "test_prepare_stops.py",
     "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
-    "test_storage_deadline.py", "test_storage_deadline_two_processes.py", "test_store_changes.py", "test_token_store.py", "test_train.py",
+    "test_storage_deadline.py", "test_storage_deadline_two_processes.py", "test_store_changes.py", "test_suite_cache.py",
+    "test_token_store.py", "test_train.py",
     "test_train_observers.py", "test_user_errors.py",
 })
 SLOW_TESTS = {
