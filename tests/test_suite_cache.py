@@ -40,7 +40,7 @@ jax.jit(lambda x: x * 2 + 1)(jax.numpy.ones(3)).block_until_ready()
 print(distributed.global_state.process_id, sum(name.endswith("-cache") for name in os.listdir({str(tmp_path)!r})))
 """)
     process_id, entries = out.split()
-    assert process_id == "1"  # restored after each write
+    assert process_id == "1"  # never changed: other readers (orbax's save threads) see the real one
     assert int(entries) >= 1  # JAX alone writes none from process 1
 
 
@@ -56,7 +56,9 @@ print(cache.get("k").decode(), *sorted(os.listdir({str(tmp_path)!r})))
     assert out.split() == ["first", "k-cache"]  # no partial file left beside it
 
 
-@pytest.mark.parametrize("module, attribute", [("jax._src.compiler", "_cache_write"), ("jax._src.lru_cache", "LRUCache.put")])
-def test_the_patched_functions_are_the_suites(module, attribute):
-    out = _run(f"import {module} as m; f = m.{attribute}; print(f.__qualname__)")
-    assert out.strip() in ("_write_as_process_0.<locals>._cache_write", "_put_whole.<locals>.put_whole")
+@pytest.mark.parametrize("module, expression, expected", [
+    ("jax._src.compiler", "type(m._cache_write.__globals__['distributed']).__name__", "_DistributedAsProcess0"),
+    ("jax._src.lru_cache", "m.LRUCache.put.__name__", "put_whole"),
+])
+def test_the_patched_functions_are_the_suites(module, expression, expected):
+    assert _run(f"import {module} as m; print({expression})").strip() == expected

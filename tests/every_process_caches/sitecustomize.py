@@ -25,23 +25,47 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import types
+
+
+class _StateAsProcess0:
+    """JAX's distributed state as it is, but for the process id, which reads 0."""
+
+    process_id = 0
+
+    def __init__(self, state):
+        self._state = state
+
+    def __getattr__(self, name):
+        return getattr(self._state, name)
+
+
+class _DistributedAsProcess0:
+    """`jax._src.distributed` as it is, but for its state's process id, which reads 0."""
+
+    def __init__(self, distributed):
+        self._distributed = distributed
+        self.global_state = _StateAsProcess0(distributed.global_state)
+
+    def __getattr__(self, name):
+        return getattr(self._distributed, name)
 
 
 def _write_as_process_0(compiler):
-    """Wraps `compiler._cache_write` to run as if this were process 0, which alone may write."""
+    """Replaces `compiler._cache_write` by JAX's own code run with globals in which this is process 0.
+
+    Nothing shared changes: the real process id stays what it is for every other reader (orbax reads it from
+    its save threads to pick its barriers' participants), so a write cannot race them.
+    """
     write = getattr(compiler, "_cache_write", None)
-    state = getattr(getattr(compiler, "distributed", None), "global_state", None)
-    if write is None or not hasattr(state, "process_id"):
+    distributed = getattr(compiler, "distributed", None)
+    if write is None or not hasattr(getattr(distributed, "global_state", None), "process_id"):
         return
-
-    def _cache_write(*args, **kwargs):
-        process_id, state.process_id = state.process_id, 0
-        try:
-            return write(*args, **kwargs)
-        finally:
-            state.process_id = process_id
-
-    compiler._cache_write = _cache_write
+    namespace = {**vars(compiler), "distributed": _DistributedAsProcess0(distributed)}
+    cache_write = types.FunctionType(write.__code__, namespace, write.__name__, write.__defaults__,
+                                     write.__closure__)
+    cache_write.__kwdefaults__ = write.__kwdefaults__
+    compiler._cache_write = cache_write
 
 
 def _put_whole(lru_cache):
