@@ -1,5 +1,6 @@
 """The suite's shared compilation cache (tests/every_process_caches/sitecustomize.py) is in force where it
-should be: the processes the tests start load it, every process writes, and an entry is whole or absent.
+should be: the processes the tests start load it, every process writes, and an entry written through the
+temporary file keeps JAX's semantics (the first write of a key stays; nothing else is left in the folder).
 
 A JAX whose internals moved would leave the cache as JAX has it, silently (the suite would pass, only
 slower): these tests say so instead.
