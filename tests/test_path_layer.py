@@ -52,6 +52,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tieflax/data/sources.py", "_check_hub_reachable"): "tells a local `datasets` folder from a hub name "
                                                          "(datasets reads it; a URL is neither)",
     ("tieflax/config.py", "load_config"): "a config .py file, executed by importlib: local only",
+    ("tieflax/eval/task_data.py", "check_task_data"): "a local task's data files, as lm-eval's json loader "
+                                                      "reads them: local paths (a URL is skipped above)",
+    ("tieflax/eval/task_data.py", "_items"): "a local task's data file (check_task_data)",
     ("tieflax/commands/params.py", "default_models_dir"): "configs/models/*.py of this checkout, run by importlib",
     ("tieflax/commands/params.py", "run"): "--models-dir: config .py files, run by importlib: local only",
     ("tieflax/plan/compile.py", "check_dump_dir"): "--xla-dump: XLA writes its dump locally; a URL is "

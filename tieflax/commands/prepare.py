@@ -28,7 +28,8 @@ FULL_DISK_FIX = ("free space on that disk, or choose another --out; rerun the sa
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a config file; its data section says what to tokenise")
     parser.add_argument("--out", required=True, type=location, help="the store: a folder, gs://bucket/prefix or s3://...")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (one core each)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="tokenizer processes, one core each (at most the cores this process may use)")
     parser.add_argument("--shard", default="0/1", help="i/N: tokenise only every N-th input shard from i "
                         "(one machine's share); finalize with --finalize when all are done")
     parser.add_argument("--finalize", action="store_true", help="only write the arrays and the manifest "
@@ -69,13 +70,15 @@ def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     from tieflax.config import load_config  # noqa: PLC0415
     from tieflax.data.store_build import build_store, print_progress  # noqa: PLC0415
+    from tieflax.data.workers import capped_workers  # noqa: PLC0415
 
     shard = check_arguments(args)
     config = load_config(args.config, args.overrides)
+    workers = args.workers if args.finalize else capped_workers(args.workers, say=print_progress)
     # The config keys set on the command line: a --finalize checks only these against the settings the
     # shard builds recorded (build.json), so it needs none of the tokenising flags repeated.
     flags = {item.removeprefix("--").removeprefix("config.").partition("=")[0] for item in args.overrides}
-    manifest = build_store(config.data, args.out, workers=args.workers, shard=shard,
+    manifest = build_store(config.data, args.out, workers=workers, shard=shard,
                            finalize_only=args.finalize,
                            shard_bytes=None if args.shard_mb is None else int(args.shard_mb * (1 << 20)),
                            progress=print_progress,

@@ -29,9 +29,11 @@ from tieflax.run.destinations import check_output_folder
 from tieflax.run.layout import WorkdirError
 
 
-def check_task_files(include_path: str) -> None:
+def check_task_files(include_path: str, tasks: Optional[Sequence[str]] = None) -> None:
     """``--include-path`` is a local folder whose task YAMLs all parse (lm-eval skips one that does not,
-    silently, and then calls its task unknown): else one line naming the file, the line and the error."""
+    silently, and then calls its task unknown): else one line naming the file, the line and the error.
+    Then the local data files of ``tasks`` (every task of the folder when None, or when one of ``tasks`` is
+    no task file's ``task``: a group) are checked (``tieflax.eval.task_data``)."""
     import yaml  # noqa: PLC0415
     from lm_eval.tasks._yaml_loader import load_yaml  # noqa: PLC0415
 
@@ -40,11 +42,12 @@ def check_task_files(include_path: str) -> None:
                         "copy them to a local folder")
     if not storage.is_dir(include_path):
         raise EvalError(f"--include-path {include_path!r} is not a folder; point it at a folder of task YAMLs")
+    parsed = []
     for path in storage.walk_files(include_path):
         if not path.endswith(".yaml") or {"__pycache__", ".ipynb_checkpoints"} & set(path.split(os.sep)):
             continue
         try:
-            load_yaml(path, resolve_func=False, recursive=True)
+            parsed.append((path, load_yaml(path, resolve_func=False, recursive=True)))
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -56,6 +59,18 @@ def check_task_files(include_path: str) -> None:
             if "Expected YAML dict" in str(e):
                 continue   # not a task file (lm-eval skips it too)
             raise EvalError(f"task file {path}: {e}: fix its include") from None
+    _check_data(parsed, tasks)
+
+
+def _check_data(parsed: list, tasks: Optional[Sequence[str]]) -> None:
+    """The data of the task files ``parsed`` (``[(path, config)]``) that ``tasks`` name."""
+    from tieflax.eval.task_data import check_task_data  # noqa: PLC0415
+
+    named = {c.get("task") for _, c in parsed if isinstance(c, dict) and isinstance(c.get("task"), str)}
+    every = tasks is None or not set(tasks) <= named
+    for path, config in parsed:
+        if every or (isinstance(config, dict) and config.get("task") in set(tasks)):
+            check_task_data(path, config)
 
 
 def check_options(*, limit=None, batch_size=None, token_budget=None, num_fewshot=None, step=None) -> None:
@@ -82,7 +97,7 @@ def task_manager(tasks: Sequence[str], include_path: Optional[str]):
     from lm_eval.tasks import TaskManager  # noqa: PLC0415
 
     if include_path is not None:
-        check_task_files(include_path)
+        check_task_files(include_path, tasks)
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in set(local.all_tasks) for t in tasks):
             return local
@@ -116,7 +131,7 @@ def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Option
             check_options(limit=limit, batch_size=batch_size, token_budget=token_budget, num_fewshot=num_fewshot,
                           step=step)
             if include_path is not None:
-                check_task_files(include_path)
+                check_task_files(include_path, tasks)
             output = check_output_folder(output)   # a bad path or bucket fails before the checkpoint loads
     except (EvalError, WorkdirError) as e:
         error = str(e)
@@ -179,10 +194,11 @@ def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict
         import jinja2  # noqa: PLC0415
 
         try:
-            results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
-                                              batch_size=batch_size, num_fewshot=num_fewshot, limit=limit,
-                                              log_samples=log_samples, evaluation_tracker=tracker,
-                                              task_manager=manager)
+            with _git_quietly():
+                results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
+                                                  batch_size=batch_size, num_fewshot=num_fewshot, limit=limit,
+                                                  log_samples=log_samples, evaluation_tracker=tracker,
+                                                  task_manager=manager)
         except jinja2.TemplateError as e:
             raise EvalError(template_failure(e, manager)) from None
         if tracker is not None:
@@ -197,6 +213,40 @@ def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict
     if show:
         print(make_table(results))
     return results
+
+
+def git_commit_quietly() -> Optional[str]:
+    """lm-eval's ``get_git_commit_hash`` (the results' ``git_hash``: the commit of the folder the command
+    runs in) without its noise: lm-eval runs ``git describe`` with git's stderr on ours, so every evaluation
+    outside a git checkout printed ``fatal: not a git repository``. Same answer, git's stderr kept."""
+    import subprocess  # noqa: PLC0415
+
+    from lm_eval.loggers.utils import get_commit_from_path  # noqa: PLC0415
+
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, stdin=subprocess.DEVNULL,
+                              timeout=30, check=False)
+        if done.returncode == 0:
+            return done.stdout.decode().strip()
+    except (OSError, subprocess.SubprocessError):   # no git on this machine, or it hangs
+        pass
+    return get_commit_from_path(os.getcwd())   # lm-eval's own fallback: read .git/HEAD
+
+
+@contextlib.contextmanager
+def _git_quietly():
+    """``simple_evaluate`` with :func:`git_commit_quietly` in place of lm-eval's git call."""
+    import lm_eval.evaluator as evaluator  # noqa: PLC0415
+
+    saved = getattr(evaluator, "get_git_commit_hash", None)
+    if saved is None:   # another lm-eval: nothing to replace
+        yield
+        return
+    evaluator.get_git_commit_hash = git_commit_quietly
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = saved
 
 
 def template_failure(e: Exception, manager) -> str:

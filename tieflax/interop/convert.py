@@ -150,7 +150,7 @@ def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, over
         return untie(params), {"discarded": "no parameter (the head starts as an exact copy of the embedding)",
                                "reset": RESET_BY_SURGERY}
 
-    return _surgery(workdir, out, "untie", change, overrides, overwrite)
+    return _surgery(workdir, out, "untie", change, overrides, overwrite, needs_tied=True)
 
 
 def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = (), *,
@@ -163,7 +163,7 @@ def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = 
         config.model.head_init_std, config.model.head_init = 0.0, "normal"
         return tie(params, source)
 
-    return _surgery(workdir, out, f"tie-{source}", change, overrides, overwrite)
+    return _surgery(workdir, out, f"tie-{source}", change, overrides, overwrite, needs_tied=False)
 
 
 def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = (), *,
@@ -179,14 +179,18 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
     return _surgery(workdir, out, "scan-layers" if scan else "unscan-layers", change, overrides, overwrite)
 
 
-def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool) -> dict:
+def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool,
+             needs_tied: bool | None = None) -> dict:
     """The latest parameters of ``workdir``, changed by ``change(config, params) -> (params, report)``,
     written as the new workdir ``out`` (whole or not at all) with the tokenizer, the Hugging Face files and
-    the surgery's report; returns the report."""
+    the surgery's report; returns the report. ``needs_tied``: the run must be tied (untie) or untied (tie),
+    checked on its config before its parameters are read."""
     workdir = check_location(workdir)  # the run folder canonical (a file, or s3://, holds no checkpoint)
     # Before anything is read: --out must not be, contain or lie inside the source or another run.
     out = check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     check_empty_or_replaceable(out, overwrite=overwrite)
+    if needs_tied is not None:
+        _check_tie(workdir, needs_tied)
     config, params, step = ckpt.load_latest_params(workdir)
     params, report = change(config, params)
     # The parameters exist already: overrides may change training and data settings, not their shapes.
@@ -206,6 +210,17 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
                 copy_tree(src, storage.join(partial, name))
         storage.write_text(storage.join(partial, SURGERY_REPORT), jsonable.dumps(report, indent=2))
     return report
+
+
+def _check_tie(workdir: str, needs_tied: bool) -> None:
+    """One line when the run is already what the surgery would make it (``model.tie_embeddings``)."""
+    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
+
+    tied = bool(load_workdir_config(workdir).model.tie_embeddings)
+    if tied != needs_tied:
+        state, flag, other = ("tied", "--tie", "--untie") if tied else ("untied", "--untie", "--tie input|output|mean")
+        raise WorkdirError(f"--workdir {workdir} is already {state} (model.tie_embeddings={tied}): {flag} has "
+                           f"nothing to do; give it a run that is not {state}, or use {other}")
 
 
 def _repoint_tokenizer(config, workdir: str, out: str) -> None:

@@ -19,6 +19,7 @@ from tieflax import storage
 from tieflax.run import identity, layout
 from tieflax.run.layout import ANALYSIS_DIR
 from tieflax import strict_json as jsonable
+from tieflax.errors import UserError
 from tieflax.analysis.diagnostics import embedding_diagnostics
 from tieflax.analysis.frequency import as_matrix
 from tieflax.analysis.geometry import pairwise_cosines, row_cosines
@@ -186,6 +187,10 @@ def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int
     from tieflax.config import model_config as to_model_config  # noqa: PLC0415
 
     workdir = layout.check_location(workdir)  # the run folder canonical, once: the result names it so
+    vocab = identity.load_workdir_config(workdir).model.vocab_size
+    if n_buckets > vocab:  # before the checkpoint and the data are read
+        raise UserError(f"--buckets {n_buckets}: more frequency buckets than the {vocab} tokens of the run's "
+                        f"vocabulary ({workdir}); use at most {vocab} (default 4)")
     config, params, step = load_params_at(workdir, step)
     mc = to_model_config(config)
     data = analysis_data(config, workdir, n_val_batches)

@@ -108,6 +108,7 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     if "tied" not in cc.variants:
         raise ConfigError(f"config.compare.variants = {tuple(cc.variants)} must include 'tied': every "
                                "comparison is paired against it; add it, e.g. ('tied', 'untied')")
+    refuse_repeats("config.compare.variants", cc.variants, "each variant is trained once per seed")
     if not cc.seeds:
         raise ConfigError("config.compare.seeds is empty: give at least one seed, e.g. (0, 1, 2)")
     for name, low in _COUNTS.items():  # before the first run trains: a bad count fails here, not at the report
@@ -121,6 +122,8 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
                                "the vocabulary; use at most that many (default 8)")
     if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32 for s in cc.seeds):
         raise ConfigError(f"config.compare.seeds = {tuple(cc.seeds)!r}: give whole numbers in [0, 2**32)")
+    refuse_repeats("config.compare.seeds", cc.seeds, "a repeated seed trains the same run again and counts "
+                   "it as a second, independent one in every interval")
     if isinstance(cc.input_grad_scale, bool) or not isinstance(cc.input_grad_scale, (int, float)) \
             or not cc.input_grad_scale > 0:
         raise ConfigError(f"config.compare.input_grad_scale = {cc.input_grad_scale!r}: must be a number > 0 "
@@ -133,6 +136,17 @@ def compare_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 
     check_settings(cc)
     return cc
+
+
+def refuse_repeats(field: str, values, why: str, key=lambda v: v) -> None:
+    """One line naming ``field`` when two of ``values`` are the same (``key`` says what counts as the
+    same: the name a run folder gets), before anything trains."""
+    seen: dict = {}
+    for v in values:
+        if key(v) in seen:
+            same = "" if seen[key(v)] == v else f" (the same as {seen[key(v)]!r})"
+            raise ConfigError(f"{field} = {tuple(values)!r} repeats {v!r}{same}: {why}; give each once")
+        seen[key(v)] = v
 
 
 def task_section(config) -> ml_collections.ConfigDict:

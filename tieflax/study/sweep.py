@@ -66,10 +66,30 @@ def sweep_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
                                f"from {SWEEP_VARIANTS}")
     if not c.seeds or not c.lrs:
         raise ConfigError("config.sweep.seeds and config.sweep.lrs must be non-empty")
+    _check_seeds_and_rates(c)
     if not 0 <= c.lr_size < len(c.sizes):
         raise ConfigError(f"config.sweep.lr_size = {c.lr_size}: an index into config.sweep.sizes "
                          f"(0..{len(c.sizes) - 1})")
     return c
+
+
+def _check_seeds_and_rates(c) -> None:
+    """Seeds whole numbers in [0, 2**32) and learning rates finite numbers > 0, each given once (two rates
+    that print alike share a run folder, ``lr_<rate:g>``): before the first run trains, naming the field."""
+    from tieflax.study.compare import refuse_repeats  # noqa: PLC0415
+
+    refuse_repeats("config.sweep.variants", c.variants, "each variant is trained once per size and seed")
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32 for s in c.seeds):
+        raise ConfigError(f"config.sweep.seeds = {tuple(c.seeds)!r}: give whole numbers in [0, 2**32)")
+    refuse_repeats("config.sweep.seeds", c.seeds, "a repeated seed trains the same run again and counts it as "
+                   "a second, independent one in every interval")
+    bad = [lr for lr in c.lrs if isinstance(lr, bool) or not isinstance(lr, (int, float))
+           or not (math.isfinite(lr) and lr > 0)]
+    if bad:
+        raise ConfigError(f"config.sweep.lrs = {tuple(c.lrs)!r}: {bad[0]!r} is not a learning rate; give finite "
+                          "numbers > 0, e.g. (3e-3, 1e-2, 3e-2)")
+    refuse_repeats("config.sweep.lrs", c.lrs, "each rate is one run folder (lr_<rate>) and one point of the "
+                   "search", key=lambda lr: f"{lr:g}")
 
 
 def size_config(config, size) -> ml_collections.ConfigDict:
