@@ -1,14 +1,17 @@
 """The loss on one GPU: tieflax's implementations against naive JAX, Liger Kernel and cut-cross-entropy.
 
     python benchmarks/gpu.py            # one GPU; at most about 6 minutes, compiles included
-    SMOKE=1 python benchmarks/gpu.py    # tiny shapes on a CPU in seconds (the Pallas GPU kernel interpreted)
+    python benchmarks/gpu.py --smoke    # tiny shapes on a CPU in seconds (the Pallas GPU kernel interpreted;
+                                        # SMOKE=1 in the environment does the same)
+    python benchmarks/gpu.py --budget-s 120 --reps 3    # no variant starts after 120 s; 3 timed calls each
 
 Loss (mean over tokens) + gradients w.r.t. the hidden states and the head weight, hidden bf16, at three
 heads: Llama-3-8B (N=16384, d=4096, V=128256, W bf16), Gemma-2-2B (d=2304, V=256000, W bf16) and
 Llama-3.2-1B (d=2048, V=128256) with W fp32, as training holds it, and again with W bf16 for tieflax
 (an fp32 head should cost at most 10% more). Per variant:
 
-- ms: median of ``REPS`` timed calls after one warm-up call (compile excluded from the time);
+- ms: median of ``--reps`` timed calls (default 6; 3 with ``--smoke``) after one warm-up call (compile
+  excluded from the time);
 - TF/s: ``6 N d V`` FLOPs (the naive loss's three matmuls) over that time;
 - extra MiB: memory beyond inputs and gradients. JAX: ``memory_analysis().temp_size_in_bytes`` of the
   compiled loss+grad. torch: peak allocated during loss+backward minus what was allocated before it
@@ -22,6 +25,7 @@ says so. Prints a table, then one JSON line.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -37,10 +41,8 @@ import numpy as np
 from tieflax.ops.cross_entropy import cross_entropy
 from tieflax.ops.reference import naive_cross_entropy
 
-SMOKE = os.environ.get("SMOKE") == "1"
-REPS = 3 if SMOKE else 6
-# Past this many seconds no further variant starts (each is reported as skipped), so one call fits in
-# 6 minutes of GPU time with the last variant's compile and runs.
+# Past --budget-s seconds (by default this many) no further variant starts (each is reported as skipped),
+# so one call fits in 6 minutes of GPU time with the last variant's compile and runs.
 BUDGET_S = 300
 MIB = 2**20
 # name -> (N, d, V, W dtype, variants); None: every variant.
@@ -94,14 +96,14 @@ def _picked(compiled) -> str:
     return "pallas_gpu" if "__gpu$xla.gpu.triton" in hlo else "xla"
 
 
-def run_jax(name, fn, h, w, y, ref) -> dict:
+def run_jax(name, fn, h, w, y, ref, reps) -> dict:
     f = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
     t0 = time.perf_counter()
     compiled = f.lower(h, w, y).compile()
     compile_s = time.perf_counter() - t0
     loss, (dh, dw) = jax.block_until_ready(compiled(h, w, y))
     times = []
-    for _ in range(REPS):
+    for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(h, w, y))
         times.append(time.perf_counter() - t0)
@@ -139,7 +141,7 @@ def _torch_peers() -> tuple[dict, list[str]]:
     return peers, missing
 
 
-def run_torch(name, fn, h, w, y, ref) -> dict:
+def run_torch(name, fn, h, w, y, ref, reps) -> dict:
     """One torch peer on the same inputs (shared with JAX through DLPack). An fp32 W runs under bf16
     autocast, as a bf16-compute training step would hold it."""
     import torch
@@ -158,7 +160,7 @@ def run_torch(name, fn, h, w, y, ref) -> dict:
     loss = step()
     torch.cuda.synchronize()
     times = []
-    for _ in range(REPS):
+    for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
@@ -179,7 +181,7 @@ def run_torch(name, fn, h, w, y, ref) -> dict:
 
 # ------------------------------------------------------------------------------------------- main
 
-def head_rows(head, n, d, v, w_dtype, only, peers, t_start) -> list[dict]:
+def head_rows(head, n, d, v, w_dtype, only, peers, t_start, args) -> list[dict]:
     rng = np.random.default_rng(0)
     h = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(v, d)) * d**-0.5, w_dtype)
@@ -192,12 +194,12 @@ def head_rows(head, n, d, v, w_dtype, only, peers, t_start) -> list[dict]:
             continue
         if name == "tieflax pallas_gpu" and rows and any("ran pallas_gpu" in r["variant"] for r in rows):
             continue  # 'auto' ran it already
-        if time.perf_counter() - t_start > BUDGET_S:
-            row = dict(variant=name, error=f"not run: the {BUDGET_S} s budget of this call was spent")
+        if time.perf_counter() - t_start > args.budget_s:
+            row = dict(variant=name, error=f"not run: the {args.budget_s:g} s budget of this call was spent")
         else:
             row = None
         try:
-            row = row or (run_jax if name in jax_fns else run_torch)(name, fn, h, w, y, ref)
+            row = row or (run_jax if name in jax_fns else run_torch)(name, fn, h, w, y, ref, args.reps)
         except Exception as e:  # noqa: BLE001 (a variant that fails here is reported, not faked)
             row = dict(variant=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
         row.update(head=head, n=n, d=d, v=v, w=w_dtype)
@@ -216,21 +218,45 @@ def _print_row(r):
           f"{r['grad_err']:9.1e} {r['loss_err']:9.1e}", flush=True)
 
 
-def main():
-    heads = SMOKE_HEADS if SMOKE else HEADS
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A wrong argument: one line (not the usage block too), status 2."""
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = _Parser(description=__doc__.splitlines()[0],
+                 epilog="With no arguments: the full-size heads (Llama-3-8B, Gemma-2-2B, Llama-3.2-1B) on this machine's "
+                        "first device (a GPU).")
+    ap.add_argument("--smoke", action="store_true", default=os.environ.get("SMOKE") == "1",
+                    help="tiny shapes, on a CPU in seconds: the code paths, not the speed (also: SMOKE=1)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help=f"no variant starts after this many seconds (reported as not run; default {BUDGET_S})")
+    ap.add_argument("--reps", type=int, help="timed calls per variant, median reported (default 6; 3 with --smoke)")
+    args = ap.parse_args(argv)
+    if args.reps is None:
+        args.reps = 3 if args.smoke else 6
+    if args.reps < 1 or args.budget_s <= 0:
+        ap.error("--reps and --budget-s must be positive")
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    heads = SMOKE_HEADS if args.smoke else HEADS
     dev = jax.devices()[0]
     peers, missing = _torch_peers()
     print(f"# {dev.device_kind} ({dev.platform}), jax {jax.__version__}; loss+grad (dH, dW), hidden bf16; "
-          f"median of {REPS}{'; SMOKE: tiny shapes, times mean nothing' if SMOKE else ''}")
+          f"median of {args.reps}{'; SMOKE: tiny shapes, times mean nothing' if args.smoke else ''}")
     for line in missing:
         print(f"# {line}")
     print(f"{'head':20s} {'variant':36s} {'ms':>9s} {'TF/s':>7s} {'extra MiB':>10s} {'grad err':>9s} {'loss err':>9s}")
     t0 = time.perf_counter()
     rows = []
     for head, (n, d, v, w_dtype, only) in heads.items():
-        rows += head_rows(head, n, d, v, w_dtype, only, peers, t0)
+        rows += head_rows(head, n, d, v, w_dtype, only, peers, t0, args)
     print(json.dumps(dict(benchmark="gpu_cross_entropy", device=dev.device_kind, platform=dev.platform,
-                          jax=jax.__version__, smoke=SMOKE, seconds=round(time.perf_counter() - t0, 1),
+                          jax=jax.__version__, smoke=args.smoke, seconds=round(time.perf_counter() - t0, 1),
                           missing=missing, rows=rows)))
 
 

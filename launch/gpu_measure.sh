@@ -4,6 +4,9 @@
 # Usage:
 #   launch/gpu_measure.sh wheels   # where pip reaches PyPI: the wheels a bare GPU image lacks, into .whl/
 #   launch/gpu_measure.sh          # on the GPU machine, from the repository root: everything below
+#   launch/gpu_measure.sh --help   # this text
+# Settings (environment): OUT (the output folder), PROFILE_DIR (the profiles' scratch folder, emptied at the
+# start; default /tmp/gpu_measure_profile), PYTHON (default python3), SMOKE=1 (a tiny model on a CPU).
 #
 # On the GPU machine: installs .whl/*.whl (if there) into /tmp/site, then runs, each under a time limit so
 # the whole stays under 10 minutes,
@@ -18,6 +21,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=(grain ml-collections array-record portpicker liger-kernel cut-cross-entropy)
+
+# The arguments, before anything runs (the measurement starts by emptying PROFILE_DIR).
+usage() { sed -n "2,$(grep -n '^set -uo pipefail' "$0" | cut -d: -f1)p" "$0" | sed '$d'; }
+die() { echo "gpu_measure.sh: $*" >&2; exit 2; }
+if [[ $# -gt 0 ]]; then
+  case "$1" in
+    --help|-h) usage; exit 0 ;;
+    wheels) [[ $# -eq 1 ]] || die "unknown argument '$2' after wheels (see --help)" ;;
+    *) die "unknown argument '$1': give wheels, nothing, or --help" ;;
+  esac
+fi
 
 if [[ "${1:-}" == "wheels" ]]; then
   # Python 3.12 manylinux wheels, no dependencies: the GPU image has the rest (absl, etils, torch, triton).

@@ -3,6 +3,7 @@
 #
 # Usage:
 #   launch/local_multiprocess.sh NUM_PROCESSES DEVICES_PER_PROCESS tieflax train --config CONFIG --workdir DIR [...]
+#   launch/local_multiprocess.sh --help     # this text
 # Example (2 processes x 4 CPU devices = one 8-device mesh):
 #   launch/local_multiprocess.sh 2 4 tieflax train --config configs/experiments/tiny.py --workdir /tmp/mp
 #
@@ -14,10 +15,12 @@
 # every process (training saves a checkpoint and exits 0).
 set -euo pipefail
 
-if [[ $# -lt 3 ]]; then
-  sed -n '2,16p' "$0"
-  exit 2
-fi
+usage() { sed -n "2,$(grep -n '^set -euo pipefail' "$0" | cut -d: -f1)p" "$0" | sed '$d'; }
+die() { echo "local_multiprocess.sh: $*" >&2; exit 2; }
+[[ "${1:-}" == --help || "${1:-}" == -h ]] && { usage; exit 0; }
+[[ $# -ge 3 ]] || die "give NUM_PROCESSES DEVICES_PER_PROCESS COMMAND [ARGS...] (see --help)"
+[[ "$1" =~ ^[1-9][0-9]*$ ]] || die "NUM_PROCESSES '$1': give a whole number, 1 or more (see --help)"
+[[ "$2" =~ ^[1-9][0-9]*$ ]] || die "DEVICES_PER_PROCESS '$2': give a whole number, 1 or more (see --help)"
 NUM="$1"; DEVICES="$2"; shift 2
 PORT="${TIEFLAX_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])')}"
 LOGS="${WORKDIR_LOGS:-/tmp}"

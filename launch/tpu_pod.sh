@@ -3,7 +3,9 @@
 #
 # Usage:
 #   launch/tpu_pod.sh [OPTIONS] TPU_NAME ZONE [PROJECT] -- [COMMAND] ARGS...
-# COMMAND: train (the default when ARGS start with an option), compare, sweep, evaluate, eval, prepare, ...
+# COMMAND: train (the default when ARGS start with an option), compare, sweep, evaluate, eval, prepare, ...;
+#   one that the tieflax it installs does not have (tieflax/cli.py's COMMANDS: of the --code tree, the
+#   --wheel, else of this launcher's repository) is refused before anything starts
 # Examples:
 #   launch/tpu_pod.sh my-v5p-64 us-east5-a my-project -- train --config configs/models/llama3_8b.py \
 #       --workdir gs://my-bucket/runs/llama3_8b --config.data.source=tokens \
@@ -45,7 +47,8 @@ value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die "$1 needs a value (see
 # Values that end up inside the remote shell command are refused unless they are plain words: a tag names
 # files there, extras go inside pip's brackets; nothing a user types can become a command.
 plain() { [[ "$2" =~ ^[A-Za-z0-9][A-Za-z0-9._,-]*$ ]] || die "$1 '$2': use letters, digits, '.', '_', ',' or '-' only"; }
-DRY=0; INSTALL=code; CODE="$(cd "$(dirname "$0")/.." && pwd)"; WHEEL=""; VERSION=""; EXTRAS=tpu; LOGS=""
+HERE="$(cd "$(dirname "$0")/.." && pwd)"
+DRY=0; INSTALL=code; CODE="$HERE"; WHEEL=""; VERSION=""; EXTRAS=tpu; LOGS=""
 WORKER=all; TAG=""; ATTACH=0
 while [[ $# -gt 0 && "$1" == -* && "$1" != "--" ]]; do
   case "$1" in
@@ -74,7 +77,21 @@ shift
 if [[ "$1" == -* ]]; then COMMAND=train; else COMMAND="$1"; shift; fi
 plain "the command" "$COMMAND"
 [[ $INSTALL != code || -d "$CODE" ]] || die "--code $CODE: no such folder"
+[[ $INSTALL != code ]] || git -C "$CODE" rev-parse --git-dir > /dev/null 2>&1 \
+  || die "--code $CODE: not a git checkout (the launcher copies its git-tracked files)"
 [[ $INSTALL != wheel || -f "$WHEEL" ]] || die "--wheel $WHEEL: no such file"
+# The command must be one the hosts' tieflax has: the names in tieflax/cli.py's COMMANDS and RENAMED of the
+# code they get (the --code tree, or the --wheel: a zip Python imports from), else of this launcher's
+# repository (--version, --no-install). Read by importing tieflax.cli from there alone (python3 -S: not a
+# tieflax installed here; it imports no jax), not by parsing `tieflax --help`. Where that cannot be read
+# (no python3 3.11+ here), one line says the command is not checked, and the launch goes on.
+case "$INSTALL" in code) FROM="$CODE" ;; wheel) FROM="$WHEEL" ;; *) FROM="$HERE" ;; esac
+KNOWN=$(env JAX_PLATFORMS=cpu python3 -S -c 'import sys; sys.path.insert(0, sys.argv[1]); from tieflax.cli import COMMANDS, RENAMED; print(", ".join([*COMMANDS, *RENAMED]))' "$FROM" 2>/dev/null) || KNOWN=""
+if [[ -z "$KNOWN" ]]; then
+  echo "$ME: could not read tieflax's commands from $FROM (python3 -S -c 'from tieflax.cli import COMMANDS'); '$COMMAND' is not checked" >&2
+elif [[ ", $KNOWN, " != *", $COMMAND, "* ]]; then
+  die "unknown tieflax command '$COMMAND'; the commands: $KNOWN"
+fi
 # prepare: each host gets its own --shard i/N, unless the user gave one (kept, but only on one worker: the
 # same share on every host would be written by several writers at once) or asked to --finalize.
 OWN_SHARD=0; FINALIZE=0

@@ -62,7 +62,8 @@ def test_notebook_starts_with_badge_and_install_cell(name):
         f"{name}: the first cell must start with the Open-in-Colab badge for this file")
     setup = _code_cells(nb)[0].source
     assert '"google.colab" in sys.modules' in setup and build_notebooks.PIP_SPEC in setup
-    assert "pip install -e ." in setup, "the local branch must say how to install tieflax"
+    assert "pip install -e '.[notebooks]'" in setup, (
+        "the local branch must say how to install tieflax with the notebooks' extra (jupyter, ipywidgets)")
     assert "xla_force_host_platform_device_count=8" in setup
     assert not re.search(r"^\s*(import|from)\s+(jax|tieflax)\b", setup, re.M), (
         f"{name}: the set-up cell must set XLA_FLAGS before anything imports jax")

@@ -53,7 +53,7 @@ if "google.colab" in sys.modules:
     importlib.invalidate_caches()  # the freshly installed package becomes importable in this kernel
 elif importlib.util.find_spec("tieflax") is None:  # find, not import: importing tieflax may start jax
     raise ImportError("tieflax is not installed in this kernel; from the repository root run "
-                      "`pip install -e .` and restart the kernel.")
+                      "`pip install -e '.[notebooks]'` and restart the kernel.")
 
 
 def _has_accelerator() -> bool:
