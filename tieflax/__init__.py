@@ -11,6 +11,8 @@ _skip_absent_tpu()
 
 # TIEFLAX_GPU_XLA_FLAGS=recommended: NVIDIA's XLA flags for LLM training added to XLA_FLAGS before JAX starts
 # its GPU backend, on a GPU run only; off by default until a GPU measures them (tieflax/hardware/gpu_flags.py).
+# Never raises: a value that is not a choice adds nothing here and is refused in one line when a command
+# starts (tieflax.cli.check_settings), so that `--help` and every import still work.
 from tieflax.hardware.gpu_flags import apply as _apply_gpu_xla_flags  # noqa: E402
 
 _apply_gpu_xla_flags()

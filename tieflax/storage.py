@@ -55,6 +55,10 @@ REMOTE_SCHEMES = ("gs", "s3")
 # stops with one line naming the object.
 DEADLINE_ENV = "TIEFLAX_STORAGE_DEADLINE_S"
 DEFAULT_DEADLINE_S = 180.0
+# The bound of one checkpoint save's end (orbax's background commit), at least the storage deadline: the same
+# name as tieflax.run.checkpoints.SAVE_DEADLINE_ENV, which reads it through checkpoint_deadline_seconds.
+CHECKPOINT_DEADLINE_ENV = "TIEFLAX_CHECKPOINT_DEADLINE_S"
+DEFAULT_CHECKPOINT_DEADLINE_S = 1800.0
 _RETRIES = {"max_retries": 1000, "initial_delay": "0.5s", "max_delay": "8s"}  # the deadline bounds them
 # A transfer that moves nothing for a minute is dropped and retried on a new connection (libcurl's
 # low-speed watchdog; tensorstore sets no timeout on its requests). Read when tensorstore starts.
@@ -77,7 +81,8 @@ def resolve(path: str | os.PathLike) -> str:
     """The canonical form of a run path: a remote URL without a trailing slash, or an absolute local path.
 
     Refuses, before any work, what would otherwise be taken for a local folder: another scheme
-    (``http://``, ``hdfs://``), a URL with one slash (``gs:/bucket``), or no bucket.
+    (``http://``, ``hdfs://``), a URL with its colon or a slash missing (``gs:/bucket``, ``gs:bucket``,
+    ``gs//bucket``: :func:`refuse_url_typo`), or no bucket.
     """
     text = os.fspath(path)
     if "://" in text:
@@ -93,11 +98,24 @@ def resolve(path: str | os.PathLike) -> str:
             raise StorageError(f"{text}: '.' and '..' have no meaning in an object name; write the prefix "
                                "in full")
         return f"{scheme}://" + "/".join(parts)
-    for scheme in REMOTE_SCHEMES:
-        if text.startswith(f"{scheme}:/") or text == f"{scheme}:":
-            raise StorageError(f"{text} looks like a {scheme}:// URL with a slash missing: write "
-                               f"{scheme}://BUCKET/prefix")
+    refuse_url_typo(text)
     return os.path.abspath(os.path.expanduser(text))
+
+
+def refuse_url_typo(text: str) -> None:
+    """Refuses a local path that is a bucket URL with its colon or a slash missing, which would otherwise
+    train into a local folder named after the bucket: ``gs:/bkt``, ``gs:bkt/x`` and ``gs:`` (a first
+    component ``gs:...``), and ``gs//bkt/x`` (typed ``gs//``); the same for ``s3``.
+
+    Only the forms a typo makes are refused. ``gs/bkt`` (one slash) is a plain relative path, as legal as
+    any, and a real folder named ``gs:x`` or ``gs`` stays reachable as ``./gs:x`` or ``./gs//bkt``: the
+    ``./`` says a folder was meant, which no one typing a URL writes."""
+    for scheme in REMOTE_SCHEMES:
+        if text.startswith((f"{scheme}:", f"{scheme}//")):
+            rest = text[len(scheme):].lstrip(":").lstrip("/")
+            url = f"{scheme}://{rest}" if rest else f"{scheme}://BUCKET/prefix"
+            raise StorageError(f"{text} looks like a {scheme}:// URL with a colon or slash missing: write {url} "
+                               f"(or ./{text} for a local folder of that name)")
 
 
 def join(base: str, *parts: str) -> str:
@@ -239,6 +257,8 @@ def glob(pattern: str) -> list[str]:
     path matches itself when it is a file (remotely also where listing is not allowed)."""
     if not is_remote(pattern):
         import glob as _glob  # noqa: PLC0415
+
+        refuse_url_typo(pattern)  # gs:bkt/*.txt: a URL to fix, not a local pattern that matches nothing
 
         return sorted(p for p in _glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
     pattern = resolve(pattern)
@@ -530,18 +550,41 @@ def check_writable(path: str) -> None:
     delete(probe)
 
 
-def deadline_seconds() -> float:
-    """The deadline of one remote call: ``TIEFLAX_STORAGE_DEADLINE_S`` (seconds), else 180."""
-    text = os.environ.get(DEADLINE_ENV, "").strip()
+def seconds_setting(env: str, default: float, what: str) -> float:
+    """A duration set by the environment variable ``env``: seconds, a finite number above 0; ``default``
+    when unset or empty. Anything else (0, -5, abc, nan, inf) is refused naming the variable, the value
+    and what it takes (``what``: "the deadline of one storage call")."""
+    text = os.environ.get(env, "").strip()
     if not text:
-        return DEFAULT_DEADLINE_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise StorageError(f"{DEADLINE_ENV}={text!r}: give the deadline of one storage call in seconds, e.g. 180")
+    if not 0 < value < float("inf"):
+        raise StorageError(f"{env}={text!r}: give {what} in seconds, a number above 0 such as {default:g} "
+                           "(the default, when unset)")
     return value
+
+
+def deadline_seconds() -> float:
+    """The deadline of one remote call: ``TIEFLAX_STORAGE_DEADLINE_S`` (seconds), else 180."""
+    return seconds_setting(DEADLINE_ENV, DEFAULT_DEADLINE_S, "the deadline of one storage call")
+
+
+def checkpoint_deadline_seconds() -> float:
+    """How long the end of one checkpoint save may take: ``TIEFLAX_CHECKPOINT_DEADLINE_S`` (seconds), else
+    1800. Read here, beside the storage deadline, so that the console can check both at a command's start
+    without importing orbax; ``tieflax.run.checkpoints.save_deadline_seconds`` applies it."""
+    return seconds_setting(CHECKPOINT_DEADLINE_ENV, DEFAULT_CHECKPOINT_DEADLINE_S,
+                           "the time one checkpoint save may take")
+
+
+def check_deadline_settings() -> None:
+    """Both deadlines read once, before any work (``tieflax.cli``): a bad value is refused at a command's
+    start, not at the first remote call or the second checkpoint, after the steps since the first."""
+    deadline_seconds()
+    checkpoint_deadline_seconds()
 
 
 _DEADLINE = threading.local()  # the monotonic deadline of the remote call this thread is in, if any

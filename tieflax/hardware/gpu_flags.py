@@ -165,9 +165,17 @@ def apply(environ=os.environ) -> list[XlaFlag]:
     """Adds the chosen flags to ``environ['XLA_FLAGS']`` for a GPU run; returns the flags added.
 
     Call before JAX's first backend use (``import tieflax`` does). Nothing happens when the choice is
-    ``off``, JAX will not use a GPU, the jaxlib was not checked (a warning), or JAX's backends already
-    started (a warning: XLA read its flags then)."""
-    if choice(environ) == "off" or not jax_uses_a_gpu(environ):
+    ``off`` or not one of :data:`CHOICES`, JAX will not use a GPU, the jaxlib was not checked (a warning),
+    or JAX's backends already started (a warning: XLA read its flags then).
+
+    Never raises: it runs at ``import tieflax``, where an exception is a traceback before any command, even
+    ``--help``, can say one line. A value that is not a choice adds nothing here; the console refuses it at
+    a command's start (``tieflax.cli.check_settings``: :func:`choice` in one line)."""
+    try:
+        chosen = choice(environ)
+    except UserError:
+        return []
+    if chosen == "off" or not jax_uses_a_gpu(environ):
         return []
     if not jaxlib_checked():
         warnings.warn(f"{ENV}=recommended: the flags were checked with jaxlib "

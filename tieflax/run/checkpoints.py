@@ -516,20 +516,18 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
     return None, None
 
 
-SAVE_DEADLINE_ENV = "TIEFLAX_CHECKPOINT_DEADLINE_S"
+SAVE_DEADLINE_ENV = storage.CHECKPOINT_DEADLINE_ENV
 
 
 def save_deadline_seconds() -> float:
     """How long the end of one asynchronous save may be waited for: ``TIEFLAX_CHECKPOINT_DEADLINE_S``,
-    else 1800 s (and never less than the storage deadline)."""
-    text = os.environ.get(SAVE_DEADLINE_ENV, "").strip()
+    else 1800 s (and never less than the storage deadline). Read by the path layer
+    (``storage.checkpoint_deadline_seconds``), which the console asks at a command's start: a bad value is
+    refused there, before the first step, not here at a save."""
     try:
-        value = float(text) if text else 1800.0
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise CheckpointError(f"{SAVE_DEADLINE_ENV}={text!r}: give the seconds one checkpoint save may take, "
-                              "e.g. 1800")
+        value = storage.checkpoint_deadline_seconds()
+    except storage.StorageError as e:
+        raise CheckpointError(str(e)) from None
     return max(value, storage.deadline_seconds())
 
 
