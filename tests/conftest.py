@@ -106,10 +106,11 @@ SLOW_FILES = frozenset({
     "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
     "test_storage_deadline.py", "test_storage_deadline_two_processes.py", "test_store_changes.py", "test_suite_cache.py",
     "test_token_store.py", "test_train.py",
-    "test_train_observers.py", "test_user_errors.py",
+    "test_train_observers.py", "test_user_errors.py", "test_waits_bounded.py",
 })
 SLOW_TESTS = {
     "test_attention.py": ("test_auto_picks_splash_when_compiled_for_a_tpu",),
+    "test_bad_paths_and_settings.py": ("test_a_bad_gpu_flags_choice_lets_help_and_import_work_and_a_command_says_one_line",),
     "test_cross_entropy.py": ("test_auto_compiles_the_pallas_kernels_for_a_tpu_with_small_temporaries",
                               "test_a_replicated_head_is_read_in_place_on_a_tpu",
                               "test_xla_path_compiled_for_a_tpu_makes_no_bf16_copy_of_an_fp32_head",
@@ -117,6 +118,7 @@ SLOW_TESTS = {
     "test_flops.py": ("test_a_training_log_carries_tflops_per_device",),
     "test_memory_options.py": ("test_the_tpu_compiler_keeps_offloaded_layer_inputs_in_host_memory",),
     "test_params.py": ("test_cli_json",),
+    "test_script_arguments.py": ("test_gpu_benchmark_help_prints_the_usage_and_runs_nothing",),
 }
 
 

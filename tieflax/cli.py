@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = list(getattr(args, "overrides", None) or []) + overrides
+            debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
+            check_settings()
             if args.command in RENAMED:
                 print(renamed_line(args.command), file=sys.stderr, flush=True)
-            debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
             module = importlib.import_module(args._module)
             return int(module.run(args) or 0)
     except GeneratorExit:
@@ -123,10 +124,33 @@ def main(argv: list[str] | None = None) -> int:
         line = re.sub(rf"^tieflax {args.command}( [^:]*)?: ", lambda m: (m.group(1) or "").strip() + ": "
                       if m.group(1) else "", line)
         print(f"{prefix}: {line}", file=sys.stderr, flush=True)
-        if isinstance(e, SystemExit):
+        if isinstance(e, (SystemExit, BadSetting)):
             return 2
         # A command may give bad input its own code (plan: 1 means "does not fit", so bad input is 2).
         return int(getattr(module, "USER_ERROR_CODE", 1))
+
+
+class BadSetting(errors.UserError):
+    """An environment variable tieflax reads holds a value it cannot use: one line, exit 2 (as a bad
+    argument: the command did not start)."""
+
+
+def check_settings() -> None:
+    """The environment settings a command may read, checked at its start, before any work: a bad value is
+    one line naming the variable, the value and what it takes (BadSetting). Without this check,
+    ``TIEFLAX_GPU_XLA_FLAGS`` failed as a traceback at ``import tieflax`` (``--help`` included), and a bad
+    storage or checkpoint deadline at the first call that read it: for a local run, the second checkpoint,
+    losing the steps trained since the first."""
+    from tieflax import storage  # noqa: PLC0415 (light: neither imports JAX)
+    from tieflax import distributed  # noqa: PLC0415 (imports JAX, as every command does next)
+    from tieflax.hardware import gpu_flags  # noqa: PLC0415
+
+    try:
+        gpu_flags.choice()
+        storage.check_deadline_settings()
+        distributed.deadline_seconds()
+    except errors.UserError as e:
+        raise BadSetting(str(e)) from None
 
 
 def renamed_line(old: str) -> str:

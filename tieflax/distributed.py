@@ -12,8 +12,14 @@ when the launch is multi-process and does nothing for a plain single-process run
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
+import socket
 import sys
+import threading
+import time
 
 import jax
 
@@ -45,6 +51,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                          f"num_processes/process_id; set ${_ENV_NUM_PROCESSES} and ${_ENV_PROCESS_ID}.")
     if cpu is None:
         cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
+    _source_paths_out_of_programs()
     if cpu:
         # CPU devices of different processes talk over gloo; without it cross-process collectives fail.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -55,6 +62,26 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     else:
         jax.distributed.initialize()  # TPU pod / SLURM: JAX reads the cluster from the environment
     return True
+
+
+# Every compiled program carries, in its ops' metadata, where in the Python source each op was made.
+SOURCE_PATHS_WITHOUT_FOLDERS = r".*/"
+
+
+def _source_paths_out_of_programs() -> None:
+    """Every process compiles the same programs, wherever its code lives and however it was started: an
+    op's source location is its innermost frame of user code alone (not the whole call stack, which holds
+    the launcher's frames), and a source file is named by its base name alone.
+
+    On jax 0.12 on CPU, two processes whose programs differ only in that metadata wait for each other in
+    their first cross-process collective forever: one jitted mean over a 2-process mesh, the script at
+    /a/x.py on one process and /b/x.py on the other, hangs; the same path, or jax 0.10, finishes. A pod's
+    hosts, each with the code under its own home, are exactly that; so are processes started through
+    different entry points (``tieflax`` and ``python -c``), whose call stacks differ. A setting the user
+    made (``JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX``) is kept."""
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    if jax.config.jax_hlo_source_file_canonicalization_regex is None:
+        jax.config.update("jax_hlo_source_file_canonicalization_regex", SOURCE_PATHS_WITHOUT_FOLDERS)
 
 
 def _native_output_to_stderr() -> None:
@@ -92,7 +119,8 @@ def any_process(flag: bool) -> bool:
     import numpy as np  # noqa: PLC0415
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+    with waiting_for_others("an agreement of every process"):
+        return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
 
 
 def first_failure(local_error: str | None, tag: str, *, name_process_0: bool = False) -> str | None:
@@ -111,7 +139,8 @@ def first_failure(local_error: str | None, tag: str, *, name_process_0: bool = F
     import numpy as np  # noqa: PLC0415
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    failed = np.asarray(multihost_utils.process_allgather(np.int32(local_error is not None))).reshape(-1)
+    with waiting_for_others(f"the {tag} check"):
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(local_error is not None))).reshape(-1)
     if not failed.any():
         return None
     first = int(np.argmax(failed))
@@ -172,3 +201,178 @@ def leave_coordinator_last(timeout_s: float = 30.0) -> None:
         except Exception:  # noqa: BLE001 (that process is gone, or stuck: leave at the deadline)
             break
     time.sleep(0.5)  # its os._exit, after its word
+
+
+# ------------------------------------------------------------------------------ waits on the others
+DEADLINE_ENV = "TIEFLAX_COLLECTIVE_DEADLINE_S"
+DEFAULT_DEADLINE_S = 900.0   # above a large model's first compile inside a step, far below a lost day
+_POLL_S = 1.0                # how often the watch looks at the clock (and, past _WORD_AFTER_S, the others)
+_WORD_AFTER_S = 5.0          # a wait this long is said in the coordinator, where the others can read it
+_LEAVE_S = 10.0              # process 0, which holds the coordination service, waits this long for the others
+
+
+def deadline_seconds() -> float:
+    """How long a process waits for the others at one point (``TIEFLAX_COLLECTIVE_DEADLINE_S``, else 900)."""
+    from tieflax import storage  # noqa: PLC0415 (the one reader of duration settings)
+
+    return storage.seconds_setting(DEADLINE_ENV, DEFAULT_DEADLINE_S,
+                                   "how long a process may wait for the others at one step")
+
+
+@contextlib.contextmanager
+def waiting_for_others(what: str, step: int | None = None):
+    """The code inside waits on the other processes (a collective, a step with cross-process
+    collectives): bounded by ``TIEFLAX_COLLECTIVE_DEADLINE_S``. Past it, every process that waits ends
+    with one line naming the step and the processes that did not arrive (exit 1); SIGTERM or Ctrl-C
+    during the wait says what it waits for, and a second one ends the process at once. A blocked
+    collective never returns to Python, so the bound is kept by a thread (``_Watch``), which ends the
+    process with ``os._exit``: the steps since the last finished checkpoint are lost, nothing else.
+    Single-process: nothing to wait for, no watch."""
+    if jax.process_count() == 1:
+        yield
+        return
+    watch = _Watch.started()
+    watch.enter(what, step)
+    try:
+        yield
+    except Exception:
+        # A process that gave up ends; the collective it left fails here ("connection closed by peer"):
+        # this process ends with the line it gave, not a traceback of the symptom.
+        line = watch.given_up_line()
+        if line is not None:
+            _say_and_exit(line, 1)
+        raise
+    finally:
+        watch.leave()
+
+
+class _Wait:
+    def __init__(self, what: str, step: int | None, last_step: int | None):
+        self.name, self.since, self.said = what_at(what, step, last_step), time.monotonic(), False
+
+
+def what_at(what: str, step: int | None, last_step: int | None = None) -> str:
+    """``the stop check at step 12``; a wait that knows no step of its own: ``... (after step 12)``, the
+    last step a wait named."""
+    if step is not None:
+        return f"{what} at step {step}"
+    return what if last_step is None else f"{what} (after step {last_step})"
+
+
+class _Watch:
+    """One per process: a thread that keeps the deadline of the wait the main thread is in (``_Wait``),
+    reads the signals that arrive meanwhile (``signal.set_wakeup_fd``: the main thread, blocked in native
+    code, cannot run their Python handlers), and ends the process when the wait cannot end."""
+
+    _instance: "_Watch | None" = None
+
+    @classmethod
+    def started(cls) -> "_Watch":
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def __init__(self):
+        self.deadline_s = deadline_seconds()
+        self.process, self.count = jax.process_index(), jax.process_count()
+        self.wait: _Wait | None = None
+        self.last_step: int | None = None
+        self.signals_seen = 0
+        self._lock = threading.Lock()
+        self._signals, writer = socket.socketpair()
+        self._signals.setblocking(False)
+        writer.setblocking(False)
+        self._writer = writer   # kept open for the process's life
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._run, name="tieflax-wait-watch", daemon=True).start()
+
+    def enter(self, what: str, step: int | None) -> None:
+        with self._lock:
+            self.wait = _Wait(what, step, self.last_step)
+            self.last_step = step if step is not None else self.last_step
+
+    def leave(self) -> None:
+        with self._lock:
+            self.wait = None
+
+    def _run(self) -> None:
+        while True:
+            select.select([self._signals], [], [], _POLL_S)
+            try:
+                signums = list(self._signals.recv(64))
+            except BlockingIOError:
+                signums = []
+            with self._lock:
+                wait = self.wait
+            for signum in signums:
+                self._on_signal(signum, wait)
+            if wait is not None:
+                self._look(wait)
+
+    def _on_signal(self, signum: int, wait: _Wait | None) -> None:
+        if signum not in (signal.SIGTERM, signal.SIGINT):
+            return
+        self.signals_seen += 1
+        if wait is None:   # the main thread runs the handler itself (tieflax.train.stop.StopSignal)
+            return
+        name = signal.Signals(signum).name
+        if self.signals_seen > 1:
+            _say_and_exit(f"stopped at once by a second signal ({name}) while waiting for the other processes "
+                          f"({wait.name}): the steps after the last finished checkpoint are lost; rerun the same "
+                          "command to resume from it", 128 + signum)
+        left = self.deadline_s - (time.monotonic() - wait.since)
+        print(f"tieflax: {name} received while waiting for the other processes ({wait.name}): stopping when "
+              f"they arrive, or in {max(left, 0):.0f} s ({DEADLINE_ENV}); a second signal stops at once",
+              file=sys.stderr, flush=True)
+
+    def _look(self, wait: _Wait) -> None:
+        waited = time.monotonic() - wait.since
+        if waited < _WORD_AFTER_S:
+            return
+        try:
+            if not wait.said:
+                say(f"tieflax/waiting/{self.process}", wait.name)
+                wait.said = True
+            if waited >= self.deadline_s:
+                self._give_up(wait)
+            line = self.given_up_line()
+            if line is not None:   # another process gave up: the same line here, and a word that this one ends
+                say(f"tieflax/gave_up/{self.process}", line)
+        except Exception:  # noqa: BLE001 (the coordinator is gone: its own heartbeat ends this process)
+            return
+        if line is not None:
+            _say_and_exit(line, 1)
+
+    def given_up_line(self) -> str | None:
+        """The line of the lowest process that gave up waiting, if any did."""
+        try:
+            given_up = words_under("tieflax/gave_up")
+        except Exception:  # noqa: BLE001 (no coordinator to ask)
+            return None
+        return given_up[min(given_up)] if given_up else None
+
+    def _give_up(self, wait: _Wait) -> None:
+        """Past the deadline: the line that names who did not arrive, said to the others and printed."""
+        arrived = {p for p, name in words_under("tieflax/waiting").items() if name == wait.name}
+        arrived.add(self.process)
+        missing = [p for p in range(self.count) if p not in arrived]
+        within = f"within {self.deadline_s:g} s ({DEADLINE_ENV})"
+        if missing:
+            who = f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            line = f"{wait.name}: {who} did not arrive {within}"
+        else:
+            line = (f"{wait.name}: every process arrived but the collective did not end {within} (a process stuck "
+                    "inside it, or processes running different programs: the same code and versions on every host?)")
+        line += "; every process ends here: rerun the same command to resume from the last finished checkpoint"
+        say(f"tieflax/gave_up/{self.process}", line)
+        if self.process == 0:   # it holds the coordination service: the others read the line first
+            end = time.monotonic() + _LEAVE_S
+            while time.monotonic() < end and not arrived <= set(words_under("tieflax/gave_up")) | {0}:
+                time.sleep(0.2)
+        _say_and_exit(line, 1)
+
+
+def _say_and_exit(line: str, code: int) -> None:
+    print(f"tieflax: {line}", file=sys.stderr, flush=True)
+    os._exit(code)

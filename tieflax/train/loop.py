@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from tieflax.hardware import flops
+from tieflax import distributed
 from tieflax import sharding as shd
 from tieflax.config import model_config
 from tieflax.data.store import StoreChanged
@@ -135,7 +136,8 @@ def _walk(run: Run, hooks: Hooks, progress: Progress, train_step, loader, mesh) 
             hooks.before(n)
             with hooks.around(n):
                 batch = to_global_batch(next(loader), mesh)
-                progress.state, metrics = train_step(progress.state, batch)
+                with distributed.waiting_for_others("the train step", n):   # its collectives span the processes
+                    progress.state, metrics = train_step(progress.state, batch)
             progress.step = n
             hooks.on_step(n, progress.state, metrics)
             at = _at(n, progress.state, t, stop)
@@ -159,7 +161,7 @@ def _at(step: int, state, t: ml_collections.ConfigDict, stop: StopSignal) -> At:
     """Step ``step``'s boundaries, and whether any process was asked to stop (agreed at boundaries)."""
     at_log = step % t.log_every == 0 or step == t.num_steps
     at_ckpt = step % t.checkpoint_every == 0 or step == t.num_steps
-    preempted = stop_everywhere(stop) if jax.process_count() == 1 or at_log or at_ckpt else False
+    preempted = stop_everywhere(stop, step) if jax.process_count() == 1 or at_log or at_ckpt else False
     return At(step=step, state=state, log=at_log, checkpoint=at_ckpt, last=step == t.num_steps, preempted=preempted)
 
 

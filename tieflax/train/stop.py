@@ -66,15 +66,19 @@ class StopSignal:
 _SIGNALS = (None, signal.SIGTERM, signal.SIGINT)   # agreed by index: a SIGINT anywhere outranks a SIGTERM
 
 
-def stop_everywhere(stop: StopSignal) -> bool:
+def stop_everywhere(stop: StopSignal, step: int | None = None) -> bool:
     """True on every process if any process saw SIGTERM or SIGINT: all stop at this step, and all take
-    the signal as theirs (a SIGINT reaching one process ends every one with 130, as there)."""
+    the signal as theirs (a SIGINT reaching one process ends every one with 130, as there). The wait for
+    the others is bounded (``tieflax.distributed.waiting_for_others``)."""
     if jax.process_count() == 1:
         return stop.requested
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
+    from tieflax import distributed  # noqa: PLC0415
+
     local = _SIGNALS.index(stop.signum if stop.requested and stop.signum in _SIGNALS else None)
-    agreed = int(np.max(multihost_utils.process_allgather(np.int32(local))))
+    with distributed.waiting_for_others("the stop check", step):
+        agreed = int(np.max(multihost_utils.process_allgather(np.int32(local))))
     if agreed:
         stop.requested, stop.signum = True, _SIGNALS[agreed]
     return bool(agreed)
@@ -110,7 +114,11 @@ def agree_on_saves(saves: ckpt.SaveWatch) -> bool:
     late = isinstance(error, ckpt.SaveDeadlinePassed)
     code = ((PENDING if saves.pending is not None else 0) | (UNWRITTEN if unwritten else 0)
             | (LATE if late else 0) | (FAILED if error is not None and not late else 0))
-    codes = [int(c) for c in np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)]
+    from tieflax import distributed  # noqa: PLC0415
+
+    with distributed.waiting_for_others(f"the check of checkpoint {saves.pending}"
+                                        if saves.pending is not None else "the check of the last save"):
+        codes = [int(c) for c in np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)]
     if any(c & FAILED for c in codes):
         raise_if_any_failed(None if late else error, saves)
     if any(c & LATE for c in codes):
