@@ -103,7 +103,7 @@ SLOW_FILES = frozenset({
     "test_data_multiprocess.py", "test_eval_harness.py", "test_example_task.py", "test_extras_missing.py",
     "test_gpu_step.py", "test_multiprocess_train.py", "test_notebooks.py", "test_path_layer.py",
     "test_plan.py", "test_pod_launcher.py", "test_prepare_settings.py", "test_prepare_stops.py",
-    "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
+    "test_record_values.py", "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
     "test_storage_deadline.py", "test_storage_deadline_two_processes.py", "test_store_changes.py", "test_suite_cache.py",
     "test_token_store.py", "test_train.py",
     "test_train_observers.py", "test_user_errors.py", "test_waits_bounded.py",

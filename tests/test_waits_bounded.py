@@ -5,8 +5,9 @@
   ``tieflax.distributed`` took the source paths out of the compiled programs);
 * one process frozen inside the stop check: every process ends within ``TIEFLAX_COLLECTIVE_DEADLINE_S``
   with the same one line naming the step;
-* one process stopped (SIGSTOP) between steps: the other ends within the deadline with one line naming it,
-  and a SIGTERM it receives while it waits is answered at once, in one line, not after the collective.
+* one process stopped (SIGSTOP) before a stop check: the other says it waits (at half the deadline), answers a
+  SIGTERM at once, in one line, not after the collective, and ends within the deadline with one line naming
+  the process that did not arrive.
 
 The processes are started here, not through ``launch/local_multiprocess.sh``: each needs its own code
 folder or its own patch."""
@@ -25,7 +26,7 @@ import pytest
 
 from test_train_support import REPO, free_port, suite_xla_flags
 
-DEADLINE_S = 12
+DEADLINE_S = 20
 TRAIN = ["train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),
          *[f"--config.{o}" for o in (
              "model.vocab_size=300", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
@@ -50,10 +51,24 @@ def stop_everywhere(stop, step=None):
 loop.stop_everywhere = stop_everywhere
 """
 
+# Process 1 of the other job stops itself (SIGSTOP) before the stop check of step 3: it never arrives.
+STOPPED_BEFORE_STEP_3 = """
+import os, signal
+import tieflax.train.loop as loop
+real = loop.stop_everywhere
+def stop_everywhere(stop, step=None):
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return real(stop, step)
+loop.stop_everywhere = stop_everywhere
+"""
 
-def _start(tmp_path, workdir, *, code: dict[int, str] | None = None, patch: dict[int, str] | None = None):
+
+def _start(tmp_path, workdir, *, code: dict[int, str] | None = None, patch: dict[int, str] | None = None,
+           overrides: tuple[str, ...] = ()):
     """Two processes of `tieflax train` over gloo; ``code``: process -> the folder it imports tieflax
-    from (default: this repository); ``patch``: process -> Python run before the command."""
+    from (default: this repository); ``patch``: process -> Python run before the command; ``overrides``:
+    more ``--config.`` settings (after TRAIN's)."""
     port = free_port()
     procs = []
     for i in range(2):
@@ -64,7 +79,7 @@ def _start(tmp_path, workdir, *, code: dict[int, str] | None = None, patch: dict
                "TIEFLAX_PROCESS_ID": str(i), "TIEFLAX_COLLECTIVE_DEADLINE_S": str(DEADLINE_S)}
         out = open(tmp_path / f"process_{i}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-c", (patch or {}).get(i, "") + "\n" + MAIN, *TRAIN,
-                                       "--workdir", str(workdir)], cwd=src, env=env, stdout=out,
+                                       *[f"--config.{o}" for o in overrides], "--workdir", str(workdir)], cwd=src, env=env, stdout=out,
                                       stderr=subprocess.STDOUT))
     return procs
 
@@ -125,12 +140,10 @@ def test_a_process_frozen_inside_a_collective_ends_every_process_with_one_line(t
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="no SIGSTOP on this system")
 def test_a_process_that_stops_arriving_is_named_and_sigterm_is_answered_while_waiting(tmp_path):
-    procs = _start(tmp_path, tmp_path / "run")
+    procs = _start(tmp_path, tmp_path / "run", patch={1: STOPPED_BEFORE_STEP_3})
     try:
-        _wait_for(lambda: "step 2/6" in _log(tmp_path, 0), "step 2 on process 0")
-        procs[1].send_signal(signal.SIGSTOP)   # between steps: it will not reach the next wait
-        # process 0 waits for it: past the wait's first seconds, SIGTERM; the answer is a line, at once
-        time.sleep(6)
+        # process 0 waits for it and says so (at half the deadline); then SIGTERM: the answer is a line, at once
+        _wait_for(lambda: "waiting for the other processes" in _log(tmp_path, 0), "the waiting line")
         procs[0].send_signal(signal.SIGTERM)
         _wait_for(lambda: "SIGTERM received while waiting" in _log(tmp_path, 0), "the SIGTERM line", 20)
         assert procs[0].wait(timeout=DEADLINE_S + 30) == 1, _log(tmp_path, 0)
@@ -139,7 +152,7 @@ def test_a_process_that_stops_arriving_is_named_and_sigterm_is_answered_while_wa
         _end_all(procs, 30)
     text = _log(tmp_path, 0)
     [line] = _tieflax_lines(text, r"did not arrive")
-    assert re.search(r"step \d\)?: process 1 did not arrive within 12 s", line), line
+    assert line.startswith("tieflax: the stop check at step 3: process 1 did not arrive within 20 s"), line
     [answer] = _tieflax_lines(text, r"SIGTERM received")
     assert "a second signal stops at once" in answer, answer
     assert "Traceback" not in text, text

@@ -208,6 +208,7 @@ DEADLINE_ENV = "TIEFLAX_COLLECTIVE_DEADLINE_S"
 DEFAULT_DEADLINE_S = 900.0   # above a large model's first compile inside a step, far below a lost day
 _POLL_S = 1.0                # how often the watch looks at the clock (and, past _WORD_AFTER_S, the others)
 _WORD_AFTER_S = 5.0          # a wait this long is said in the coordinator, where the others can read it
+_SHOW_AFTER_S = 120.0        # a wait this long is shown on the console (half the deadline, if that is sooner)
 _LEAVE_S = 10.0              # process 0, which holds the coordination service, waits this long for the others
 
 
@@ -248,7 +249,8 @@ def waiting_for_others(what: str, step: int | None = None):
 
 class _Wait:
     def __init__(self, what: str, step: int | None, last_step: int | None):
-        self.name, self.since, self.said = what_at(what, step, last_step), time.monotonic(), False
+        self.name, self.since = what_at(what, step, last_step), time.monotonic()
+        self.said = self.shown = False   # said in the coordinator; shown on the console
 
 
 def what_at(what: str, step: int | None, last_step: int | None = None) -> str:
@@ -330,6 +332,11 @@ class _Watch:
         waited = time.monotonic() - wait.since
         if waited < _WORD_AFTER_S:
             return
+        if not wait.shown and waited >= min(_SHOW_AFTER_S, self.deadline_s / 2):
+            wait.shown = True   # a wedged job says so well before its deadline
+            print(f"tieflax: waiting for the other processes ({wait.name}) for {waited:.0f} s; if they do not "
+                  f"arrive, every process ends in {self.deadline_s - waited:.0f} s ({DEADLINE_ENV})",
+                  file=sys.stderr, flush=True)
         try:
             if not wait.said:
                 say(f"tieflax/waiting/{self.process}", wait.name)

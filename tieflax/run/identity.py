@@ -26,6 +26,12 @@ file is found on the next read (``verify_record``) and refused in one line namin
 (restore it, or ``--allow-change`` to start a new entry from the last checkpoint), never a silent
 fallback to an older entry. Runs written before the chain (no ``previous``, checkpoints that name no
 entry) are accepted as before, said once; their next checkpoint starts the chain.
+
+A file is named by the digest of its values (canonical JSON: ``digest``), not of its bytes, so a record
+file written again with other indentation or key order is the same record, and a changed value is not.
+data.json also holds the run's id (``RUN_ID_KEY``, random, made once with the record), which every
+checkpoint names beside the entry: a checkpoint copied in from another run is named as such
+(``ForeignCheckpoint``), not blamed on the record it does not match, and no fix offered trains on it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import secrets
 from typing import Sequence
 
 import jax
@@ -63,6 +70,7 @@ SECTIONS = ("model", "train", "data", "seed")
 ALLOW_CHANGE_FLAG = "--allow-change"
 RECORD_KEY = "tieflax_record"  # in a checkpoint's custom metadata: the files of the entry in force
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step metadata (holds the custom metadata)
+RUN_ID_KEY = "run_id"  # in data.json and in what a checkpoint names: which run the record is
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +222,19 @@ def check_data(workdir: str, data: dict, resume: Resume) -> None:
     resume.changed.update(diff)  # on purpose: said and recorded with the fields
 
 
+def check_reached(workdir: str, config: ml_collections.ConfigDict, resume: Resume, step: int) -> None:
+    """Refuses a new entry (a change on purpose, a restart) from ``step`` whose ``train.num_steps`` is
+    below that step, which the run already reached: nothing would train, and the record would say the run
+    ends at a step its checkpoints are past. Called on every process (all stop together), before
+    ``record`` writes anything."""
+    n = config.train.num_steps
+    if (resume.changed or resume.restart is not None) and not resume.before_first_step and n < step:
+        raise RunChanged(f"train.num_steps {n} is below step {step}, which {workdir} already reached "
+                         f"({CHECKPOINT_DIR}/{step}): nothing would train, and its record would say it ends at "
+                         f"step {n}: pass --config.train.num_steps={step} or more, or train {n} steps in a new "
+                         "--workdir")
+
+
 def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: Resume, step: int) -> None:
     """Process 0 writes the run's record: a fresh run claims ``config.json`` and ``data.json``
     (create-only: two runs cannot claim one prefix); an allowed change becomes the next numbered
@@ -224,8 +245,9 @@ def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: 
     if resume.fresh:
         save_config(workdir, config, claim=True)
     data_path = storage.join(workdir, DATA_RECORD_FILE)
-    if resume.restart is None and not storage.is_file(data_path):  # a run from before data records
-        storage.create_new(data_path, json.dumps(data, indent=1, sort_keys=True).encode())
+    if resume.restart is None and not storage.is_file(data_path):  # a fresh run, or one from before data records
+        with_id = {**data, RUN_ID_KEY: secrets.token_hex(8)}  # the run's id: its checkpoints name it
+        storage.create_new(data_path, json.dumps(with_id, indent=1, sort_keys=True).encode())
     if resume.restart is None:
         saved_data = read_data_record(workdir)
         if saved_data is not None and saved_data != data:  # a new tokenizer or data setting: on purpose
@@ -260,9 +282,31 @@ class RecordBroken(WorkdirError):
     its digest; the message names the file and the fixes."""
 
 
+class ForeignCheckpoint(WorkdirError):
+    """The newest checkpoint names another run's record (another run id): it was copied in from another
+    run. Not a RecordBroken: ``--allow-change`` must not go on from it. The message names it and the fix."""
+
+
 def digest(raw: bytes) -> str:
-    """The digest the chain names a file by: sha256 of its bytes, hex."""
+    """The digest the chain names a file by: sha256 (hex) of its values as canonical JSON (keys sorted,
+    fixed separators), so that the same values written with other indentation or key order are the same
+    record; a file that holds no JSON object, by its bytes (it then matches nothing)."""
+    value, why = _parse(raw)
+    if why:
+        return _byte_digest(raw)
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _byte_digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
+
+
+def _matches(raw: bytes, want: str) -> bool:
+    """Whether a file is the one a later file or a checkpoint names. Records written before the digests
+    were over values name each file by the sha256 of its bytes, so either digest is accepted: such a
+    record reads as it did (a file of it written again with other formatting reads as edited there, since
+    its values were never digested); from the next entry or checkpoint on, the values are named."""
+    return want in (digest(raw), _byte_digest(raw))
 
 
 def _entry_name(n: int) -> str:
@@ -284,6 +328,7 @@ class _Found:
     damaged: dict  # name -> why, for files that do not parse
     claimed_step: int | None = None
     claim: dict | None = None
+    older_claims: dict = dataclasses.field(default_factory=dict)  # step -> what each older checkpoint names
     paths: dict = dataclasses.field(default_factory=dict)  # name -> where it was read (or looked for)
     trained: bool = False  # checkpoints/ or metrics exist: the run has trained a step (``has_trained``)
     left_steps: bool = False  # a checkpoint step, a metrics segment or file, or initial parameters
@@ -320,15 +365,21 @@ def _read_record(workdir: str) -> _Found:
     found.files.update({name: raw for name, raw in zip(entries, storage.read_many(list(entries.values())))
                         if raw is not None})
     steps = sorted((int(n.rstrip("/")) for n in checkpoints if n.rstrip("/").isdigit()), reverse=True)
-    for step in steps:  # the newest checkpoint whose orbax metadata reads; None: saved before the chain
-        raw = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(step), CHECKPOINT_METADATA_FILE)])[0]
+    # What each checkpoint names (read together): the newest whose orbax metadata reads is the one checked
+    # (its claim None: saved before the chain); the older ones tell a foreign checkpoint from an edited file.
+    metas = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(s), CHECKPOINT_METADATA_FILE) for s in steps])
+    for step, raw in zip(steps, metas):
         try:
             meta = json.loads(raw) if raw is not None else None
         except ValueError:  # not JSON, or not text: an unreadable step, as orbax finds it
             meta = None
-        if isinstance(meta, dict):
-            found.claimed_step, found.claim = step, (meta.get("custom_metadata") or {}).get(RECORD_KEY)
-            break
+        if not isinstance(meta, dict):
+            continue
+        claim = (meta.get("custom_metadata") or {}).get(RECORD_KEY)
+        if found.claimed_step is None:
+            found.claimed_step, found.claim = step, claim
+        else:
+            found.older_claims[step] = claim
     legacy_metrics = storage.is_file(storage.join(workdir, LEGACY_METRICS_FILE))
     # An empty local checkpoints/ or metrics/ folder counts as trained, as it always has; remotely a
     # prefix exists once it holds an object, which its listing says.
@@ -355,7 +406,7 @@ def _check_named(workdir: str, found: _Found, named: dict, by: str) -> None:
         raw = found.files.get(name)
         if raw is None:
             raise _broken(workdir, name, f"is missing ({by} names it in the run's record)")
-        if digest(raw) != want:
+        if not _matches(raw, want):
             why = found.damaged.get(name)
             what = f"is {why}" if why else "was edited"
             raise _broken(workdir, name, f"{what} (its digest differs from the one {by} names)")
@@ -375,6 +426,7 @@ def verify_record(workdir: str) -> list[dict]:
 
 def _verified(workdir: str, found: _Found) -> list[dict]:
     """``verify_record`` of a snapshot (``_read_record``): pure, nothing is read."""
+    _check_belongs(workdir, found)  # first: a fix for a broken record must not go on from another run's
     numbers = sorted(set(found.entries) | {int(n.split("/")[1].removesuffix(".json")) for n in found.damaged
                                            if n.startswith(CONFIG_HISTORY_DIR)})
     restarts = [n for n in numbers if n in found.entries and "restarted" in found.entries[n]]
@@ -409,7 +461,11 @@ def _verified(workdir: str, found: _Found) -> list[dict]:
         if found.claim is None:
             legacy.append(by)
         elif (found.claimed_entry or 0) >= (restarts[-1] if restarts else 0):
-            _check_named(workdir, found, found.claim.get("files", {}), by)
+            try:
+                _check_named(workdir, found, found.claim.get("files", {}), by)
+            except RecordBroken:
+                _check_not_foreign(workdir, found, by)
+                raise
             if found.claimed_entry and found.claimed_entry not in found.entries:
                 raise _broken(workdir, _entry_name(found.claimed_entry), f"is missing ({by} names it)")
     if legacy and workdir not in _LEGACY_SAID:
@@ -419,15 +475,54 @@ def _verified(workdir: str, found: _Found) -> list[dict]:
     return [found.entries[n] for n in range(first, (numbers[-1] if numbers else 0) + 1)]
 
 
+def _run_id(found: _Found) -> str | None:
+    """The run's id in data.json; None for runs made before ids (or with data.json lost)."""
+    value = _parse(found.files[DATA_RECORD_FILE])[0] if DATA_RECORD_FILE in found.files else None
+    return value.get(RUN_ID_KEY) if isinstance(value, dict) else None
+
+
+def _check_belongs(workdir: str, found: _Found) -> None:
+    """Raises ForeignCheckpoint when the newest checkpoint names another run's id: the record's files
+    then differ from what it names because it is not this run's, not because they were edited. A
+    checkpoint or a run from before ids is left to the digests."""
+    theirs = found.claim.get(RUN_ID_KEY) if isinstance(found.claim, dict) else None
+    ours = _run_id(found)
+    if theirs is not None and ours is not None and theirs != ours:
+        raise _foreign(workdir, f"{CHECKPOINT_DIR}/{found.claimed_step}", f"it was saved by run {theirs}, this "
+                       f"run is {ours}")
+
+
+def _check_not_foreign(workdir: str, found: _Found, by: str) -> None:
+    """For a checkpoint or a run from before ids whose named files differ: raises ForeignCheckpoint when
+    an older checkpoint names the same entry by the files as they are. A run's checkpoints that name one
+    entry name the same digests (entries are create-only), so the record holds and the newest one was
+    saved against another run's; when no older one vouches, an edited file stays the likelier cause."""
+    entry = found.claimed_entry or 0
+    for step, claim in sorted(found.older_claims.items(), reverse=True):
+        named = claim.get("files") if isinstance(claim, dict) else None
+        if named and (claim.get("entry") or 0) == entry and all(
+                name in found.files and _matches(found.files[name], want) for name, want in named.items()):
+            raise _foreign(workdir, by, f"it names other files than {CHECKPOINT_DIR}/{step}, which match the record")
+
+
+def _foreign(workdir: str, by: str, why: str) -> ForeignCheckpoint:
+    return ForeignCheckpoint(f"{storage.join(workdir, by)} does not belong to this run's record ({why}): it was "
+                             f"copied in from another run; remove it (move it out of {CHECKPOINT_DIR}/) or restore "
+                             f"this run's own {by}, then rerun")
+
+
 def in_force(workdir: str) -> dict:
     """What a checkpoint names (``RECORD_KEY`` in its custom metadata): ``{'entry': n, 'files': {name:
-    digest}}`` of the entry in force (n = 0: config.json and data.json)."""
+    digest}, 'run_id': id}`` of the entry in force (n = 0: config.json and data.json) and the run (no id
+    for a run made before ids)."""
     found = _read_record(layout.path(workdir))
+    ours = _run_id(found)
+    named = {RUN_ID_KEY: ours} if ours is not None else {}
     if found.entries:
         n = max(found.entries)
-        return {"entry": n, "files": {_entry_name(n): digest(found.files[_entry_name(n)])}}
+        return {"entry": n, "files": {_entry_name(n): digest(found.files[_entry_name(n)])}, **named}
     return {"entry": 0, "files": {name: digest(found.files[name]) for name in (CONFIG_FILE, DATA_RECORD_FILE)
-                                  if name in found.files}}
+                                  if name in found.files}, **named}
 
 
 def _best_effort_config(found: _Found) -> ml_collections.ConfigDict | None:
@@ -473,7 +568,11 @@ def read_data_record(workdir: str) -> dict | None:
     if entries:
         return entries[-1]["data"]
     raw = found.files.get(DATA_RECORD_FILE)
-    return json.loads(raw) if raw is not None else None
+    if raw is None:
+        return None
+    saved = json.loads(raw)
+    saved.pop(RUN_ID_KEY, None)  # which run, not what it trained on
+    return saved
 
 
 class NotARun(UserError, FileNotFoundError):

@@ -98,7 +98,9 @@ class Run:
             storage.write_text(tokenizer_path, tokenizer_json)
 
     def record(self, start: int) -> None:
-        """config.json once; a change made on purpose as a numbered config-history entry from ``start``."""
+        """config.json once; a change made on purpose as a numbered config-history entry from ``start``
+        (refused when its num_steps is below ``start``: ``identity.check_reached``)."""
+        identity.check_reached(self.path, self.config, self.resume, start)
         identity.record(self.path, self.config, self.data, self.resume, start)
         if self.resume.changed and not self.resume.before_first_step:
             self.say(f"changed on purpose from step {start} on ({identity.CONFIG_HISTORY_DIR}/): "
