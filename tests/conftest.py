@@ -106,7 +106,7 @@ SLOW_FILES = frozenset({
     "test_record_values.py", "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
     "test_storage_deadline.py", "test_storage_deadline_two_processes.py", "test_store_changes.py", "test_suite_cache.py",
     "test_token_store.py", "test_train.py",
-    "test_train_observers.py", "test_user_errors.py", "test_waits_bounded.py",
+    "test_train_observers.py", "test_unfinished_and_links.py", "test_user_errors.py", "test_waits_bounded.py",
 })
 SLOW_TESTS = {
     "test_attention.py": ("test_auto_picks_splash_when_compiled_for_a_tpu",),

@@ -111,7 +111,7 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
     """Before anything is read: ``out`` is not, does not hold and does not lie inside the run or the
     Hugging Face folder the run was imported from (even with ``overwrite``); without ``overwrite`` it is
     new or empty; on a bucket it holds nothing but an earlier export (an interrupted one, behind its
-    incomplete marker, is cleared without ``overwrite``). Returns ``out`` canonical."""
+    incomplete marker, is cleared without ``overwrite``). Returns ``out`` canonical, a local link resolved."""
     source = import_source(workdir)
     if source:
         src, dest = real(source), real(out)
@@ -139,7 +139,10 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise WorkdirError(f"--out {out} is not empty ({shown}): pass --overwrite to replace what it holds "
                            "whole, or export to a new folder")
-    return out
+    # A local --out that is a link names the folder it points to: that folder is locked and replaced (the
+    # partial folder beside it, on its file system), and the link then names the new export. Replacing the
+    # link itself swapped the link away and left this command's lock in the old folder.
+    return out if storage.is_remote(out) else real(out)
 
 
 def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:

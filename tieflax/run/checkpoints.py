@@ -479,6 +479,12 @@ def move_aside(workdir: str, step: int) -> str:
     return target
 
 
+def unfinished_steps(workdir: str) -> list[int]:
+    """Steps (oldest first) whose checkpoint was begun and never finished (a save killed mid-write): never
+    restored, never taken for a checkpoint written before the run's record carried digests."""
+    return identity.unfinished_steps(workdir)
+
+
 def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any, loader,
                             say) -> tuple[int | None, Any]:
     """``(step, state)`` of the newest checkpoint that restores, or ``(None, None)`` when there is none.

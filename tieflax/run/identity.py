@@ -40,6 +40,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import secrets
 from typing import Sequence
 
@@ -70,6 +71,8 @@ SECTIONS = ("model", "train", "data", "seed")
 ALLOW_CHANGE_FLAG = "--allow-change"
 RECORD_KEY = "tieflax_record"  # in a checkpoint's custom metadata: the files of the entry in force
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step metadata (holds the custom metadata)
+COMMIT_MARKER = "commit_success.txt"  # orbax's end-of-save marker where it cannot rename (Cloud Storage)
+_TMP_NAME = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")  # a local save's folder until it is renamed
 RUN_ID_KEY = "run_id"  # in data.json and in what a checkpoint names: which run the record is
 
 log = logging.getLogger(__name__)
@@ -365,10 +368,13 @@ def _read_record(workdir: str) -> _Found:
     found.files.update({name: raw for name, raw in zip(entries, storage.read_many(list(entries.values())))
                         if raw is not None})
     steps = sorted((int(n.rstrip("/")) for n in checkpoints if n.rstrip("/").isdigit()), reverse=True)
-    # What each checkpoint names (read together): the newest whose orbax metadata reads is the one checked
-    # (its claim None: saved before the chain); the older ones tell a foreign checkpoint from an edited file.
-    metas = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(s), CHECKPOINT_METADATA_FILE) for s in steps])
-    for step, raw in zip(steps, metas):
+    # What each checkpoint names (read together): the newest finished one whose orbax metadata reads is the
+    # one checked (its claim None: saved before the chain); the older ones tell a foreign checkpoint from an
+    # edited file. A save that never finished (killed mid-write) names nothing: it is no pre-chain run.
+    finished = _finished(workdir, steps)
+    metas = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(s), CHECKPOINT_METADATA_FILE) for s in steps
+                               if s in finished])
+    for step, raw in zip([s for s in steps if s in finished], metas):
         try:
             meta = json.loads(raw) if raw is not None else None
         except ValueError:  # not JSON, or not text: an unreadable step, as orbax finds it
@@ -395,6 +401,25 @@ def _read_record(workdir: str) -> _Found:
         elif name.startswith(CONFIG_HISTORY_DIR):
             found.entries[int(name.split("/")[1].removesuffix(".json"))] = value
     return found
+
+
+def _finished(workdir: str, steps: list[int]) -> set[int]:
+    """The numbered checkpoints whose save finished. Locally orbax writes into a temporary folder and
+    renames it, so a numbered folder is finished; on a bucket it writes into ``checkpoints/<step>/`` itself
+    and marks the end with ``commit_success.txt`` (read together, one wait)."""
+    if not storage.is_remote(workdir) or not steps:
+        return set(steps)
+    marks = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(s), COMMIT_MARKER) for s in steps])
+    return {s for s, mark in zip(steps, marks) if mark is not None}
+
+
+def unfinished_steps(workdir: str) -> list[int]:
+    """Steps (oldest first) whose checkpoint was begun and never finished: a bucket's numbered folder with
+    no commit marker, or a local temporary folder (``<step>.orbax-checkpoint-tmp...``) a killed save left."""
+    names = [n.rstrip("/") for n in storage.listdir(storage.join(workdir, CHECKPOINT_DIR))]
+    numbered = [int(n) for n in names if n.isdigit()]
+    begun = {int(m.group(1)) for m in map(_TMP_NAME.match, names) if m}
+    return sorted(begun | (set(numbered) - _finished(workdir, numbered)))
 
 
 def _broken(workdir: str, name: str, what: str) -> RecordBroken:

@@ -109,16 +109,21 @@ def _starting_state(run: Run, s, loader) -> Progress:
         run.say(f"finished before, at step {start} ({ckpt.CHECKPOINT_DIR}/{start}): nothing to train")
     elif start is not None:
         run.say(f"resuming from step {start} ({ckpt.CHECKPOINT_DIR}/{start})")
-    elif ckpt.has_initial_params(run.path):
-        params = ckpt.load_initial_params(run.path, s.abstract_state["params"])
-        state = {"step": jax.device_put(jnp.zeros((), jnp.int32), s.state_shardings["step"]),
-                 "params": params, "opt_state": s.init_opt_state(params)}
+    else:  # no checkpoint finished: one begun and never finished (killed mid-save) is said, not passed over
+        unfinished = ckpt.unfinished_steps(run.path)
+        why = (f"checkpoint {unfinished[-1]} ({ckpt.CHECKPOINT_DIR}/{unfinished[-1]}) was never finished: the run "
+               "was stopped while saving it") if unfinished else ""
         start = 0
-        run.say(f"starting from {ckpt.INITIAL_PARAMS_DIR}/ (imported or converted parameters) at step 0: a fresh "
-                "optimizer state and schedule, and the data from its first batch")
-    else:
-        state = s.init_state(jax.random.key(run.config.seed))
-        start = 0
+        if ckpt.has_initial_params(run.path):
+            params = ckpt.load_initial_params(run.path, s.abstract_state["params"])
+            state = {"step": jax.device_put(jnp.zeros((), jnp.int32), s.state_shardings["step"]),
+                     "params": params, "opt_state": s.init_opt_state(params)}
+            run.say(f"starting from {ckpt.INITIAL_PARAMS_DIR}/ (imported or converted parameters) at step 0"
+                    f"{f' ({why})' if why else ''}: a fresh optimizer state and schedule, and the data from its first batch")
+        else:
+            state = s.init_state(jax.random.key(run.config.seed))
+            if why:
+                run.say(f"starting from step 0: {why}")
     return Progress(start=start, step=start, state=state)
 
 
