@@ -94,7 +94,8 @@ def test_every_command_refuses_a_bucket_url_typo_in_one_line_before_any_work(not
 # ------------------------------------------------------------------------------ environment settings
 
 BAD_SETTINGS = [(storage.DEADLINE_ENV, v) for v in ("0", "-5", "abc", "nan", "inf")] + [
-    ("TIEFLAX_CHECKPOINT_DEADLINE_S", v) for v in ("0", "-5", "abc", "nan", "inf")] + [(gpu_flags.ENV, "bogus")]
+    ("TIEFLAX_CHECKPOINT_DEADLINE_S", v) for v in ("0", "-5", "abc", "nan", "inf")] + [
+    ("TIEFLAX_COLLECTIVE_DEADLINE_S", v) for v in ("0", "abc")] + [(gpu_flags.ENV, "bogus")]
 
 
 def test_the_deadline_settings_are_refused_where_they_are_read_too(monkeypatch):
@@ -156,7 +157,7 @@ EVERY_COMMAND = {
 }
 
 
-@pytest.mark.parametrize("variable, value", [BAD_SETTINGS[2], BAD_SETTINGS[5], BAD_SETTINGS[-1]])
+@pytest.mark.parametrize("variable, value", [BAD_SETTINGS[2], BAD_SETTINGS[5], BAD_SETTINGS[-2], BAD_SETTINGS[-1]])
 def test_every_command_checks_the_settings_at_its_start(nothing_written_here, monkeypatch, capsys, variable,
                                                         value):
     assert set(EVERY_COMMAND) == set(cli.COMMANDS)  # a new command is added here too

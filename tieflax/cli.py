@@ -142,13 +142,11 @@ def check_settings() -> None:
     storage or checkpoint deadline at the first call that read it: for a local run, the second checkpoint,
     losing the steps trained since the first."""
     from tieflax import storage  # noqa: PLC0415 (light: neither imports JAX)
-    from tieflax import distributed  # noqa: PLC0415 (imports JAX, as every command does next)
     from tieflax.hardware import gpu_flags  # noqa: PLC0415
 
     try:
         gpu_flags.choice()
         storage.check_deadline_settings()
-        distributed.deadline_seconds()
     except errors.UserError as e:
         raise BadSetting(str(e)) from None
 

@@ -23,6 +23,8 @@ import time
 
 import jax
 
+from tieflax import storage
+
 _ENV_COORDINATOR = "TIEFLAX_COORDINATOR"
 _ENV_NUM_PROCESSES = "TIEFLAX_NUM_PROCESSES"
 _ENV_PROCESS_ID = "TIEFLAX_PROCESS_ID"
@@ -204,26 +206,16 @@ def leave_coordinator_last(timeout_s: float = 30.0) -> None:
 
 
 # ------------------------------------------------------------------------------ waits on the others
-DEADLINE_ENV = "TIEFLAX_COLLECTIVE_DEADLINE_S"
-DEFAULT_DEADLINE_S = 900.0   # above a large model's first compile inside a step, far below a lost day
 _POLL_S = 1.0                # how often the watch looks at the clock (and, past _WORD_AFTER_S, the others)
 _WORD_AFTER_S = 5.0          # a wait this long is said in the coordinator, where the others can read it
 _SHOW_AFTER_S = 120.0        # a wait this long is shown on the console (half the deadline, if that is sooner)
 _LEAVE_S = 10.0              # process 0, which holds the coordination service, waits this long for the others
 
 
-def deadline_seconds() -> float:
-    """How long a process waits for the others at one point (``TIEFLAX_COLLECTIVE_DEADLINE_S``, else 900)."""
-    from tieflax import storage  # noqa: PLC0415 (the one reader of duration settings)
-
-    return storage.seconds_setting(DEADLINE_ENV, DEFAULT_DEADLINE_S,
-                                   "how long a process may wait for the others at one step")
-
-
 @contextlib.contextmanager
 def waiting_for_others(what: str, step: int | None = None):
     """The code inside waits on the other processes (a collective, a step with cross-process
-    collectives): bounded by ``TIEFLAX_COLLECTIVE_DEADLINE_S``. Past it, every process that waits ends
+    collectives): bounded by ``TIEFLAX_COLLECTIVE_DEADLINE_S`` (default 900 s). Past it, every process that waits ends
     with one line naming the step and the processes that did not arrive (exit 1); SIGTERM or Ctrl-C
     during the wait says what it waits for, and a second one ends the process at once. A blocked
     collective never returns to Python, so the bound is kept by a thread (``_Watch``), which ends the
@@ -275,7 +267,7 @@ class _Watch:
         return cls._instance
 
     def __init__(self):
-        self.deadline_s = deadline_seconds()
+        self.deadline_s = storage.collective_deadline_seconds()
         self.process, self.count = jax.process_index(), jax.process_count()
         self.wait: _Wait | None = None
         self.last_step: int | None = None
@@ -325,7 +317,7 @@ class _Watch:
                           "command to resume from it", 128 + signum)
         left = self.deadline_s - (time.monotonic() - wait.since)
         print(f"tieflax: {name} received while waiting for the other processes ({wait.name}): stopping when "
-              f"they arrive, or in {max(left, 0):.0f} s ({DEADLINE_ENV}); a second signal stops at once",
+              f"they arrive, or in {max(left, 0):.0f} s ({storage.COLLECTIVE_DEADLINE_ENV}); a second signal stops at once",
               file=sys.stderr, flush=True)
 
     def _look(self, wait: _Wait) -> None:
@@ -335,7 +327,7 @@ class _Watch:
         if not wait.shown and waited >= min(_SHOW_AFTER_S, self.deadline_s / 2):
             wait.shown = True   # a wedged job says so well before its deadline
             print(f"tieflax: waiting for the other processes ({wait.name}) for {waited:.0f} s; if they do not "
-                  f"arrive, every process ends in {self.deadline_s - waited:.0f} s ({DEADLINE_ENV})",
+                  f"arrive, every process ends in {self.deadline_s - waited:.0f} s ({storage.COLLECTIVE_DEADLINE_ENV})",
                   file=sys.stderr, flush=True)
         try:
             if not wait.said:
@@ -364,7 +356,7 @@ class _Watch:
         arrived = {p for p, name in words_under("tieflax/waiting").items() if name == wait.name}
         arrived.add(self.process)
         missing = [p for p in range(self.count) if p not in arrived]
-        within = f"within {self.deadline_s:g} s ({DEADLINE_ENV})"
+        within = f"within {self.deadline_s:g} s ({storage.COLLECTIVE_DEADLINE_ENV})"
         if missing:
             who = f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
             line = f"{wait.name}: {who} did not arrive {within}"

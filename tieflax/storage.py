@@ -59,6 +59,11 @@ DEFAULT_DEADLINE_S = 180.0
 # name as tieflax.run.checkpoints.SAVE_DEADLINE_ENV, which reads it through checkpoint_deadline_seconds.
 CHECKPOINT_DEADLINE_ENV = "TIEFLAX_CHECKPOINT_DEADLINE_S"
 DEFAULT_CHECKPOINT_DEADLINE_S = 1800.0
+# How long a process of a multi-process job waits for the others at one point (tieflax.distributed), read
+# here beside the other deadlines so that the console checks all three at a command's start without
+# importing JAX (a bad argument or setting is refused in a fraction of a second).
+COLLECTIVE_DEADLINE_ENV = "TIEFLAX_COLLECTIVE_DEADLINE_S"
+DEFAULT_COLLECTIVE_DEADLINE_S = 900.0   # above a large model's first compile inside a step
 _RETRIES = {"max_retries": 1000, "initial_delay": "0.5s", "max_delay": "8s"}  # the deadline bounds them
 # A transfer that moves nothing for a minute is dropped and retried on a new connection (libcurl's
 # low-speed watchdog; tensorstore sets no timeout on its requests). Read when tensorstore starts.
@@ -580,11 +585,19 @@ def checkpoint_deadline_seconds() -> float:
                            "the time one checkpoint save may take")
 
 
+def collective_deadline_seconds() -> float:
+    """How long a process waits for the others at one point: ``TIEFLAX_COLLECTIVE_DEADLINE_S``, else 900
+    (``tieflax.distributed.waiting_for_others`` applies it)."""
+    return seconds_setting(COLLECTIVE_DEADLINE_ENV, DEFAULT_COLLECTIVE_DEADLINE_S,
+                           "how long a process may wait for the others at one step")
+
+
 def check_deadline_settings() -> None:
-    """Both deadlines read once, before any work (``tieflax.cli``): a bad value is refused at a command's
-    start, not at the first remote call or the second checkpoint, after the steps since the first."""
+    """The deadlines read once, before any work (``tieflax.cli``): a bad value is refused at a command's
+    start, not at the first remote call, the second checkpoint or the first wait on another process."""
     deadline_seconds()
     checkpoint_deadline_seconds()
+    collective_deadline_seconds()
 
 
 _DEADLINE = threading.local()  # the monotonic deadline of the remote call this thread is in, if any
