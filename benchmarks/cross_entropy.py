@@ -200,7 +200,7 @@ def compiled_variants(v, mesh, platform, device_kind):
         tk = _tokamax_loss(device_kind)
         if tk is not None:
             out["tokamax (Pallas TPU)"] = tk
-    impls = ("xla", "pallas") if platform == "tpu" else ("xla", "pallas_gpu")
+    impls = ("xla", "pallas") if platform == "tpu" else ("xla", "mosaic_gpu")
     for impl in impls:
         out[f"tieflax {impl}"] = (lambda impl: lambda h, w, y: cross_entropy(
             h, w, y, valid_vocab=v, mesh=mesh, impl=impl)[0].sum())(impl)
@@ -243,7 +243,7 @@ def compiled_table(tpu: str | None, gpu: str | None):
 def head_table(gpu: str):
     """The default loss (``impl='auto'``) + gradients at the Llama-3-8B head (N = 16384, d = 4096,
     V = 128256, hidden bf16) compiled for one GPU, W bf16 and fp32, beside the XLA path: per-chip temp
-    MiB and which implementation ``auto`` compiled to (the GPU kernels leave Triton custom calls)."""
+    MiB and which implementation ``auto`` compiled to (the GPU kernels leave Mosaic GPU custom calls)."""
     device = _topology_devices(None, gpu)[0]
     n, d, v = 16384, 4096, 128256
     sh = jax.sharding.SingleDeviceSharding(device)
@@ -257,7 +257,7 @@ def head_table(gpu: str):
             f = jax.jit(loss_and_grad(lambda h, w, y, impl=impl: cross_entropy(h, w, y, valid_vocab=v, impl=impl)[0]))
             compiled = f.lower(*args).compile()
             mib = compiled.memory_analysis().temp_size_in_bytes / MB
-            ran = "pallas_gpu" if "__gpu$xla.gpu.triton" in compiled.as_text() else "xla"
+            ran = "mosaic_gpu" if 'custom_call_target="mosaic_gpu_v2"' in compiled.as_text() else "xla"
             rows.append(dict(w=jnp.dtype(wdt).name, impl=impl, temp_mib=round(mib, 1), compiled_to=ran))
             print(f"{jnp.dtype(wdt).name:9s} {impl:6s} {mib:9.1f}  {ran}", flush=True)
     return dict(device=device.device_kind, n=n, d=d, v=v, rows=rows)

@@ -1,7 +1,7 @@
 """The loss on one GPU: tieflax's implementations against naive JAX, Liger Kernel and cut-cross-entropy.
 
     python benchmarks/gpu.py            # one GPU; at most about 6 minutes, compiles included
-    python benchmarks/gpu.py --smoke    # tiny shapes on a CPU in seconds (the Pallas GPU kernel interpreted;
+    python benchmarks/gpu.py --smoke    # tiny shapes on a CPU in seconds (the Mosaic GPU kernels interpreted, jax >= 0.12;
                                         # SMOKE=1 in the environment does the same)
     python benchmarks/gpu.py --budget-s 120 --reps 3    # no variant starts after 120 s; 3 timed calls each
 
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tieflax.ops.cross_entropy import cross_entropy
+from tieflax.ops.cross_entropy import cross_entropy, mosaic_gpu
 from tieflax.ops.reference import naive_cross_entropy
 
 # Past --budget-s seconds (by default this many) no further variant starts (each is reported as skipped),
@@ -53,8 +53,8 @@ HEADS = {
     "llama3.2-1b W bf16": (16384, 2048, 128256, "bfloat16", ("tieflax auto", "tieflax xla")),
 }
 SMOKE_HEADS = {
-    "smoke": (64, 32, 1000, "bfloat16", None),
-    "smoke W fp32": (64, 32, 1000, "float32", None),
+    "smoke": (64, 64, 1000, "bfloat16", None),   # d: whole 64-column blocks, as the Mosaic GPU kernels read
+    "smoke W fp32": (64, 64, 1000, "float32", None),
 }
 
 
@@ -67,7 +67,9 @@ def _jax_variants(v: int) -> dict:
 
     out = {"naive JAX (fp32 logits, optax)": lambda h, w, y: naive_cross_entropy(h, w, y, valid_vocab=v).mean(),
            "tieflax xla": ours("xla"), "tieflax auto": ours("auto")}
-    out["tieflax pallas_gpu"] = ours("pallas_gpu")
+    # On a CPU (--smoke) the Mosaic GPU kernels run under jax >= 0.12's interpreter; jax 0.10 has none.
+    if jax.default_backend() == "gpu" or mosaic_gpu.interpretable()[0]:
+        out["tieflax mosaic_gpu"] = ours("mosaic_gpu")
     return out
 
 
@@ -91,9 +93,9 @@ def _errors(loss, dh, dw, ref) -> dict:
 
 
 def _picked(compiled) -> str:
-    """Which implementation a compiled tieflax call runs: the GPU kernels leave Triton custom calls."""
+    """Which implementation a compiled tieflax call runs: the GPU kernels leave Mosaic GPU custom calls."""
     hlo = compiled.as_text()
-    return "pallas_gpu" if "__gpu$xla.gpu.triton" in hlo else "xla"
+    return "mosaic_gpu" if 'custom_call_target="mosaic_gpu_v2"' in hlo else "xla"
 
 
 def run_jax(name, fn, h, w, y, ref, reps) -> dict:
@@ -192,7 +194,7 @@ def head_rows(head, n, d, v, w_dtype, only, peers, t_start, args) -> list[dict]:
     for name, fn in list(jax_fns.items()) + list(peers.items()):
         if only is not None and name not in only:
             continue
-        if name == "tieflax pallas_gpu" and rows and any("ran pallas_gpu" in r["variant"] for r in rows):
+        if name == "tieflax mosaic_gpu" and rows and any("ran mosaic_gpu" in r["variant"] for r in rows):
             continue  # 'auto' ran it already
         if time.perf_counter() - t_start > args.budget_s:
             row = dict(variant=name, error=f"not run: the {args.budget_s:g} s budget of this call was spent")

@@ -10,7 +10,8 @@
 #
 # On the GPU machine: installs .whl/*.whl (if there) into /tmp/site, then runs, each under a time limit so
 # the whole stays under 10 minutes,
-#   1. benchmarks/gpu.py (the loss alone), if this checkout has it;
+#   1. benchmarks/gpu.py (the loss alone: naive JAX, tieflax xla, auto = the Mosaic GPU kernels on Hopper+,
+#      mosaic_gpu, Liger, cut-cross-entropy), if this checkout has it;
 #   2. benchmarks/gpu_step.py --profile: tieflax tied, tied + the recommended GPU XLA flags, untied, HF,
 #      HF + Liger (Llama-3.2-1B, 8 x 2048);
 #   3. tools/profile_table.py on the tieflax and HF (+ Liger) profiles, with the step's HLO.

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tieflax.ops.cross_entropy import cross_entropy, tiles
+from tieflax.ops.cross_entropy import cross_entropy
 from tieflax.ops.reference import dense_cross_entropy, naive_cross_entropy, numpy_cross_entropy
 from tieflax.sharding import make_mesh
 
@@ -31,10 +31,9 @@ PLAIN = dict(z_loss=0.0, label_smoothing=0.0, logit_scale=1.0, softcap=None)
 MODES = ("recompute", "fused")
 # 'pallas': mode='recompute' with impl='pallas', interpreted on CPU (TPU kernels run as JAX ops).
 # Its chunk of 14 vocab rows (2 blocks of 7) makes the fsdp mesh's 19 local rows take 2 chunks.
-# 'pallas_gpu': the Pallas GPU (Triton) kernels, interpreted on CPU, with SMALL_GPU_TILES (below).
+# The Mosaic GPU kernels (impl='mosaic_gpu') need d in 64-column blocks: tests/test_cross_entropy_mosaic_gpu.py.
 KERNEL = {"recompute": dict(mode="recompute", impl="xla"), "fused": dict(mode="fused"),
-          "pallas": dict(mode="recompute", impl="pallas", vocab_chunk=14),
-          "pallas_gpu": dict(mode="recompute", impl="pallas_gpu", vocab_chunk=14)}
+          "pallas": dict(mode="recompute", impl="pallas", vocab_chunk=14)}
 # The same with a replicated head declared as such (weight_rows_sharded=False): rows read in place.
 KERNEL.update({f"{k}_rows_whole": dict(v, weight_rows_sharded=False) for k, v in list(KERNEL.items())})
 # name -> (data, fsdp, tensor) over the first data*fsdp*tensor devices; None = single-device path.
@@ -95,18 +94,8 @@ def _close(got, want, rel):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=rel * max(np.abs(want).max(), 1e-30))
 
 
-# The GPU kernels' tiles at these shapes make each of their loops take several steps: 2 column blocks of
-# d, token chunks of 20 rows and vocabulary chunks of 14 (the last one shifted back), and few programs,
-# so the inner loops are split into runs of several blocks.
-SMALL_GPU_TILES = dict(GPU_TILES=tiles.GpuTiles(depth=8, programs=8), GPU_CHUNK_BYTES=4 * D * 20)
-
-
 def _run(mode, mesh_name, feats, d):
-    fn = _fn(mode, mesh_name, tuple(sorted(feats.items())))
-    with pytest.MonkeyPatch.context() as mp:  # read when the call is traced, the first time
-        for k, v in (SMALL_GPU_TILES.items() if mode.startswith("pallas_gpu") else ()):
-            mp.setattr(tiles, k, v)
-        return fn(d["h"], d["w"], d["b"], d["wt"], d["y"], d["g"])
+    return _fn(mode, mesh_name, tuple(sorted(feats.items())))(d["h"], d["w"], d["b"], d["wt"], d["y"], d["g"])
 
 
 def _check_against_oracle(d, mode, mesh_name, feats, rel):
@@ -137,9 +126,7 @@ def _check_against_oracle(d, mode, mesh_name, feats, rel):
 # kernels (slow to interpret) on one device and on the mesh that also shards W's d.
 @pytest.mark.parametrize("mode, mesh_name", [("recompute", m) for m in MESHES if m not in ("8dev_1x8", "4dev_2x2")]
                          + [("fused", "1dev"), ("fused", "8dev_2x4"), ("fused", "8dev_f2x4"),
-                            ("pallas", "1dev"), ("pallas", "8dev_f2x4"),
-                            ("pallas_gpu", "1dev"), ("pallas_gpu", "8dev_1x8"),
-                            pytest.param("pallas_gpu", "8dev_f2x4", marks=pytest.mark.slow)])
+                            ("pallas", "1dev"), ("pallas", "8dev_f2x4")])
 def test_matches_float64_oracle_all_features(mode, mesh_name):
     _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
 
@@ -148,13 +135,12 @@ def test_matches_float64_oracle_all_features(mode, mesh_name):
 # back whole; on a mesh that shards tokens and vocabulary, and on one that also shards W's d.
 @pytest.mark.parametrize("mode, mesh_name", [("recompute_rows_whole", "8dev_2x4"),
                                              ("recompute_rows_whole", "8dev_f2x4"),
-                                             ("fused_rows_whole", "8dev_2x4"), ("pallas_rows_whole", "8dev_f2x4"),
-                                             ("pallas_gpu_rows_whole", "8dev_2x4")])
+                                             ("fused_rows_whole", "8dev_2x4"), ("pallas_rows_whole", "8dev_f2x4")])
 def test_replicated_head_matches_float64_oracle(mode, mesh_name):
     _check_against_oracle(_data(), mode, mesh_name, ALL, 2e-5)
 
 
-@pytest.mark.parametrize("mode", MODES + ("pallas_gpu",))
+@pytest.mark.parametrize("mode", MODES)
 def test_every_label_ignored_gives_zero_loss_and_gradient(mode):
     d = _data()
     d["y"][:] = -1
@@ -165,14 +151,14 @@ def test_every_label_ignored_gives_zero_loss_and_gradient(mode):
     assert int(aux["invalid_label_count"]) == 7
 
 
-@pytest.mark.parametrize("mode", MODES + ("pallas_gpu",))
+@pytest.mark.parametrize("mode", MODES)
 def test_logits_of_magnitude_1e4_do_not_overflow(mode):
     d = _data(scale=3000.0)  # |logits| ~ 1e4: exp would overflow without the running max
     l, aux, _ = _check_against_oracle(d, mode, "8dev_2x4", PLAIN, 2e-5)
     assert np.abs(np.asarray(aux["lse"])).max() > 5e3
 
 
-@pytest.mark.parametrize("mode", MODES + ("pallas", "pallas_gpu"))
+@pytest.mark.parametrize("mode", MODES + ("pallas",))
 def test_bf16_inputs(mode):
     d = _data(dtype=jnp.bfloat16)
     _check_against_oracle(d, mode, "1dev", ALL, 2e-2)
@@ -458,10 +444,11 @@ def _gpu_devices(kind):
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float32])
-def test_auto_compiles_the_pallas_gpu_kernels_for_an_h100_with_small_temporaries(w_dtype):
+def test_auto_compiles_the_mosaic_gpu_kernels_for_an_h100_with_small_temporaries(w_dtype):
     """impl='auto' compiled for an H100 from this CPU process (needs the CUDA plugin, skipped without it):
-    the loss and its gradient are the three Triton kernels, and the temporaries are the kernels' fp32
-    chunk buffers, the same for an fp32 and a bf16 head (no converted copy of W, no [N, V] buffer)."""
+    the loss and its gradient are the two Mosaic GPU kernels (statistics, dZ) and two GEMMs per chunk,
+    and the temporaries are the bounded chunks, the same for an fp32 and a bf16 head (no converted copy
+    of the whole W, no [N, V] buffer)."""
     devices = _gpu_devices("h100")
     n, d, v = 2048, 512, 32768
     sh = jax.sharding.SingleDeviceSharding(devices[0])
@@ -471,9 +458,10 @@ def test_auto_compiles_the_pallas_gpu_kernels_for_an_h100_with_small_temporaries
                                                          label_smoothing=0.1)[0].sum(), argnums=(0, 1))
     compiled = jax.jit(f).lower(*args).compile()
     hlo, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes / 2**20
-    assert hlo.count("__gpu$xla.gpu.triton") == 3, "expected the stats, dH and dW kernels"
-    # dH: one fp32 [2048, 512] chunk (4 MiB); dW: an fp32 [16384, 512] chunk (32 MiB, tiles.GPU_CHUNK_BYTES).
-    assert temp < 40, temp
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2, "expected the statistics and dZ kernels"
+    # dH: one fp32 [2048, 512] chunk (4 MiB); bf16 chunks of W [8192, 512] (8 MiB) and of dZ [2048, 8192]
+    # (32 MiB: tiles.MosaicTiles.dz_chunk_bytes), the bf16 hidden states [2048, 512] (2 MiB).
+    assert temp < 64, temp
 
 
 def _lowered_for(platform, impl, w_dtype, n=256, d=64, v=1024):
@@ -490,16 +478,9 @@ def _lowered_for(platform, impl, w_dtype, n=256, d=64, v=1024):
 
 
 def test_auto_lowers_to_the_gpu_kernels_for_cuda_and_to_xla_for_a_cpu():
-    assert "__gpu$xla.gpu.triton" not in _lowered_for("cpu", "auto", jnp.bfloat16)
-    try:
-        cuda = _lowered_for("cuda", "auto", jnp.bfloat16)
-    except RuntimeError as e:
-        # jax 0.12's Pallas Triton lowering asks the local GPU for its description and has none here (jax 0.10
-        # lowers without one): the CUDA half runs on the Python 3.11 stack.
-        if "No supported GPU devices found" not in str(e):
-            raise
-        pytest.skip(f"jax {jax.__version__} lowers Pallas Triton kernels only with a GPU present: {e}")
-    assert cuda.count("__gpu$xla.gpu.triton") == 3  # stats, dH, dW
+    """Both stacks lower Mosaic GPU kernels without a GPU (the Triton ones needed one on jax 0.12)."""
+    assert "mosaic_gpu_v2" not in _lowered_for("cpu", "auto", jnp.bfloat16)
+    assert _lowered_for("cuda", "auto", jnp.bfloat16).count("stablehlo.custom_call @mosaic_gpu_v2") == 2  # stats, dZ
 
 
 def test_xla_path_takes_the_platforms_tiles_and_casts_an_fp32_head_once_per_call_on_gpu():

@@ -52,13 +52,17 @@ Implementations (``impl``), one file each
     the loop (XLA's default precision would round it anyway, but with one hoisted convert of the whole
     matrix); on GPU W is cast to bf16 once per call (a V x d bf16 copy) so the tile matmuls are bf16.
     ``'pallas'`` (``pallas_tpu.py``): the Mosaic TPU kernels (recompute mode, 5 matmuls).
-    ``'pallas_gpu'`` (``pallas_gpu.py``): the Triton GPU kernels (recompute mode, 5 matmuls, fp32
-    accumulation buffers of bounded size, no copy of W). Both Pallas paths run inside the same
-    ``shard_map`` and collectives (``pallas_driver.py``), and are interpreted when compiled for another
-    platform (how the tests run them). ``'auto'`` (default): the TPU kernels when the program is lowered
-    for a TPU, the GPU kernels when lowered for a CUDA GPU (if d is a multiple of 16), XLA elsewhere
-    (``lax.platform_dependent``: decided at lowering, so a deviceless compile for a TPU topology or a
-    GPU target from a CPU picks them).
+    ``'mosaic_gpu'`` (``mosaic_gpu.py``): the Pallas Mosaic GPU kernels for Hopper and newer (recompute
+    mode, 4 matmuls: a statistics pass, then one backward pass that recomputes each logit tile once into
+    a bounded bf16 dZ chunk and makes dH and dW from it; no copy of W beyond a bounded chunk). Both
+    Pallas paths run inside the same ``shard_map`` and collectives (``pallas_driver.py``), and are
+    interpreted when compiled for another platform (how the tests run them; the Mosaic GPU interpreter
+    needs jax >= 0.12). ``'auto'`` (default): the TPU kernels when the program is lowered for a TPU, the
+    Mosaic GPU kernels when lowered for a CUDA GPU of Hopper or newer (bf16 hidden states, d a multiple
+    of 64), XLA elsewhere (``lax.platform_dependent``: decided at lowering, so a deviceless compile for
+    a TPU topology or a GPU target from a CPU picks them). The Pallas Triton kernels (``'pallas_gpu'``,
+    5 matmuls) were removed: JAX deprecated that backend, jax 0.12 cannot lower it without a GPU, and no
+    GPU measurement ever showed them ahead of XLA.
 
 Semantics (global valid vocabulary ``V = valid_vocab``; ``j`` runs over rows ``< V``)::
 
@@ -78,11 +82,12 @@ import functools
 import math
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from tieflax.ops.cross_entropy import pallas_driver, pallas_gpu, pallas_tpu, tiles, xla
+from tieflax.ops.cross_entropy import mosaic_gpu, pallas_driver, pallas_tpu, tiles, xla
 from tieflax.ops.cross_entropy.config import IMPLS, MODES, Cfg, acc_dtype
 from tieflax.ops.cross_entropy.sharding import batch_size
 from tieflax.ops.cross_entropy.tiles import DEFAULT_FUSED_TOKEN_BLOCK, DEFAULT_TOKEN_BLOCK, DEFAULT_VOCAB_BLOCK
@@ -101,9 +106,26 @@ def _xla_on(cfg: Cfg, xla_fn):
                 default=functools.partial(xla_fn, cfg.on("cpu")))
 
 
-def _gpu_refused(h, *args):
-    raise ValueError(f"impl='pallas_gpu' compiled for a GPU: {pallas_gpu.supported(h.shape[1])[1]}; "
-                     f"use impl='auto' (the XLA path takes this case) or impl='xla'.")
+def _mosaic_refused(why: str):
+    def refuse(*args):
+        raise ValueError(f"impl='mosaic_gpu': {why}; use impl='auto' (the XLA path takes this case) or "
+                         f"impl='xla'.")
+    return refuse
+
+
+def _mosaic_not_here(kind: str, why: str):
+    """The CPU branch of impl='mosaic_gpu' on a jax without the Mosaic GPU interpreter. It must trace
+    (a deviceless compile for a GPU traces every branch), so it refuses when it runs, in one line."""
+    def refuse(h, w, b, y, *rest):
+        def fail(*_):
+            raise ValueError(f"impl='mosaic_gpu' on a CPU needs the Mosaic GPU interpreter: {why}; use the "
+                             f"Python 3.12 stack (jax 0.12), or impl='xla'.")
+        acc = acc_dtype(h.dtype, w.dtype)
+        out = ((jax.ShapeDtypeStruct((h.shape[0],), acc),) * 4 if kind == "stats" else
+               (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype),
+                jax.ShapeDtypeStruct((w.shape[0],), acc)))
+        return jax.experimental.io_callback(fail, out, h[:1, :1])
+    return refuse
 
 
 def _on_platform(cfg: Cfg, kind: str, *args):
@@ -113,17 +135,22 @@ def _on_platform(cfg: Cfg, kind: str, *args):
     (its JAX ops run as XLA), which is how the tests run them on a CPU."""
     xla_fn = getattr(xla, kind)
     tpu_fn = functools.partial(getattr(pallas_driver, kind), pallas_tpu)
-    gpu_fn = functools.partial(getattr(pallas_driver, kind), pallas_gpu)
+    gpu_fn = functools.partial(getattr(pallas_driver, kind), mosaic_gpu)
     branches = _xla_on(cfg, xla_fn)
     if cfg.impl == "pallas":
         branches = dict(tpu=functools.partial(tpu_fn, cfg.on("tpu"), False),
                         default=functools.partial(tpu_fn, cfg, True))
-    elif cfg.impl == "pallas_gpu":
-        branches = dict(cuda=functools.partial(gpu_fn, cfg.on("gpu"), False) if cfg.gpu_ok else _gpu_refused,
-                        default=functools.partial(gpu_fn, cfg, True))
+    elif cfg.impl == "mosaic_gpu":
+        if cfg.mosaic_ok:
+            branches = dict(default=_mosaic_refused(cfg.mosaic_ok))
+        else:
+            interpretable, why = mosaic_gpu.interpretable()
+            branches = dict(cuda=functools.partial(gpu_fn, cfg.on("gpu"), False),
+                            default=functools.partial(gpu_fn, cfg, True) if interpretable else
+                            _mosaic_not_here(kind, why))
     elif cfg.impl == "auto":
         branches["tpu"] = functools.partial(tpu_fn, cfg.on("tpu"), False)
-        if cfg.gpu_ok:
+        if not cfg.mosaic_ok:
             branches["cuda"] = functools.partial(gpu_fn, cfg.on("gpu"), False)
     return lax.platform_dependent(*args, **branches)
 
@@ -226,9 +253,12 @@ def _check(cfg: Cfg, hidden, weight, labels, weights, bias):
         raise ValueError(f"valid_vocab={cfg.valid_vocab} must be in [1, V_pad={weight.shape[0]}].")
     if cfg.mode not in MODES:
         raise ValueError(f"mode={cfg.mode!r}; use one of {MODES}.")
+    if cfg.impl == "pallas_gpu":
+        raise ValueError("impl='pallas_gpu' (the Pallas Triton kernels) was removed: use "
+                         "impl='mosaic_gpu' (Hopper or newer) or impl='auto'.")
     if cfg.impl not in IMPLS:
         raise ValueError(f"impl={cfg.impl!r}; use one of {IMPLS}.")
-    if cfg.impl in ("pallas", "pallas_gpu") and cfg.mode != "recompute":
+    if cfg.impl in ("pallas", "mosaic_gpu") and cfg.mode != "recompute":
         raise ValueError(f"impl={cfg.impl!r} implements mode='recompute' only; got mode={cfg.mode!r}. "
                          f"Use impl='xla' (or 'auto') for mode='fused'.")
     if not 0.0 <= cfg.label_smoothing < 1.0:
@@ -266,6 +296,25 @@ def _device_kind(mesh: Mesh | None) -> str:
     return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else ""
 
 
+def _mosaic_refusal(impl: str, mesh: Mesh | None, d: int, h_dtype) -> str:
+    """'' when the Mosaic GPU kernels take this case compiled for a CUDA GPU, else why not. ``'auto'``
+    also wants bf16 hidden states (the kernels round fp32 ones to bf16; XLA keeps them) and a GPU of
+    Hopper or newer: the mesh's devices (a compile-only target included), else this process's GPU; with
+    neither known, Hopper, as Mosaic GPU itself assumes when it lowers without a device."""
+    for ok, why in (mosaic_gpu.available(), mosaic_gpu.supported(d, h_dtype)):
+        if not ok:
+            return why
+    if impl != "auto":
+        return ""
+    if jnp.dtype(h_dtype) != jnp.dtype(jnp.bfloat16):
+        return f"hidden states are {jnp.dtype(h_dtype).name} ('auto' leaves them to XLA)"
+    if mesh is not None:
+        device = mesh.devices.flat[0]
+    else:
+        device = jax.devices()[0] if jax.default_backend() == "gpu" else None
+    return mosaic_gpu.before_hopper(device)
+
+
 def _embed_axis(mesh: Mesh | None, axis: str | None, batch_axes: tuple[str, ...], d: int) -> str | None:
     """``weight_embed_axis`` when the blockwise gather / reduce-scatter over it applies: a mesh axis of
     size > 1 that also splits the tokens (dW is summed over it) and divides d. Otherwise None: W enters
@@ -299,16 +348,18 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
       token_block, vocab_block: tile sizes. In ``'fused'`` mode the vocab tile is the local vocab.
         Defaults (``tiles.py``): XLA 8192 x 256 (recompute), 512 x V_local (fused), on a GPU 16384 x
         2048 and 2048 x V_local; Pallas TPU per generation (read from the mesh's devices; without a
-        mesh 512 x 512, which fits every generation from v4 on); Pallas GPU 64 x 128 (compiled, rounded
-        down to powers of two of at least 16). Given explicitly, they apply to every implementation.
+        mesh 512 x 512, which fits every generation from v4 on); Mosaic GPU 128 x 128 (given blocks
+        rounded down to multiples of 64). Given explicitly, they apply to every implementation.
       mode: ``'recompute'`` (memory-lean, 4 matmuls) or ``'fused'`` (3 matmuls); see the module doc.
       mesh: ``None`` for one device, else a mesh with ``vocab_axis`` and ``batch_axes`` (sizes may be 1).
         Tokens (the flattened leading dims) are split over ``batch_axes``, vocab rows over ``vocab_axis``.
-      impl: ``'xla'`` (blockwise loops in XLA), ``'pallas'`` (Pallas TPU kernels) or ``'pallas_gpu'``
-        (Pallas Triton kernels), each Pallas one interpreted when the program is compiled for another
-        platform (for tests), or ``'auto'``: the TPU kernels when the program is compiled for a TPU, the
-        GPU kernels when compiled for a CUDA GPU and d is a multiple of 16, XLA elsewhere (decided at
-        lowering, so compiling for a TPU topology or a GPU target from a CPU picks them).
+      impl: ``'xla'`` (blockwise loops in XLA), ``'pallas'`` (Pallas TPU kernels) or ``'mosaic_gpu'``
+        (Pallas Mosaic GPU kernels, Hopper or newer), each Pallas one interpreted when the program is
+        compiled for another platform (for tests; Mosaic GPU's interpreter needs jax >= 0.12), or
+        ``'auto'``: the TPU kernels when the program is compiled for a TPU, the Mosaic GPU kernels when
+        compiled for a CUDA GPU of Hopper or newer with bf16 hidden states and d a multiple of 64, XLA
+        elsewhere (decided at lowering, so compiling for a TPU topology or a GPU target from a CPU picks
+        them).
         ``mode='fused'`` always runs on XLA.
       weight_embed_axis: the mesh axis that shards W's d in the parameter layout (tieflax's embedding
         is ``P('tensor', 'fsdp')``). When that axis has size > 1, W's rows are gathered over it one
@@ -341,8 +392,8 @@ def cross_entropy(hidden: jax.Array, weight: jax.Array, labels: jax.Array, *, va
               None if softcap is None else float(softcap), int(token_block or 0), int(vocab_block or 0),
               mode, mesh, vocab_axis, tuple(batch_axes), impl,
               _embed_axis(mesh, weight_embed_axis, tuple(batch_axes), d), pallas, int(vocab_chunk or 0),
-              mesh is not None and not weight_rows_sharded, tiles.gpu_tiles(token_block, vocab_block),
-              gpu_ok=pallas_gpu.supported(d)[0])
+              mesh is not None and not weight_rows_sharded, tiles.mosaic_tiles(token_block, vocab_block),
+              mosaic_ok=_mosaic_refusal(impl, mesh, d, hidden.dtype))
     _check(cfg, hidden, weight, labels, weights, bias)
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])

@@ -20,7 +20,7 @@ from tieflax.ops.cross_entropy import tiles
 MASK = -1e30
 
 MODES = ("recompute", "fused")
-IMPLS = ("auto", "xla", "pallas", "pallas_gpu")
+IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,8 @@ class Cfg:
     pallas: tiles.TpuBlocks = tiles.TpuBlocks(512, 512, 28)
     chunk: int = 0  # Pallas path, W's d sharded: vocab rows gathered per step
     rows_whole: bool = False  # W's rows not sharded in its layout: each device reads its shard in place
-    gpu: tiles.GpuTiles = tiles.GpuTiles()
-    gpu_ok: bool = False  # the Pallas GPU kernels take this case ('auto' picks them on a CUDA GPU)
+    mosaic: tiles.MosaicTiles = tiles.MosaicTiles()
+    mosaic_ok: str = "unknown"  # '' when the Mosaic GPU kernels take this case, else why not
     platform: str = ""  # the platform lowered for, once known (``on``)
 
     def on(self, platform: str) -> Cfg:

@@ -1,11 +1,14 @@
 """The Pallas paths' driver under ``shard_map``, shared by the TPU and the GPU kernels.
 
-``ops`` is a kernel module (``pallas_tpu`` or ``pallas_gpu``) with ``plan(cfg, interpret)`` and, over one
+``ops`` is a kernel module (``pallas_tpu`` or ``mosaic_gpu``) with ``plan(cfg, interpret)`` and, over one
 vocabulary shard's rows ``lo:`` of ``w``:
 
 - ``local_stats(plan, h, w, b, y, v_off, lo)`` -> 4 x [N] fp32 (max, sum exp, label logit, logit sum);
-- ``local_dh(plan, h, w, b, y, lse, coef, v_off, dh_in, lo)`` -> dh_in + dZ @ W, [N, d] dh_in.dtype;
-- ``local_dw(plan, h, w, b, y, lse, coef, v_off, dw_dtype, lo)`` -> (dW [V, d] dw_dtype, db [V] fp32).
+- either ``local_dh(plan, h, w, b, y, lse, coef, v_off, dh_in, lo)`` -> dh_in + dZ @ W, [N, d]
+  dh_in.dtype, and ``local_dw(plan, h, w, b, y, lse, coef, v_off, dw_dtype, lo)`` -> (dW [V, d]
+  dw_dtype, db [V] fp32), each recomputing the logits (``pallas_tpu``);
+- or ``local_grads(plan, h, w, b, y, lse, coef, v_off, dh_in, dw_dtype, lo)`` -> (dh, dW, db) from one
+  recomputation of the logits (``mosaic_gpu``).
 
 When W arrives chunk by chunk (its d sharded and gathered, its rows whole, or dW reduced over batch
 shards) an XLA loop over vocabulary chunks calls the kernels once per chunk.
@@ -93,7 +96,13 @@ def _local_grads(ops, cfg: Cfg, plan, h, w, b, y, lse, coef, v_base, dh_dtype, r
     dh0 = jnp.zeros(h.shape, dh_dtype)
     chunked_dh = cfg.embed_axis is not None or cfg.rows_whole   # W's rows arrive chunk by chunk
     put = put_block(cfg, v_local or w.shape[0])
-    if not chunked_dh:
+    joint = hasattr(ops, "local_grads")   # dH and dW from one recomputation of each logit tile
+    if joint and not chunked_dh and reduce is None:
+        return ops.local_grads(plan, h, w, b, y, lse, coef, v_base, dh0, w.dtype)
+    if joint:
+        # Each chunk's call adds its dZ @ W into dH, summed in fp32 over the chunks (the caller casts).
+        chunked_dh, dh0 = True, jnp.zeros(h.shape, jnp.float32)
+    elif not chunked_dh:
         # W is whole here: one dH kernel over all rows; dW in one piece when nothing is reduced.
         dh = ops.local_dh(plan, h, w, b, y, lse, coef, v_base, dh0)
         if reduce is None:
@@ -101,9 +110,12 @@ def _local_grads(ops, cfg: Cfg, plan, h, w, b, y, lse, coef, v_base, dh_dtype, r
 
     def body(carry, v0, lo, wc, bc):
         dh, dw, db = carry
-        if chunked_dh:  # dH accumulates over the chunks
-            dh = ops.local_dh(plan, h, wc, bc, y, lse, coef, v_base + v0, dh, lo)
-        dwc, dbc = ops.local_dw(plan, h, wc, bc, y, lse, coef, v_base + v0, jnp.float32, lo)
+        if joint:
+            dh, dwc, dbc = ops.local_grads(plan, h, wc, bc, y, lse, coef, v_base + v0, dh, jnp.float32, lo)
+        else:
+            if chunked_dh:  # dH accumulates over the chunks
+                dh = ops.local_dh(plan, h, wc, bc, y, lse, coef, v_base + v0, dh, lo)
+            dwc, dbc = ops.local_dw(plan, h, wc, bc, y, lse, coef, v_base + v0, jnp.float32, lo)
         if reduce is not None:
             dwc, dbc = reduce((dwc, dbc))
         # Written, not added (see add_block): added, XLA:TPU (libtpu 0.0.52) moves the chunks' reduction

@@ -85,61 +85,39 @@ def xla_blocks(platform: str, mode: str, token_block: int, vocab_block: int) -> 
     return token_block or default_t, vocab_block or default_v
 
 
-# -------------------------------------------------------------------------------- Pallas GPU kernels
-
-# Each of the kernels' fp32 accumulation buffers (a token chunk's dH, a vocabulary chunk's dW) is about
-# this many bytes; the chunks are an XLA loop around the kernels.
-GPU_CHUNK_BYTES = 32 * 2**20
-
-
-def _power_of_two_at_most(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
+# ------------------------------------------------------------------------------ Pallas Mosaic GPU kernels
 
 @dataclasses.dataclass(frozen=True)
-class GpuTiles:
-    """Tiles of the Pallas GPU kernels, ``(token, vocab)`` logit tiles per kernel, each summed over
-    ``depth``-wide column blocks of d; Triton's launch parameters; ``programs``: how many programs a grid
-    should have (about two per SM of an H100/H200, 132 SMs) before a kernel's inner loop is split over
-    more of them.
+class MosaicTiles:
+    """Tiles of the Mosaic GPU kernels (``mosaic_gpu.py``): ``[token, vocab]`` logit tiles (``token`` a
+    multiple of 64, one wgmma M per 64 rows), each the sum over d of ``depth``-wide column blocks
+    (64 bf16 = one 128-byte swizzled row) that TMA brings ``steps`` blocks ahead; ``programs``: how many
+    CTAs a kernel should have (two per SM of an H100/H200, 132 SMs) before a token block's vocabulary
+    loop is split over several. Shared memory per CTA: ``steps * (token + vocab) * depth * 2`` bytes of
+    pipeline buffers (128 KiB at the defaults) plus a bf16 ``[token, vocab]`` dZ tile (32 KiB), under
+    sm_90's 227 KiB (checked by lowering: ``benchmarks/gpu.py --lower``).
 
-    The dH and dW kernels add each tile's products into fp32 buffers with atomics: their traffic is
-    ``N d V / vocab`` (dH) and ``V d N / token`` (dW) fp32 adds, so each takes a long side along the
-    dimension it sums over. None of this has been timed on a GPU yet (no GPU at hand when written)."""
-    stats: tuple[int, int] = (64, 128)
-    dh: tuple[int, int] = (64, 256)
-    dw: tuple[int, int] = (256, 64)
+    The backward's chunks bound its temporaries: an fp32 ``[rows, d]`` dH buffer of about
+    ``token_chunk_bytes``, a bf16 ``[rows, d]`` copy of W's rows of about ``vocab_chunk_bytes``, and the
+    bf16 dZ chunk between them, ``token rows x vocab rows x 2`` bytes, at most ``dz_chunk_bytes`` (the
+    vocabulary chunk shrinks to keep it there). None of this has been timed on
+    a GPU yet (no GPU at hand when written)."""
+    token: int = 128
+    vocab: int = 128
     depth: int = 64
-    warps: int = 8
-    stages: int = 3
+    steps: int = 4
     programs: int = 264
-
-    def _block(self, block: int, n: int, interpret: bool) -> int:
-        # Compiled, Triton's tiles are powers of two of at least 16; interpreted, any size works (the
-        # tests use ragged ones).
-        if interpret:
-            return max(1, min(block, n))
-        return min(max(16, _power_of_two_at_most(block)), max(16, 1 << (n - 1).bit_length()))
-
-    def token_block(self, kernel: str, n: int, interpret: bool) -> int:
-        return self._block(getattr(self, kernel)[0], n, interpret)
-
-    def vocab_block(self, kernel: str, v: int, interpret: bool) -> int:
-        return self._block(getattr(self, kernel)[1], v, interpret)
-
-    def depth_block(self, d: int) -> int:
-        """The largest power of two dividing d, at most ``depth`` (d is never masked)."""
-        return min(self.depth, d & -d)
+    token_chunk_bytes: int = 32 * 2**20
+    vocab_chunk_bytes: int = 16 * 2**20
+    dz_chunk_bytes: int = 32 * 2**20
 
 
-GPU_TILES = GpuTiles()
+MOSAIC_TILES = MosaicTiles()
 
 
-def gpu_tiles(token_block: int | None, vocab_block: int | None) -> GpuTiles:
-    """The GPU kernels' tiles (``GPU_TILES``), with the token and vocabulary blocks the caller gave
-    (then the same for every kernel)."""
-    t = GPU_TILES
-    if not token_block and not vocab_block:
-        return t
-    pick = lambda tile: (token_block or tile[0], vocab_block or tile[1])  # noqa: E731
-    return dataclasses.replace(t, stats=pick(t.stats), dh=pick(t.dh), dw=pick(t.dw))
+def mosaic_tiles(token_block: int | None, vocab_block: int | None) -> MosaicTiles:
+    """The Mosaic GPU kernels' tiles (``MOSAIC_TILES``, read at call time so tests can shrink them), with
+    the token and vocabulary blocks the caller gave rounded down to multiples of 64 (at least 64)."""
+    t = MOSAIC_TILES
+    fit = lambda b, default: max(64, b // 64 * 64) if b else default  # noqa: E731
+    return dataclasses.replace(t, token=fit(token_block, t.token), vocab=fit(vocab_block, t.vocab))
