@@ -402,3 +402,24 @@ def test_every_config_field_takes_or_refuses_any_value_in_one_line():
             except Exception as e:  # noqa: BLE001
                 failures.append(f"{field}={value}: {type(e).__name__}: {e}")
     assert not failures, failures[:20]
+
+
+def test_a_crash_in_native_code_prints_every_threads_python_stack(tmp_path):
+    """A segmentation fault inside a command (here: a read of address 0 where the command would run) is not
+    a bare signal: the process writes where each thread was in Python first, naming the frame that crashed."""
+    import subprocess
+
+    code = textwrap.dedent("""
+        import ctypes, sys
+        import tieflax.commands.plan as plan
+        def crash_while_planning(args):
+            ctypes.string_at(0)
+        plan.run = crash_while_planning
+        from tieflax.cli import main
+        sys.exit(main(["plan", "--config", "configs/experiments/tiny.py", "--topology", "v5e:2x2"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONFAULTHANDLER": ""})
+    assert done.returncode == -signal.SIGSEGV, done.stderr[-2000:]
+    assert "Fatal Python error: Segmentation fault" in done.stderr, done.stderr[-2000:]
+    assert "crash_while_planning" in done.stderr, done.stderr[-2000:]

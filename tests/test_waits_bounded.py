@@ -65,10 +65,10 @@ loop.stop_everywhere = stop_everywhere
 
 
 def _start(tmp_path, workdir, *, code: dict[int, str] | None = None, patch: dict[int, str] | None = None,
-           overrides: tuple[str, ...] = ()):
+           overrides: tuple[str, ...] = (), deadline_s: int = DEADLINE_S):
     """Two processes of `tieflax train` over gloo; ``code``: process -> the folder it imports tieflax
     from (default: this repository); ``patch``: process -> Python run before the command; ``overrides``:
-    more ``--config.`` settings (after TRAIN's)."""
+    more ``--config.`` settings (after TRAIN's); ``deadline_s``: their collective deadline."""
     port = free_port()
     procs = []
     for i in range(2):
@@ -76,7 +76,7 @@ def _start(tmp_path, workdir, *, code: dict[int, str] | None = None, patch: dict
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags(1),
                "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
                "TIEFLAX_COORDINATOR": f"localhost:{port}", "TIEFLAX_NUM_PROCESSES": "2",
-               "TIEFLAX_PROCESS_ID": str(i), "TIEFLAX_COLLECTIVE_DEADLINE_S": str(DEADLINE_S)}
+               "TIEFLAX_PROCESS_ID": str(i), "TIEFLAX_COLLECTIVE_DEADLINE_S": str(deadline_s)}
         out = open(tmp_path / f"process_{i}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-c", (patch or {}).get(i, "") + "\n" + MAIN, *TRAIN,
                                        *[f"--config.{o}" for o in overrides], "--workdir", str(workdir)], cwd=src, env=env, stdout=out,
@@ -155,4 +155,32 @@ def test_a_process_that_stops_arriving_is_named_and_sigterm_is_answered_while_wa
     assert line.startswith("tieflax: the stop check at step 3: process 1 did not arrive within 20 s"), line
     [answer] = _tieflax_lines(text, r"SIGTERM received")
     assert "a second signal stops at once" in answer, answer
+    assert "Traceback" not in text, text
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="no SIGSTOP on this system")
+def test_a_second_signal_while_waiting_ends_the_process_at_once(tmp_path):
+    """The first SIGTERM is answered with a line and the wait goes on (to the others or the deadline); the
+    second ends the process at once with 128 + SIGTERM, in one line, well before the deadline. The deadline
+    is 40 s here: the waiting line comes at half of it, and the signals must land before its end."""
+    deadline_s = 40
+    procs = _start(tmp_path, tmp_path / "run", patch={1: STOPPED_BEFORE_STEP_3}, deadline_s=deadline_s)
+    try:
+        _wait_for(lambda: "waiting for the other processes" in _log(tmp_path, 0), "the waiting line")
+        procs[0].send_signal(signal.SIGTERM)
+        _wait_for(lambda: "SIGTERM received while waiting" in _log(tmp_path, 0), "the SIGTERM line", 20)
+        assert procs[0].poll() is None, _log(tmp_path, 0)   # the first signal does not end the wait
+        second = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=deadline_s) == 128 + signal.SIGTERM, _log(tmp_path, 0)
+        took = time.monotonic() - second
+    finally:
+        procs[1].kill()
+        _end_all(procs, 30)
+    text = _log(tmp_path, 0)
+    [line] = _tieflax_lines(text, r"second signal \(SIGTERM\)")
+    assert line.startswith("tieflax: stopped at once by a second signal (SIGTERM) while waiting for the other "
+                           "processes"), line
+    assert "did not arrive" not in text, text   # it ended before the deadline's line
+    assert took < 10, took
     assert "Traceback" not in text, text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import faulthandler
 import gc
 import importlib
 import importlib.util
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     from tieflax.platforms import skip_absent_tpu  # noqa: PLC0415
 
     gc.set_threshold(*COLLECTOR_THRESHOLDS)
+    # A crash in native code (XLA, the profiler, TensorStore, a tokenizer) ends the process with a signal and
+    # no Python traceback; with the fault handler the process first writes every thread's Python stack to
+    # stderr ("Fatal Python error: Segmentation fault ... Current thread ..."), which names what was running.
+    faulthandler.enable()
 
     args, module, debug = argparse.Namespace(command=None), None, False
     try:

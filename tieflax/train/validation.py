@@ -11,6 +11,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from tieflax import distributed
 from tieflax import sharding as shd
 from tieflax.config import model_config
 from tieflax.run import checkpoints as ckpt
@@ -31,7 +32,15 @@ def run_eval(eval_step: Callable, params: Any, prepared, config: ml_collections.
         if t.eval_batches and i >= t.eval_batches:
             break
         outs.append(eval_step(params, to_global_batch(batch, mesh)))
-    for out in jax.device_get(outs):
+        if len(outs) > 1:
+            # Each batch's collectives span the processes: waiting on the one before (one batch stays in
+            # flight behind it) bounds the wait batch by batch, so a host that stopped arriving is named
+            # instead of every other host waiting forever in the final read.
+            with distributed.waiting_for_others(f"validation batch {len(outs) - 1}"):
+                jax.block_until_ready(outs[-2])
+    with distributed.waiting_for_others("the validation's last batch"):
+        outs = jax.device_get(outs)
+    for out in outs:
         for k in totals:
             totals[k] += out[k]
     if totals["invalid_labels"]:
