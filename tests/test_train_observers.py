@@ -58,7 +58,7 @@ def _kill9_once_tasks_are_logged_at(step, workdir, proc, log, timeout=300):
                 break
         except FileNotFoundError:
             pass
-        assert proc.poll() is None, f"training exited early with {proc.returncode}:\n{open(log).read()[-3000:]}"
+        assert proc.poll() is None, f"training exited early with {proc.returncode}:\n{open(log).read()[-20000:]}"
         time.sleep(0.01)
     else:
         raise AssertionError(f"no tasks logged at step {step} within {timeout}s")
@@ -173,10 +173,11 @@ def test_the_profile_of_steps_5_to_7_is_written_and_names_the_train_step(watched
 @pytest.fixture(scope="module")
 def evaluated(watched):
     """``tieflax evaluate`` of the run's step-20 checkpoint in this process: {task: {doc_id: sample}}."""
-    from tieflax.eval.tasks import evaluate_workdir
+    from tieflax.eval.tasks import evaluate_tasks
+    from tieflax.run.run import Run
 
-    ref = evaluate_workdir(watched["workdir"], tasks=EVAL_TASKS, include_path=watched["tasks"], step=20,
-                           log_samples=True)
+    ref = evaluate_tasks(Run.read(watched["workdir"], command="evaluate"), EVAL_TASKS, include_path=watched["tasks"],
+                         step=20, log_samples=True)
     return ref, {t: {s["doc_id"]: s for s in ref["samples"][t]} for t in EVAL_TASKS}
 
 

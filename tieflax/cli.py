@@ -85,15 +85,25 @@ def build_parser() -> argparse.ArgumentParser:
 COLLECTOR_THRESHOLDS = (50_000, 20, 100)
 
 
+def _stacks_on_a_crash() -> None:
+    """A crash in native code (XLA, the profiler, TensorStore, a tokenizer) ends the process with a signal and
+    no Python traceback; with the fault handler the process first writes every thread's Python stack to
+    stderr ("Fatal Python error: Segmentation fault ... Current thread ..."), which names what was running.
+    Left as it is where a caller already enabled it (pytest does) or where stderr is not a file (captured)."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(file=sys.stderr)
+    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is both OSError and ValueError
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
     from tieflax.platforms import skip_absent_tpu  # noqa: PLC0415
 
     gc.set_threshold(*COLLECTOR_THRESHOLDS)
-    # A crash in native code (XLA, the profiler, TensorStore, a tokenizer) ends the process with a signal and
-    # no Python traceback; with the fault handler the process first writes every thread's Python stack to
-    # stderr ("Fatal Python error: Segmentation fault ... Current thread ..."), which names what was running.
-    faulthandler.enable()
+    _stacks_on_a_crash()
 
     args, module, debug = argparse.Namespace(command=None), None, False
     try:
@@ -103,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_absent_tpu()  # before any command touches JAX: no libtpu start-up noise without a TPU
             parser = build_parser()
             args, unknown = parser.parse_known_args(argv)
-            overrides = [a for a in unknown if a.startswith("--config.")]
-            rest = [a for a in unknown if not a.startswith("--config.")]
-            if rest:
-                parser.error(f"unrecognized arguments: {' '.join(rest)}")
-            args.overrides = list(getattr(args, "overrides", None) or []) + overrides
+            args.overrides = list(getattr(args, "overrides", None) or []) + split_overrides(parser, args, unknown)
             debug = args.debug or os.environ.get("TIEFLAX_DEBUG", "") not in ("", "0", "false", "False")
             check_settings()
             if args.command in RENAMED:
@@ -133,6 +139,30 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         # A command may give bad input its own code (plan: 1 means "does not fit", so bad input is 2).
         return int(getattr(module, "USER_ERROR_CODE", 1))
+
+
+def split_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> list[str]:
+    """The ``--config.FIELD=VALUE`` overrides among the arguments argparse did not know; anything else is
+    refused as an unrecognized argument. An override whose value follows a space
+    (``--config.model.tie_embeddings False``) is refused under the command's own usage, naming the ``=`` it
+    needs: argparse would call the value an unrecognized argument under the top-level usage."""
+    overrides = [a for a in unknown if a.startswith("--config.")]
+    rest = [a for a in unknown if not a.startswith("--config.")]
+    for arg, after in zip(unknown, unknown[1:]):
+        if arg.startswith("--config.") and "=" not in arg and not after.startswith("-"):
+            _command_parser(parser, args).error(
+                f"{arg} {after}: a config override takes its value after '=', not a space: {arg}={after}")
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return overrides
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The subcommand's parser (its usage names the command's own arguments), or ``parser`` when none."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(args.command, parser)
+    return parser
 
 
 class BadSetting(errors.UserError):
