@@ -13,7 +13,8 @@
 #   launch/tpu_pod.sh --logs gs://my-bucket/logs my-v5p-64 us-east5-a -- compare \
 #       --config configs/experiments/tie_vs_untie_pod.py --workdir gs://my-bucket/study
 #   launch/tpu_pod.sh my-v5p-64 us-east5-a -- prepare --config CONFIG --out gs://my-bucket/stores/corpus
-#       (each host runs --shard i/N of its own; then once: ... --worker 0 -- prepare ... --finalize)
+#       (each host runs --shard i/N of its own; then once: ... --worker 0 -- prepare ... --finalize;
+#       or, on a Ray cluster over the hosts (docs/tpu.md): ... --worker 0 -- prepare ... --ray HEAD:6379)
 # Options:
 #   --dry-run        print every gcloud command instead of running it
 #   --code DIR       copy this source tree (its git-tracked files) to ~/tieflax-src on every host and pip install
@@ -94,12 +95,16 @@ elif [[ ", $KNOWN, " != *", $COMMAND, "* ]]; then
 fi
 # prepare: each host gets its own --shard i/N, unless the user gave one (kept, but only on one worker: the
 # same share on every host would be written by several writers at once) or asked to --finalize.
-OWN_SHARD=0; FINALIZE=0
+# prepare --ray: one driver for the whole Ray cluster (its tasks run on every host), so on one worker only.
+OWN_SHARD=0; FINALIZE=0; RAY=0
 for a in "$@"; do
-  case "$a" in --shard|--shard=*) OWN_SHARD=1 ;; --finalize) FINALIZE=1 ;; esac
+  case "$a" in --shard|--shard=*) OWN_SHARD=1 ;; --finalize) FINALIZE=1 ;; --ray|--ray=*) RAY=1 ;; esac
 done
 if [[ $COMMAND == prepare && $OWN_SHARD -eq 1 && $WORKER == all ]]; then
   die "prepare --shard: the launcher gives each host its own --shard i/N; drop yours, or run one share with --worker W"
+fi
+if [[ $COMMAND == prepare && $RAY -eq 1 && $WORKER == all ]]; then
+  die "prepare --ray: one driver schedules the whole cluster; add --worker 0 (start the Ray cluster first: docs/tpu.md)"
 fi
 TAG="${TAG:-${COMMAND}-$(date -u +%Y%m%dT%H%M%SZ)}"
 GC=(gcloud compute tpus tpu-vm)
@@ -147,7 +152,7 @@ fi
 ARGS=$(printf '%q ' "$@")
 INDEX='I=${TIEFLAX_HOST_INDEX:-$(curl -s -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)}'
 case "$COMMAND" in
-  prepare) if [[ $OWN_SHARD -eq 1 || $FINALIZE -eq 1 ]]; then JOB="tieflax prepare ${ARGS}"
+  prepare) if [[ $OWN_SHARD -eq 1 || $FINALIZE -eq 1 || $RAY -eq 1 ]]; then JOB="tieflax prepare ${ARGS}"
            else JOB="tieflax prepare ${ARGS}--shard \$I/$HOSTS"; fi ;;
   train|compare|sweep|evaluate|eval|val-loss|sample) JOB="TIEFLAX_DISTRIBUTED=1 tieflax $COMMAND ${ARGS}" ;;
   *) JOB="tieflax $COMMAND ${ARGS}" ;;

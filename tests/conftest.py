@@ -89,7 +89,7 @@ _LONGEST_FILES_FIRST = ("test_storage_deadline.py", "test_storage_deadline_two_p
                         "test_cross_entropy.py", "test_scan.py", "test_extras_missing.py", "test_model_loss.py",
                         "test_train_observers.py", "test_store_changes.py", "test_run_identity.py",
                         "test_model.py", "test_checkpoint_outage.py", "test_convert.py",
-                        "test_token_store.py", "test_plan.py", "test_path_layer.py", "test_bucket_run.py")
+                        "test_prepare_ray.py", "test_token_store.py", "test_plan.py", "test_path_layer.py", "test_bucket_run.py")
 
 # Tiers. `slow` marks what drives the CLI, trains a model, spawns processes (a second Python, a notebook
 # kernel, a test server's launcher) or compiles for a TPU topology; the rest is the fast tier,
@@ -102,7 +102,7 @@ SLOW_FILES = frozenset({
     "test_compare_tasks.py", "test_convert.py", "test_cross_entropy_gpu_benchmark.py",
     "test_data_multiprocess.py", "test_eval_harness.py", "test_example_task.py", "test_extras_missing.py",
     "test_gpu_step.py", "test_multiprocess_train.py", "test_notebooks.py", "test_path_layer.py",
-    "test_plan.py", "test_pod_launcher.py", "test_prepare_settings.py", "test_prepare_stops.py",
+    "test_plan.py", "test_pod_launcher.py", "test_prepare_ray.py", "test_prepare_settings.py", "test_prepare_stops.py",
     "test_record_values.py", "test_reliability.py", "test_run_identity.py", "test_slurm.py", "test_stop_together.py",
     "test_storage_deadline.py", "test_storage_deadline_two_processes.py", "test_store_changes.py", "test_suite_cache.py",
     "test_token_store.py", "test_train.py",

@@ -5,7 +5,7 @@
 # Usage: tools/refresh_constraints.sh 3.11|3.12
 set -euo pipefail
 case "${1:-}" in
-  3.11) extras='.[test,hf]' ;;
+  3.11) extras='.[test,hf,ray]' ;;
   3.12) extras='.[test]' ;;
   -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
   *) echo "refresh_constraints.sh: give 3.11 or 3.12 (see --help)" >&2; exit 2 ;;

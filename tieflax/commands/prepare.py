@@ -8,6 +8,9 @@
     # recorded in build.json: no tokenising flag needs repeating; one given that differs is refused)
     tieflax prepare --config ... --out gs://BUCKET/corpus --shard 3/8
     tieflax prepare --config ... --out gs://BUCKET/corpus --finalize
+    # a Ray cluster (pip install 'tieflax[ray]'): one task per input shard, scheduled, retried, finalized
+    tieflax prepare --config ... --out gs://BUCKET/corpus --ray 10.0.0.2:6379
+    tieflax prepare --config ... --out /data/kjv_store --ray --workers 2     # a local Ray of 2 CPUs
 
 Rerunning the same command resumes a killed prepare (its ledger lists the finished input shards); a
 finished store is never rewritten. Train from it with ``--config.data.source=tokens
@@ -34,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(one machine's share); finalize with --finalize when all are done")
     parser.add_argument("--finalize", action="store_true", help="only write the arrays and the manifest "
                         "from the finished shares")
+    parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                        help="tokenise as tasks on the Ray cluster at ADDRESS (HOST:PORT of its head, ray://..., "
+                        "auto), or on a local Ray of --workers CPUs started for the command when no ADDRESS is "
+                        "given; the same store as without (pip install 'tieflax[ray]')")
     parser.add_argument("--shard-mb", type=float, default=None, help="text per input shard (MiB): the unit "
                         "of work and of resuming (default 8; a resume or --finalize takes the store's)")
 
@@ -50,6 +57,13 @@ def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
     from tieflax.run.layout import CONFIG_FILE, RUN_CONTENT, holds_a_run, is_run  # noqa: PLC0415
 
     shard = parse_shard(args.shard)
+    if args.ray is not None:
+        from tieflax.data.prepare_ray import import_ray  # noqa: PLC0415
+
+        if shard != (0, 1) or args.finalize:
+            raise DataError("--ray schedules every input shard over the cluster and finalizes: drop --shard and "
+                            "--finalize (they are for building without Ray, one share per machine)")
+        import_ray()   # not installed: one line naming the extra, before anything is read
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: use at least 1 (one tokenizer process per core)")
     if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
@@ -78,15 +92,36 @@ def run(args: argparse.Namespace) -> int:
     # The config keys set on the command line: a --finalize checks only these against the settings the
     # shard builds recorded (build.json), so it needs none of the tokenising flags repeated.
     flags = {item.removeprefix("--").removeprefix("config.").partition("=")[0] for item in args.overrides}
-    manifest = build_store(config.data, args.out, workers=workers, shard=shard,
-                           finalize_only=args.finalize,
-                           shard_bytes=None if args.shard_mb is None else int(args.shard_mb * (1 << 20)),
-                           progress=print_progress,
-                           model_vocab_size=(config.model.vocab_size if not args.finalize
-                                             or "model.vocab_size" in flags else None),
-                           flags=[k.removeprefix("data.") for k in flags if k.startswith("data.")])
+    with _executor(args, workers):
+        manifest = build_store(config.data, args.out, workers=workers, shard=shard,
+                               finalize_only=args.finalize,
+                               shard_bytes=None if args.shard_mb is None else int(args.shard_mb * (1 << 20)),
+                               progress=print_progress,
+                               model_vocab_size=(config.model.vocab_size if not args.finalize
+                                                 or "model.vocab_size" in flags else None),
+                               flags=[k.removeprefix("data.") for k in flags if k.startswith("data.")],
+                               executor=_ray_tasks() if args.ray is not None else None)
     if manifest is not None:
         s = manifest["splits"]
         print(f"token store {args.out}: {s['train']['tokens']:,} train / {s['val']['tokens']:,} val tokens, "
               f"vocabulary {manifest['vocab_size']:,}, digest {manifest['digest'][:16]}")
     return 0
+
+
+def _executor(args: argparse.Namespace, workers: int):
+    """With ``--ray``: connected to its cluster (or a local Ray of ``workers`` CPUs) before the corpus is
+    read, so an address where nothing answers is one line at once; else nothing to set up (the pool)."""
+    import contextlib  # noqa: PLC0415
+
+    if args.ray is None:
+        return contextlib.nullcontext()
+    from tieflax.data.prepare_ray import ray_session  # noqa: PLC0415
+    from tieflax.data.store_build import print_progress  # noqa: PLC0415
+
+    return ray_session(args.ray or None, cpus=workers, say=print_progress)
+
+
+def _ray_tasks():
+    from tieflax.data.prepare_ray import RayTasks  # noqa: PLC0415
+
+    return RayTasks()

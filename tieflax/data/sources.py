@@ -49,6 +49,32 @@ def iter_documents(c: ml_collections.ConfigDict) -> Iterator[Document]:
     yield from readers[c.source](c)
 
 
+# Units: the pieces a source reads one at a time (a file; the whole Bible), each readable alone, so that
+# `tieflax prepare --ray` can name them in its plan and let each task read its own input. The documents of
+# the units in order are the documents of iter_documents, which is built from the same two functions.
+
+def source_units(c: ml_collections.ConfigDict) -> list[str] | None:
+    """The units of text source ``c.source`` in corpus order (file paths; ``['kjv']``), or None for a source
+    read only as one stream (``hf``)."""
+    if c.source == "kjv":
+        return ["kjv"]
+    if c.source == "python_stdlib":
+        return _stdlib_files(c)
+    if c.source == "files":
+        paths = c.files.paths
+        return expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
+    return None
+
+
+def unit_documents(c: ml_collections.ConfigDict, unit: str) -> Iterator[Document]:
+    """The documents of one unit of :func:`source_units`, in corpus order."""
+    if c.source == "kjv":
+        return iter(kjv_documents(c))
+    if c.source == "python_stdlib":
+        return _stdlib_file_documents(unit)
+    return _file_unit_documents(c, unit)
+
+
 def kjv_documents(c: ml_collections.ConfigDict | None = None) -> list[Document]:
     """The King James Bible, one document per chapter (1,189 chapters, 31,102 verses, ~4.1 MB).
 
@@ -87,6 +113,12 @@ def iter_python_stdlib(c: ml_collections.ConfigDict) -> Iterator[Document]:
     Installed packages (``site-packages``) are excluded, so the corpus depends only on the Python
     version. Test suites are excluded unless ``data.python_stdlib.include_tests``.
     """
+    for name in _stdlib_files(c):
+        yield from _stdlib_file_documents(name)
+
+
+def _stdlib_files(c: ml_collections.ConfigDict) -> list[str]:
+    """The ``.py`` files of the standard library that the source reads, relative to its folder, in order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
     if not c.python_stdlib.include_tests:
@@ -98,12 +130,17 @@ def iter_python_stdlib(c: ml_collections.ConfigDict) -> Iterator[Document]:
     files.sort(key=str)
     if c.python_stdlib.max_files:
         files = files[:c.python_stdlib.max_files]
-    for p in files:
-        # A few stdlib files are deliberately not UTF-8 (encoding tests); decode them leniently
-        # rather than lose them, since this corpus is a fixed demo source.
-        text = p.read_text(encoding="utf-8", errors="replace")
-        if text.strip():  # empty __init__.py files are markers, not documents
-            yield Document(str(p.relative_to(root)), text)
+    return [str(p.relative_to(root)) for p in files]
+
+
+def _stdlib_file_documents(name: str) -> Iterator[Document]:
+    """One standard library file (``name`` relative to its folder) as a document, or none when it is blank."""
+    p = Path(sysconfig.get_paths()["stdlib"]) / name
+    # A few stdlib files are deliberately not UTF-8 (encoding tests); decode them leniently
+    # rather than lose them, since this corpus is a fixed demo source.
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if text.strip():  # empty __init__.py files are markers, not documents
+        yield Document(name, text)
 
 
 def expand_paths(patterns: list[str]) -> list[str]:
@@ -163,17 +200,21 @@ def file_documents(c: ml_collections.ConfigDict) -> list[Document]:
 
 
 def iter_file_documents(c: ml_collections.ConfigDict) -> Iterator[Document]:
-    paths = c.files.paths
-    for path in expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths)):
-        if path.endswith((".jsonl", ".parquet")):
-            yield from _row_documents(path, c.files.text_field)
-            continue
-        text = read_text_file(path, c.files.encoding, c.files.errors)
-        if not c.files.split_on:
-            yield Document(str(path), text)
-            continue
-        pieces = [p for p in text.split(c.files.split_on) if p.strip()]
-        yield from (Document(f"{path}#{i}", p) for i, p in enumerate(pieces))
+    for path in source_units(c):
+        yield from _file_unit_documents(c, path)
+
+
+def _file_unit_documents(c: ml_collections.ConfigDict, path: str) -> Iterator[Document]:
+    """The documents of one file of ``data.files.paths``: its rows, its ``split_on`` pieces, or itself."""
+    if path.endswith((".jsonl", ".parquet")):
+        yield from _row_documents(path, c.files.text_field)
+        return
+    text = read_text_file(path, c.files.encoding, c.files.errors)
+    if not c.files.split_on:
+        yield Document(str(path), text)
+        return
+    pieces = [p for p in text.split(c.files.split_on) if p.strip()]
+    yield from (Document(f"{path}#{i}", p) for i, p in enumerate(pieces))
 
 
 def _row_documents(path: str, field: str) -> Iterator[Document]:

@@ -30,7 +30,7 @@ import os
 import re
 import sys
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import ml_collections
 import numpy as np
@@ -124,8 +124,14 @@ def _start_workers(pool: cf.ProcessPoolExecutor, workers: int) -> None:
 def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, shard: tuple[int, int] = (0, 1),
                 finalize_only: bool = False, shard_bytes: int | None = None,
                 progress: Callable[[str], None] | None = None, stats: dict | None = None,
-                model_vocab_size: int | None = None, flags: Iterable[str] | None = None) -> dict | None:
+                model_vocab_size: int | None = None, flags: Iterable[str] | None = None,
+                executor=None) -> dict | None:
     """Builds (or resumes) the token store ``out`` from the data config ``c``.
+
+    ``executor``: what tokenises the input shards instead of a pool of ``workers`` processes here (then
+    unused): ``prepare_ray.RayTasks()``, tasks on a Ray cluster. Its ``begin()`` is called before the
+    tokenizer is trained or read, and the executor itself as ``executor(c, out, tok, settings, say=...)`` ->
+    ``{"tokens", "worker_cpu_s"}``, as :func:`_tokenise`; the store is the same to the byte.
 
     Returns the manifest, or None after a ``shard=(i, n)`` with ``n > 1`` (its share done; finalize
     with ``finalize_only=True`` once every share is). A store with a manifest is returned as it is when
@@ -141,6 +147,9 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
         raise DataError(f"--shard {i}/{n}: the index must lie in [0, {n}).")
     if workers < 1:
         raise DataError(f"--workers {workers}: use at least 1.")
+    if executor is not None and (n > 1 or finalize_only):
+        raise DataError("--ray schedules every input shard over the cluster and finalizes: drop --shard and "
+                        "--finalize (they are for building without Ray, one share per machine)")
     if not finalize_only:   # a finalize reads the recorded settings, not the config's data section
         _check_config(c)
     say = progress or (lambda text: None)
@@ -178,23 +187,38 @@ def build_store(c: ml_collections.ConfigDict, out: str, *, workers: int = 1, sha
     with st.BuildLock(out, "lock.json" if n == 1 else f"lock-{i}-of-{n}.json"):
         stats = {} if stats is None else stats
         if not finalize_only:
-            tok = _store_tokenizer(c, out, say)
-            if model_vocab_size is not None:
-                tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), model_vocab_size,
-                                               where="the tokenizer of tieflax prepare", allow_smaller_tokenizer=True)
-            settings = _check_settings(c, out, tok, shard_bytes)
-            t0 = time.perf_counter()
-            c0 = time.process_time()
-            stats.update(_tokenise(c, out, tok, settings, workers=workers, shard=shard,
-                                   shard_bytes=settings["shard_bytes"], say=say))
-            stats["tokenise_s"] = time.perf_counter() - t0
-            stats["main_cpu_s"] = time.process_time() - c0
+            settings = _tokenise_step(c, out, say, stats, workers=workers, shard=shard, shard_bytes=shard_bytes,
+                                      model_vocab_size=model_vocab_size, executor=executor)
         if n > 1 and not finalize_only:
             return None
         t0 = time.perf_counter()
         manifest = finalize(out, settings, say=say)
         stats["finalize_s"] = time.perf_counter() - t0
         return manifest
+
+
+def _tokenise_step(c, out: str, say, stats: dict, *, workers: int, shard: tuple[int, int], shard_bytes: int | None,
+                   model_vocab_size: int | None, executor) -> dict:
+    """Steps 1 and 2 of the module doc (under the build's lock): the tokenizer, the settings fixed in
+    ``build.json``, then this machine's input shards tokenised in the pool or by ``executor``. Returns the settings;
+    ``stats`` gets the counts and timings."""
+    if executor is not None:   # e.g. a local Ray starts while the tokenizer is trained (seconds each)
+        executor.begin()
+    tok = _store_tokenizer(c, out, say)
+    if model_vocab_size is not None:
+        tokenizer_lib.check_vocab_size(tokenizer_lib.tokenizer_vocab_size(tok), model_vocab_size,
+                                       where="the tokenizer of tieflax prepare", allow_smaller_tokenizer=True)
+    settings = _check_settings(c, out, tok, shard_bytes)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    if executor is not None:
+        stats.update(executor(c, out, tok, settings, say=say))
+    else:
+        stats.update(_tokenise(c, out, tok, settings, workers=workers, shard=shard,
+                               shard_bytes=settings["shard_bytes"], say=say))
+    stats["tokenise_s"] = time.perf_counter() - t0
+    stats["main_cpu_s"] = time.process_time() - c0
+    return settings
 
 
 def _check_config(c) -> None:
@@ -394,10 +418,39 @@ def _differences(started, now, prefix: str = "") -> list[str]:
     return [] if started == now else [f"{prefix.rstrip('.')}: {started!r} -> {now!r}"]
 
 
+def cut_shards(items: Iterable, size: Callable[[object], int], shard_bytes: int) -> Iterator[tuple[int, list]]:
+    """The input shards of a stream of ``items``: ``(index of the shard's first item, [items])``, each shard
+    closed once its items' sizes add up to ``shard_bytes`` or more, the last with what is left.
+
+    The one rule both executors cut by: the pool cuts the documents (size: characters of text), the Ray
+    plan their lengths alone (``prepare_ray``); shard ``k`` holds the same documents either way, so its
+    part, and the store's digest, are the same."""
+    batch: list = []
+    first = total = 0
+    for item in items:
+        batch.append(item)
+        total += size(item)
+        if total >= shard_bytes:
+            yield first, batch
+            first, batch, total = first + len(batch), [], 0
+    if batch:
+        yield first, batch
+
+
+def _text_size(doc) -> int:
+    return len(doc.text)
+
+
+def worker_setup(c, out: str, tok, settings: dict) -> tuple:
+    """The arguments of :func:`_init_worker`: what every worker (a pool process, a Ray task) tokenises with."""
+    return tok.to_str(), out, c.val_fraction, c.split_seed, settings["dtype"]
+
+
 def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[int, int], shard_bytes: int,
               say) -> dict:
-    """Streams the corpus into input shards and tokenises this machine's unfinished ones; returns the
-    tokens it tokenised and the workers' CPU seconds (``tokens``, ``worker_cpu_s``)."""
+    """Streams the corpus into input shards and tokenises this machine's unfinished ones in a pool of
+    ``workers`` processes; returns the tokens it tokenised and the workers' CPU seconds (``tokens``,
+    ``worker_cpu_s``)."""
     i, n = shard
     done = set(st.finished_parts(out))
     pending: set = set()
@@ -408,10 +461,7 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
                            timeout=None if block else 0)
         for f in ready:
             pending.discard(f)
-            _, tokens, cpu = f.result()
-            stats["parts"] += 1
-            stats["tokens"] += tokens
-            stats["cpu"] += cpu
+            count_part(stats, *f.result())
         now = time.perf_counter()
         if now - stats["last"] > 2.0:
             stats["last"] = now
@@ -420,48 +470,53 @@ def _tokenise(c, out: str, tok, settings: dict, *, workers: int, shard: tuple[in
                 f"{stats['tokens'] / 1e6:.2f}M tokens, {rate / 1e6:.2f}M tokens/s")
 
     # Workers die with this process (a kill -9 leaves none behind) and are killed when the block fails.
-    with worker_pool(workers, _init_worker, (tok.to_str(), out, c.val_fraction, c.split_seed,
-                                             settings["dtype"])) as pool:
+    shards = docs = 0
+    with worker_pool(workers, _init_worker, worker_setup(c, out, tok, settings)) as pool:
         _start_workers(pool, workers)
-        k = first = docs = 0
-        texts: list[str] = []
-        size = 0
-
-        def submit():
-            nonlocal k, first, texts, size
-            if k % n == i:
-                if k in done:
-                    stats["skipped"] += 1
-                else:
-                    while len(pending) >= 2 * workers:  # bounded: at most 2 shards per worker in memory
-                        collect(block=True)
-                    pending.add(pool.submit(tokenise_part, k, first, texts))
-            k, first, texts, size = k + 1, first + len(texts), [], 0
-
-        for doc in iter_documents(c):
-            texts.append(doc.text)
-            size += len(doc.text)
-            docs += 1
-            if size >= shard_bytes:
-                submit()
-        if texts:
-            submit()
+        for first, batch in cut_shards(iter_documents(c), _text_size, shard_bytes):
+            k, shards, docs = shards, shards + 1, first + len(batch)
+            if k % n != i:
+                continue
+            if k in done:
+                stats["skipped"] += 1
+                continue
+            while len(pending) >= 2 * workers:  # bounded: at most 2 shards per worker in memory
+                collect(block=True)
+            pending.add(pool.submit(tokenise_part, k, first, [d.text for d in batch]))
         while pending:
             collect(block=True)
+    record_inputs(c, out, shards, docs)
+    say(finished_line(stats, f"{workers} workers"))
+    return {"tokens": stats["tokens"], "worker_cpu_s": stats["cpu"]}
+
+
+def count_part(stats: dict, k: int, tokens: int, cpu: float) -> None:
+    """Adds one finished input shard (what :func:`tokenise_part` returned) to a build's running counts."""
+    del k
+    stats["parts"] += 1
+    stats["tokens"] += tokens
+    stats["cpu"] += cpu
+
+
+def finished_line(stats: dict, who: str) -> str:
+    """The line that ends the tokenising step: shards, tokens, rate, and who did it (``who``)."""
+    wall = time.perf_counter() - stats["t0"]
+    return (f"tokenised {stats['parts']} input shards ({stats['skipped']} done before): {stats['tokens']:,} tokens "
+            f"in {wall:.1f} s, {stats['tokens'] / max(wall, 1e-9) / 1e6:.2f}M tokens/s ({who})")
+
+
+def record_inputs(c, out: str, shards: int, docs: int) -> None:
+    """``inputs.json``: how many input shards and documents the corpus has, fixed by the first build that
+    read it whole; a later build that counts others is refused (the corpus changed), as is an empty one."""
     if docs == 0:
         raise DataError(f"data.source = {c.source!r} produced no documents: the corpus is empty; check "
                         "its settings (paths, dataset, text field).")
-    inputs = {"input_shards": k, "documents": docs}
+    inputs = {"input_shards": shards, "documents": docs}
     path = storage.join(out, "inputs.json")
     if not storage.create_new(path, json.dumps(inputs).encode()):
         if json.loads(storage.read_text(path)) != inputs:
             raise DataError(f"token store {out}: the corpus changed since this store was started "
                             f"({json.loads(storage.read_text(path))} before, {inputs} now); use another --out")
-    wall = time.perf_counter() - stats["t0"]
-    say(f"tokenised {stats['parts']} input shards ({stats['skipped']} done before): "
-        f"{stats['tokens']:,} tokens in {wall:.1f} s, {stats['tokens'] / max(wall, 1e-9) / 1e6:.2f}M tokens/s "
-        f"({workers} workers)")
-    return {"tokens": stats["tokens"], "worker_cpu_s": stats["cpu"]}
 
 
 # ------------------------------------------------------------------------------------------- finalize

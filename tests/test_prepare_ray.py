@@ -1,0 +1,195 @@
+"""tieflax prepare --ray: the store built by Ray tasks is the pool's to the byte (the manifest's digest and
+every array's sha256), also after a Ray worker is killed mid-task and after the driver is killed (whose
+tasks stop: none writes after it), and the plan cuts every source's documents as the pool does; an address
+where nothing answers and a missing ``ray`` are each one line within seconds.
+
+One local Ray of 2 CPUs for the module (``prepare_ray.start_local``, as the command starts it); the corpus
+is 40 standard library files in input shards of 16 KiB (about 30 shards: several in flight at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from test_extras_missing import WITHOUT
+from test_prepare_stops import _cmdline
+from test_token_store import V, corpus_config
+from tieflax import storage
+from tieflax.data.sources import iter_documents, source_units
+from tieflax.data.store_build import build_store, cut_shards
+
+ray = pytest.importorskip("ray", reason="ray is not installed: the test command installs it (the ray extra) on the 3.11 stack only")
+from tieflax.data import prepare_ray  # noqa: E402 (needs ray only to run tasks; imported after the skip)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARD = 16 << 10
+TASK_TITLE = "ray::_tokenise_task"   # a Ray worker's process title while it runs that task
+CLI = [sys.executable, "-m", "tieflax.cli", "prepare", "--config", os.path.join(REPO, "configs/experiments/tiny.py")]
+
+
+def _cli_settings(tokenizer: str) -> list[str]:
+    """corpus_config() as command-line flags, with the pool store's tokenizer given (no BPE to train)."""
+    return ["--config.data.source=python_stdlib", "--config.data.python_stdlib.max_files=40",
+            f"--config.data.tokenizer.vocab_size={V}", f"--config.model.vocab_size={V}",
+            "--config.data.val_fraction=0.2", f"--config.data.tokenizer.path={tokenizer}",
+            f"--shard-mb={SHARD / (1 << 20)}"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The module's local Ray (2 CPUs); -> its address, which a driver in another process joins."""
+    prepare_ray.start_local(2)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool_store(tmp_path_factory):
+    """The one-machine build (2 pool processes, a BPE trained here): -> (its folder, its manifest)."""
+    out = str(tmp_path_factory.mktemp("pool") / "s")
+    return out, build_store(corpus_config(), out, workers=2, shard_bytes=SHARD)
+
+
+def _given_tokenizer(pool: str):
+    c = corpus_config()
+    c.tokenizer.path = storage.join(pool, "tokenizer.json")
+    return c
+
+
+def _same_store(manifest: dict, pool_manifest: dict) -> None:
+    assert manifest["digest"] == pool_manifest["digest"]
+    assert manifest["arrays"] == pool_manifest["arrays"]   # every array's sha256 and object sizes
+    assert manifest["splits"] == pool_manifest["splits"] and manifest["input_shards"] == pool_manifest["input_shards"]
+
+
+def test_the_plan_cuts_every_source_as_the_pool_does(tmp_path):
+    """The plan (units' lengths, cut by the pool's rule) names the same documents per shard as the pool's
+    cut of the documents: the Bible (one unit, cut inside it), files with split_on pieces and .jsonl rows
+    (shards that span units). No Ray: the tasks' functions called here."""
+    from tieflax.data import default_data_config
+
+    (tmp_path / "a.txt").write_text("\n\n".join(f"piece {i} " + "word " * (i * 40) for i in reversed(range(30))))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": "row " * (7 * i + 1)}) for i in range(200))
+                                      + "\n" + json.dumps({"text": ""}))
+    (tmp_path / "c.txt").write_text("a last document")
+    kjv, files = default_data_config(), default_data_config()
+    files.source, files.files.paths, files.files.split_on = "files", [str(tmp_path / "*")], "\n\n"
+    for c, shard_bytes in ((kjv, 1 << 20), (files, 2000)):
+        units = source_units(c)
+        lengths = prepare_ray._lengths_task(c, units)
+        plan = list(prepare_ray.plan_from_lengths(units, lengths, shard_bytes))
+        pool = [(first, [d.text for d in batch]) for first, batch in
+                cut_shards(iter_documents(c), lambda d: len(d.text), shard_bytes)]
+        assert len(plan) == len(pool) > 3
+        for (first, segments), (pool_first, texts) in zip(plan, pool):
+            assert first == pool_first and prepare_ray.segment_texts(c, segments) == texts
+        assert any(len(segments) > 1 for _, segments in plan) or c is kjv   # some shard spans two files
+
+
+def test_ray_builds_the_pool_store_to_the_byte(cluster, pool_store, tmp_path):
+    """The same settings (a BPE trained by the driver), tokenised as Ray tasks: the pool's store."""
+    pool, pool_manifest = pool_store
+    lines: list[str] = []
+    manifest = build_store(corpus_config(), str(tmp_path / "s"), shard_bytes=SHARD, executor=prepare_ray.RayTasks(),
+                           progress=lines.append)
+    _same_store(manifest, pool_manifest)
+    assert pool_manifest["input_shards"] >= 12
+    assert any("Ray tasks on 2 CPUs" in line for line in lines)
+
+
+def test_a_ray_worker_killed_mid_task_is_retried_and_the_store_is_the_same(cluster, pool_store, tmp_path):
+    """kill -9 of the first worker seen running a tokenise task: Ray runs the task again, the build
+    finishes, and the store's digest is the pool's."""
+    pool, pool_manifest = pool_store
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_one():
+        while not stop.is_set() and not killed:
+            for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+                if _cmdline(pid).startswith(TASK_TITLE):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    break
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_one, daemon=True)
+    killer.start()
+    try:
+        manifest = build_store(_given_tokenizer(pool), str(tmp_path / "s"), shard_bytes=SHARD, executor=prepare_ray.RayTasks())
+    finally:
+        stop.set()
+        killer.join(5)
+    assert killed, "no worker was seen running a task (the kill did not happen)"
+    _same_store(manifest, pool_manifest)
+
+
+def _ledger(out: str) -> set[str]:
+    folder = os.path.join(out, "ledger")
+    return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+
+
+def _task_processes() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).startswith(TASK_TITLE)]
+
+
+def test_a_killed_driver_leaves_no_task_writing_and_the_rerun_resumes_to_the_same_store(cluster, pool_store,
+                                                                                        tmp_path):
+    """`tieflax prepare --ray ADDRESS` in another process, killed (-9) once some input shards are in the
+    ledger: its tasks end (no process runs one within 15 s), the ledger does not grow after, and the same
+    build again (from this process: the lock of the dead driver is taken over) resumes, skipping the
+    ledger's shards, to the pool's store."""
+    pool, pool_manifest = pool_store
+    out = str(tmp_path / "s")
+    argv = [*CLI, "--out", out, "--ray", cluster, *_cli_settings(storage.join(pool, "tokenizer.json"))]
+    driver = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_ledger(out)) < 3 and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert driver.poll() is None, f"the driver ended before it was killed: {driver.stderr.read()[-2000:]}"
+        os.kill(driver.pid, signal.SIGKILL)
+        at_kill = len(_ledger(out))
+    finally:
+        driver.kill()
+        driver.wait(10)
+        driver.stderr.close()
+    ends = time.monotonic() + 15
+    while _task_processes() and time.monotonic() < ends:
+        time.sleep(0.05)
+    assert not _task_processes(), "a task of the killed driver still runs 15 s after it"
+    settled = _ledger(out)
+    time.sleep(2)
+    assert _ledger(out) == settled and len(settled) < pool_manifest["input_shards"], (at_kill, len(settled))
+    # The same build again, driven from here (the command's own path up to build_store is the first run's).
+    lines: list[str] = []
+    manifest = build_store(_given_tokenizer(pool), out, shard_bytes=SHARD, executor=prepare_ray.RayTasks(), progress=lines.append)
+    assert any(f"({len(settled)} done before)" in line for line in lines), lines
+    _same_store(manifest, pool_manifest)
+
+
+def test_an_address_where_nothing_answers_and_a_missing_ray_are_one_line_within_seconds(tmp_path):
+    out = str(tmp_path / "s")
+    t0 = time.monotonic()
+    nothing = subprocess.run([*CLI, "--out", out, "--ray", "127.0.0.1:1"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+    took = time.monotonic() - t0
+    lines = nothing.stderr.strip().splitlines()
+    assert nothing.returncode != 0 and len(lines) == 1, nothing.stderr
+    assert "--ray 127.0.0.1:1: no Ray cluster answers there" in lines[0] and "ray start --head" in lines[0]
+    assert took < 60, took   # start-up and imports on a loaded 2-core machine; the probe itself waits <= 5 s
+    assert not os.path.exists(out)
+    absent = subprocess.run([sys.executable, "-c", WITHOUT, "ray", "prepare", "--config", CLI[-1], "--out", out,
+                             "--ray"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = absent.stderr.strip().splitlines()
+    assert absent.returncode != 0 and len(lines) == 1, absent.stderr
+    assert "pip install 'tieflax[ray]'" in lines[0] and not os.path.exists(out)
