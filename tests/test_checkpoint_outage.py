@@ -1,7 +1,7 @@
 """A bucket that stops answering while a checkpoint is written: an outage shorter than the checkpoint
 deadline is ridden out (the broken save said in one line, training on, the last save retried), a longer one
 stops in one line naming the object, the bucket and the deadline, never a full disk's advice
-(``tieflax.run.checkpoints.SaveWatch``)."""
+(``tieflax.run.save_watch.SaveWatch``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tieflax import storage
-from tieflax.run import checkpoints as ckpt
+from tieflax.run import save_watch as ckpt
 
 BUCKET = "gs://quiet-bucket"
 OBJECT = f"{BUCKET}/run/checkpoints/20/state/ocdbt.process_0/d/0123abcd"

@@ -29,6 +29,36 @@ def test_bad_overrides(override, message):
         apply_override(default_config(), override)
 
 
+@pytest.mark.parametrize("override,line", [
+    # a typo: the closest field, in one line (the list of every field was cut off before the likely match)
+    ("--config.model.tie_embedding=False", "no field 'tie_embedding' in config.model: did you mean "
+                                           "config.model.tie_embeddings?"),
+    ("--config.trian.num_steps=3", "no section 'trian' in the config: did you mean config.train?"),
+    ("--config.seed.value=3", "config.seed is a field, not a section: set it as --config.seed=VALUE"),
+    # a value of the wrong kind: what the field takes (ml_collections said "no is of original type ... cannot
+    # be casted")
+    ("--config.model.tie_embeddings=no", "config.model.tie_embeddings takes True or False (any case), not 'no'"),
+    ("--config.train.num_steps=many", "config.train.num_steps takes a whole number, e.g. 100, not 'many'"),
+    ("--config.train.learning_rate=fast", "config.train.learning_rate takes a number, e.g. 3e-4, not 'fast'"),
+])
+def test_a_bad_override_is_one_line_saying_what_to_write(override, line):
+    with pytest.raises(ConfigError) as refused:
+        apply_override(default_config(), override)
+    assert str(refused.value) == f"override {override!r}: {line}"
+
+
+def test_an_override_with_a_space_before_its_value_gets_the_commands_usage(capsys):
+    from tieflax.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "--workdir", "w", "--config.model.tie_embeddings", "False"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("usage: tieflax train "), err
+    assert err.strip().splitlines()[-1] == (
+        "tieflax train: error: --config.model.tie_embeddings False: a config override takes its value after '=', "
+        "not a space: --config.model.tie_embeddings=False")
+
+
 @pytest.mark.parametrize("fields,field", [
     (dict(n_heads=3, d_model=64), "n_heads"),
     (dict(n_heads=8, n_kv_heads=3), "n_kv_heads"),

@@ -16,7 +16,7 @@ import pytest
 
 from test_run_identity import STEPS, _config, _copy, _one_line, data_dir, finished  # noqa: F401 (fixtures)
 from tieflax.cli import main
-from tieflax.run import identity
+from tieflax.run import identity, record, saved_config
 from tieflax.run.layout import CHECKPOINT_DIR, CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE
 from tieflax.train import train_and_evaluate
 
@@ -36,7 +36,7 @@ def _rewrite(path: str, value, **dump) -> None:
 def _claims(run: str) -> list[str]:
     """The orbax metadata files of the run's checkpoints (their custom metadata names the record)."""
     top = os.path.join(run, CHECKPOINT_DIR)
-    return [os.path.join(top, s, identity.CHECKPOINT_METADATA_FILE) for s in os.listdir(top)]
+    return [os.path.join(top, s, record.CHECKPOINT_METADATA_FILE) for s in os.listdir(top)]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_a_reformatted_record_is_the_same_record_and_a_changed_value_is_caught(c
     for name in (CONFIG_FILE, DATA_RECORD_FILE, f"{CONFIG_HISTORY_DIR}/1.json"):
         path = os.path.join(run, name)
         _rewrite(path, _reversed(json.loads(open(path).read())), indent=4)
-    assert identity.load_workdir_config(run).train.num_steps == 6
+    assert saved_config.load_workdir_config(run).train.num_steps == 6
     capsys.readouterr()
     assert main(["val-loss", "--workdir", run]) == 0
     assert main(["train", "--workdir", run]) == 0
@@ -80,15 +80,15 @@ def _previous_version_digests_still_read(run: str) -> None:
     _rewrite(entry_path, entry, indent=1, sort_keys=True)
     for path in _claims(run):  # the checkpoints saved under entry 1 (the older ones name config.json)
         meta = json.loads(raw(path))
-        if meta["custom_metadata"][identity.RECORD_KEY]["entry"] == 1:
-            meta["custom_metadata"][identity.RECORD_KEY] = {
+        if meta["custom_metadata"][record.RECORD_KEY]["entry"] == 1:
+            meta["custom_metadata"][record.RECORD_KEY] = {
                 "entry": 1, "files": {f"{CONFIG_HISTORY_DIR}/1.json": hashlib.sha256(raw(entry_path)).hexdigest()}}
             _rewrite(path, meta)
-    assert identity.load_workdir_config(run).train.num_steps == 6
+    assert saved_config.load_workdir_config(run).train.num_steps == 6
     # Their digests are of the bytes as written: an edit is found (a reformatting too: the values are unknown)
     _rewrite(os.path.join(run, CONFIG_FILE), _reversed(json.loads(raw(CONFIG_FILE))), indent=4)
-    with pytest.raises(identity.RecordBroken, match="config.json was edited"):
-        identity.load_workdir_config(run)
+    with pytest.raises(record.RecordBroken, match="config.json was edited"):
+        saved_config.load_workdir_config(run)
 
 
 # ------------------------------------------------------------------------ what belongs to the run
@@ -117,9 +117,9 @@ def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, 
     shutil.rmtree(foreign, ignore_errors=True)
     shutil.copytree(os.path.join(other, CHECKPOINT_DIR, str(step)), foreign)
     if how == "saved before run ids":
-        path = os.path.join(foreign, identity.CHECKPOINT_METADATA_FILE)
+        path = os.path.join(foreign, record.CHECKPOINT_METADATA_FILE)
         meta = json.loads(open(path).read())
-        meta["custom_metadata"][identity.RECORD_KEY].pop("run_id", None)  # identity.RUN_ID_KEY
+        meta["custom_metadata"][record.RECORD_KEY].pop("run_id", None)  # record.RUN_ID_KEY
         _rewrite(path, meta)
     listing = sorted(os.listdir(run))
     for argv in (["train", "--workdir", run], ["val-loss", "--workdir", run],

@@ -12,7 +12,7 @@ import pytest
 
 from test_train_support import micro_config, prepare_shared_data
 from tieflax.cli import main
-from tieflax.run import identity
+from tieflax.run import identity, record, saved_config
 from tieflax.run.layout import CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE
 from tieflax.train import train_and_evaluate
 
@@ -86,18 +86,18 @@ def test_allow_change_trains_on_and_the_history_holds_both_configs(finished, tmp
     assert f"resuming from step {STEPS}" in out and "changed on purpose from step 4 on" in out, out
     assert json.loads(out.strip().splitlines()[-1])["step"] == 6
     assert open(os.path.join(run, CONFIG_FILE), "rb").read() == original  # never rewritten
-    (entry,) = identity.history(run)
+    (entry,) = record.history(run)
     assert entry["number"] == 1 and entry["step"] == STEPS and entry["reason"] == "--allow-change"
     assert entry["changed"] == {"train.learning_rate": [0.01, 0.001], "train.num_steps": [4, 6]}
     assert json.loads(original)["train"]["learning_rate"] == 0.01  # both configs are in the run
     assert entry["config"]["train"]["learning_rate"] == 0.001
-    assert identity.load_workdir_config(run).train.num_steps == 6  # the config in force
-    assert identity.history_lines(run) == [
+    assert saved_config.load_workdir_config(run).train.num_steps == 6  # the config in force
+    assert record.history_lines(run) == [
         "config changed at step 4 (--allow-change): train.learning_rate 0.01 -> 0.001; train.num_steps 4 -> 6"]
     # A rerun with no argument is the same (changed) run: finished, nothing new recorded.
     assert main(["train", "--workdir", run]) == 0
     assert "finished before, at step 6 (checkpoints/6): nothing to train" in capsys.readouterr().out
-    assert len(identity.history(run)) == 1
+    assert len(record.history(run)) == 1
 
 
 def test_memory_placement_and_cadence_are_free(finished, tmp_path, capsys):
@@ -108,7 +108,7 @@ def test_memory_placement_and_cadence_are_free(finished, tmp_path, capsys):
                  "--config.data.read_threads=1"]) == 0
     assert "finished before, at step 4 (checkpoints/4): nothing to train" in capsys.readouterr().out
     assert open(os.path.join(run, CONFIG_FILE), "rb").read() == original
-    assert identity.history(run) == []
+    assert record.history(run) == []
 
 
 def test_data_that_changed_under_the_same_config_is_refused(data_dir, tmp_path, capsys):
@@ -120,14 +120,14 @@ def test_data_that_changed_under_the_same_config_is_refused(data_dir, tmp_path, 
     config.data.python_stdlib.max_files = 0  # the files source does not read it
     run = str(tmp_path / "run")
     train_and_evaluate(config, run)
-    saved = identity.read_data_record(run)
+    saved = record.read_data_record(run)
     assert saved["source"] == "files" and saved["key"]
 
     with open(corpus, "a") as f:  # the same path and settings, other content
         f.write("\n\nanother document appended after the run trained")
     with pytest.raises(identity.RunChanged, match=r"trained on other data \(saved -> now: data \(key\) "):
         train_and_evaluate(config, run)
-    assert identity.read_data_record(run) == saved
+    assert record.read_data_record(run) == saved
     # Two differences (a setting and the data) are named in one refusal, not one per rerun.
     config.train.learning_rate = 0.002
     with pytest.raises(identity.RunChanged) as refused:
@@ -135,10 +135,10 @@ def test_data_that_changed_under_the_same_config_is_refused(data_dir, tmp_path, 
     assert "train.learning_rate 0.01 -> 0.002" in str(refused.value) and "data (key)" in str(refused.value)
     config.train.learning_rate = 0.01
     train_and_evaluate(config, run, allow_change=("data",))  # on purpose: recorded with the new key
-    (entry,) = identity.history(run)
+    (entry,) = record.history(run)
     assert entry["data"]["key"] != saved["key"]
     assert entry["changed"] == {"data (key)": [saved["key"], entry["data"]["key"]]}  # what changed, said
-    (line,) = identity.history_lines(run)
+    (line,) = record.history_lines(run)
     assert line.startswith("config changed at step 4 (--allow-change): data (key) "), line
 
 
@@ -148,7 +148,7 @@ def test_imported_parameters_take_training_settings_before_their_first_step(fini
     err = _one_line(capsys, ["train", "--workdir", untied, "--config.model.d_ff=128"])
     assert "model.d_ff 64 -> 128" in err and "tieflax convert" in err, err
     assert main(["train", "--workdir", untied, "--config.train.learning_rate=0.003"]) == 0
-    (entry,) = identity.history(untied)
+    (entry,) = record.history(untied)
     assert entry["step"] == 0 and entry["reason"] == "set before the first step"
     # Now it has trained: the same override is held to the record like any other run's.
     assert main(["train", "--workdir", untied, "--config.train.learning_rate=0.003"]) == 0
@@ -183,7 +183,7 @@ def changed_twice(finished, tmp_path_factory):
     assert main(["train", "--workdir", run, "--config.train.num_steps=6", "--config.train.learning_rate=0.001",
                  "--allow-change", "train.num_steps,train.learning_rate"]) == 0
     assert main(["train", "--workdir", run, "--config.train.num_steps=8", "--allow-change", "train.num_steps"]) == 0
-    assert [e["number"] for e in identity.history(run)] == [1, 2]
+    assert [e["number"] for e in record.history(run)] == [1, 2]
     return run
 
 
@@ -208,8 +208,8 @@ def test_a_deleted_truncated_or_edited_record_file_is_one_line_naming_it(changed
     an older or a hand-written learning rate), a truncated one was named by line and column only."""
     run = _copy(changed_twice, tmp_path / "run")
     _damage(os.path.join(run, name), how)
-    with pytest.raises(identity.RecordBroken) as broken:
-        identity.load_workdir_config(run)
+    with pytest.raises(record.RecordBroken) as broken:
+        saved_config.load_workdir_config(run)
     line = str(broken.value)
     assert os.path.join(run, name) in line and "restore it" in line and "--allow-change" in line, line
     listing = sorted(os.listdir(run))
@@ -225,13 +225,13 @@ def test_a_deleted_history_folder_or_config_without_history_is_refused(finished,
     import shutil
 
     shutil.rmtree(os.path.join(run, CONFIG_HISTORY_DIR))
-    with pytest.raises(identity.RecordBroken, match=r"config_history/2.json is missing \(checkpoints/8 names"):
-        identity.load_workdir_config(run)
+    with pytest.raises(record.RecordBroken, match=r"config_history/2.json is missing \(checkpoints/8 names"):
+        saved_config.load_workdir_config(run)
     plain = _copy(finished, tmp_path / "plain")  # no history: the checkpoint names config.json itself
     _damage(os.path.join(plain, CONFIG_FILE), "edit")
-    with pytest.raises(identity.RecordBroken, match=r"config.json was edited \(its digest differs from the one "
+    with pytest.raises(record.RecordBroken, match=r"config.json was edited \(its digest differs from the one "
                                                      r"checkpoints/4 names\)"):
-        identity.load_workdir_config(plain)
+        saved_config.load_workdir_config(plain)
 
 
 def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(data_dir, finished, tmp_path, capsys):
@@ -240,17 +240,17 @@ def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(data_dir, fin
     run = _copy(finished, tmp_path / "run")
     os.remove(os.path.join(run, CONFIG_FILE))
     config = _config(data_dir, learning_rate=0.05)
-    with pytest.raises(identity.RecordBroken, match="config.json is missing, yet the run has trained"):
+    with pytest.raises(record.RecordBroken, match="config.json is missing, yet the run has trained"):
         train_and_evaluate(config, run)
     assert not os.path.exists(os.path.join(run, CONFIG_FILE))
     # The fix it names: go on from the last checkpoint with this config, a new entry that says so.
     config.train.num_steps = 6
     result = train_and_evaluate(config, run, allow_change=("train.num_steps",))
     assert result["step"] == 6 and not os.path.exists(os.path.join(run, CONFIG_FILE))
-    (entry,) = identity.history(run)
+    (entry,) = record.history(run)
     assert entry["step"] == STEPS and "config.json is missing" in entry["restarted"], entry
-    assert identity.load_workdir_config(run).train.learning_rate == 0.05
-    assert identity.history_lines(run)[0].startswith("config record restarted at step 4 (")
+    assert saved_config.load_workdir_config(run).train.learning_rate == 0.05
+    assert record.history_lines(run)[0].startswith("config record restarted at step 4 (")
     assert main(["train", "--workdir", run]) == 0  # and it resumes from its record again
     assert "finished before, at step 6 (checkpoints/6): nothing to train" in capsys.readouterr().out
 
@@ -272,13 +272,13 @@ def test_a_run_written_before_the_chain_resumes_and_says_so_once(changed_twice, 
         del entry["previous"]
         open(path, "w").write(json.dumps(entry, indent=1, sort_keys=True))
     for step in os.listdir(os.path.join(run, "checkpoints")):
-        path = os.path.join(run, "checkpoints", step, identity.CHECKPOINT_METADATA_FILE)
+        path = os.path.join(run, "checkpoints", step, record.CHECKPOINT_METADATA_FILE)
         meta = json.loads(open(path).read())
-        meta.get("custom_metadata", {}).pop(identity.RECORD_KEY, None)
+        meta.get("custom_metadata", {}).pop(record.RECORD_KEY, None)
         open(path, "w").write(json.dumps(meta))
-    with caplog.at_level("WARNING", logger=identity.__name__):
-        assert identity.load_workdir_config(run).train.num_steps == 8
-        assert identity.load_workdir_config(run).train.num_steps == 8
+    with caplog.at_level("WARNING", logger=record.__name__):
+        assert saved_config.load_workdir_config(run).train.num_steps == 8
+        assert saved_config.load_workdir_config(run).train.num_steps == 8
     said = [r for r in caplog.records if "before the run's record carried digests" in r.getMessage()]
     assert len(said) == 1, caplog.records
 
@@ -292,7 +292,7 @@ def test_check_resume_reads_the_record_once_and_checks_that_snapshot(tmp_path, m
 
     workdir = str(tmp_path / "run")
     config = default_config()
-    identity.save_config(workdir, config, claim=True)
+    saved_config.save_config(workdir, config, claim=True)
     storage.write_text(storage.join(workdir, "metrics", "s-0.jsonl"), "{}\n")  # it has trained
     asked = []
     for name in ("read_bytes", "read_many", "listdir", "exists", "is_file"):
@@ -308,3 +308,38 @@ def test_check_resume_reads_the_record_once_and_checks_that_snapshot(tmp_path, m
     config_file = os.path.join(workdir, CONFIG_FILE)
     assert asked.count(config_file) == 2 and asked.count(os.path.join(workdir, "metrics")) == 2, asked
     assert asked.count(os.path.join(str(tmp_path / "new"), CONFIG_FILE)) == 1
+
+
+def test_every_reader_refuses_a_broken_record_naming_the_training_command_that_mends_it(finished, tmp_path, capsys):
+    """val-loss and sample offered only the training command's flags (--config FILE --allow-change FIELD),
+    which they do not take; each reader now says it cannot mend the record and names the command that can."""
+    run = _copy(finished, tmp_path / "run")
+    _damage(os.path.join(run, CONFIG_FILE), "edit")
+    listing = sorted(os.listdir(run))
+    for argv in (["sample", "--workdir", run, "--prompt", "In"], ["val-loss", "--workdir", run],
+                 ["analyze", "--workdir", run, "--no-plots"],
+                 ["convert", "--untie", "--workdir", run, "--out", str(tmp_path / "untied")]):
+        err = _one_line(capsys, argv)
+        assert f"{os.path.join(run, CONFIG_FILE)} was edited" in err, err
+        assert f"`tieflax {argv[0]}` reads the record as it is" in err, err
+        assert f"tieflax train --workdir {run} --config FILE --allow-change FIELD" in err, err
+    assert sorted(os.listdir(run)) == listing and not os.path.exists(tmp_path / "untied")  # nothing written
+
+
+def test_sample_refuses_a_tokenizer_json_the_record_does_not_name(finished, tmp_path, capsys):
+    """sample decoded with a hand-edited tokenizer.json without a word: the ids the model learned became
+    other text. Reformatting it (the same values) is still the run's tokenizer."""
+    from tieflax.run.run import Run
+
+    run = _copy(finished, tmp_path / "run")
+    path = os.path.join(run, "tokenizer.json")
+    tok = json.loads(open(path).read())
+    open(path, "w").write(json.dumps(tok, indent=4))
+    assert Run.read(run, command="sample").tokenizer() is not None  # reformatted: the same tokenizer
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer
+    open(path, "w").write(json.dumps(tok))
+    err = _one_line(capsys, ["sample", "--workdir", run, "--prompt", "In", "--max-new-tokens", "2"])
+    assert f"{path} is not the tokenizer the run's record names ({DATA_RECORD_FILE} names tokenizer" in err, err
+    assert f"tieflax train --workdir {run} --allow-change data" in err, err

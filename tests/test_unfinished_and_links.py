@@ -16,7 +16,7 @@ from test_bucket_run import data_dir  # noqa: F401 (the module's fixture: the pr
 from tieflax import storage
 from tieflax.cli import main
 from tieflax.run import checkpoints as ckpt
-from tieflax.run import identity
+from tieflax.run import record
 from tieflax.run.layout import LOCK_FILE
 from tieflax.train import train_and_evaluate
 
@@ -30,7 +30,7 @@ def _as_killed_while_writing(run: str, step: int) -> None:
         os.rename(folder, f"{folder}.orbax-checkpoint-tmp-1765101234")
         return
     storage.delete(storage.join(folder, "commit_success.txt"))
-    meta_path = storage.join(folder, identity.CHECKPOINT_METADATA_FILE)
+    meta_path = storage.join(folder, record.CHECKPOINT_METADATA_FILE)
     meta = json.loads(storage.read_bytes(meta_path))
     meta.pop("custom_metadata", None)
     storage.write_text(meta_path, json.dumps(meta))

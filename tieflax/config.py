@@ -167,19 +167,25 @@ def _failed_in(path: str, arg: str, e: Exception, when: str) -> ConfigError:
 
 
 def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
-    """Applies one ``[--config.]a.b.c=value`` override in place."""
+    """Applies one ``[--config.]a.b.c=value`` override in place. A refusal is one line naming the field:
+    a misspelled name with the closest field (``did you mean``), a value of the wrong kind with the values
+    the field takes."""
     key, sep, raw = item.removeprefix("--").removeprefix("config.").partition("=")
     if not sep:
         raise ConfigError(f"override {item!r} must look like --config.section.field=value")
     *parents, leaf = key.split(".")
     node = config
-    for name in parents:
+    for depth, name in enumerate(parents):
+        if name in node and not isinstance(node[name], ml_collections.ConfigDict):
+            field = ".".join(["config", *parents[:depth + 1]])
+            raise ConfigError(f"override {item!r}: {field} is a field, not a section: set it as --{field}=VALUE")
         if name not in node:
-            raise ConfigError(f"override {item!r}: no section {name!r} in the config")
+            raise ConfigError(f"override {item!r}: no section {name!r} in the config"
+                              + _closest(name, node, ".".join(["config", *parents[:depth]])))
         node = node[name]
     if leaf not in node:
-        raise ConfigError(f"override {item!r}: no field {leaf!r} in config.{'.'.join(parents)}; "
-                          f"fields: {sorted(node.keys())}")
+        raise ConfigError(f"override {item!r}: no field {leaf!r} in config.{'.'.join(parents)}"
+                          + _closest(leaf, node, ".".join(["config", *parents])))
     value = _parse(raw)
     current = node[leaf]
     if leaf == "remat":
@@ -192,8 +198,27 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
         value = float(value)
     try:
         node[leaf] = value
-    except TypeError as e:
-        raise ConfigError(f"override {item!r}: {e}") from None
+    except TypeError:
+        # ml_collections' own words ("no is of original type <class 'bool'> and cannot be casted ...") name
+        # neither the field nor what it takes.
+        raise ConfigError(f"override {item!r}: config.{key} takes {_KIND_TAKES.get(type(current), type(current).__name__)}, "
+                          f"not {raw!r}") from None
+
+
+# What a field of each type takes, in the words of a refusal (``_parse`` reads the value as Python).
+_KIND_TAKES = {bool: "True or False (any case)", int: "a whole number, e.g. 100", float: "a number, e.g. 3e-4",
+               str: "text", tuple: "a tuple, e.g. (2, 4) or () for none"}
+
+
+def _closest(name: str, node: ml_collections.ConfigDict, where: str) -> str:
+    """``: did you mean <where>.<field>?`` for the closest field of ``node``, else the fields it has."""
+    import difflib  # noqa: PLC0415
+
+    known = sorted(node.keys())
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if match:
+        return f": did you mean {where}.{match[0]}?"
+    return f"; its fields: {', '.join(known)}"
 
 
 def _parse(raw: str) -> Any:

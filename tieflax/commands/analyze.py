@@ -25,9 +25,15 @@ def run(args: argparse.Namespace) -> int:
     from tieflax import strict_json as jsonable  # noqa: PLC0415
     from tieflax.study.analyze import analyze_workdir, without_arrays  # noqa: PLC0415
 
+    from tieflax.run.run import Run  # noqa: PLC0415
+
     if args.overrides:
         raise SystemExit("tieflax analyze reads the run's own config.json; --config.* overrides do not apply")
-    result = analyze_workdir(args.workdir, step=args.step, n_val_batches=args.val_batches,
+    # Opened as every reader opens a run (resolved, its record verified, a broken one named with the
+    # training command that mends it); the study's measures then read the resolved run folder.
+    run = Run.read(args.workdir, command="analyze")
+    run.verify()
+    result = analyze_workdir(run.path, step=args.step, n_val_batches=args.val_batches,
                              n_buckets=args.buckets, max_rows=args.max_rows or None, out_dir=args.out,
                              plots=not args.no_plots)
     print(jsonable.dumps(summary_lines(without_arrays(result)), indent=1))

@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tieflax import strict_json as jsonable  # noqa: PLC0415
-    from tieflax.interop.convert import (export_hf, import_hf, scan_workdir, tie_workdir,  # noqa: PLC0415
-                                         untie_workdir)
+    from tieflax.interop.convert import export_hf, import_hf, scan_run, tie_run, untie_run  # noqa: PLC0415
+    from tieflax.run.run import Run  # noqa: PLC0415
 
     overrides = list(getattr(args, "overrides", []) or [])
     if args.to_hf:
@@ -61,14 +61,16 @@ def run(args: argparse.Namespace) -> int:
         if not args.out:
             raise SystemExit("tieflax convert: --out is required with --to-hf, --untie, --tie and "
                              "--scan-layers/--unscan-layers")
+        # The run read from: resolved here, verified once its config is read (after --out is checked).
+        source = Run.read(args.workdir, command="convert")
         if args.to_hf:
-            report = export_hf(args.workdir, args.out, dtype=args.dtype,
+            report = export_hf(source, args.out, dtype=args.dtype,
                                max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=overwrite)
         elif args.untie:
-            report = untie_workdir(args.workdir, args.out, overrides, overwrite=overwrite)
+            report = untie_run(source, args.out, overrides, overwrite=overwrite)
         elif args.scan_layers or args.unscan_layers:
-            report = scan_workdir(args.workdir, args.out, args.scan_layers, overrides, overwrite=overwrite)
+            report = scan_run(source, args.out, args.scan_layers, overrides, overwrite=overwrite)
         else:
-            report = tie_workdir(args.workdir, args.out, args.tie, overrides, overwrite=overwrite)
+            report = tie_run(source, args.out, args.tie, overrides, overwrite=overwrite)
     print(jsonable.dumps(report, indent=2))
     return 0

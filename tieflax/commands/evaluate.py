@@ -47,12 +47,17 @@ def run(args: argparse.Namespace) -> int:
     # and writes; the others compute their share of its batches on the run's mesh (tieflax.eval.harness).
     distributed.initialize()
     from tieflax.eval.decode import EvalError  # noqa: PLC0415
-    from tieflax.eval.tasks import evaluate_workdir  # noqa: PLC0415
+    from tieflax.eval.tasks import checked_request, evaluate_tasks  # noqa: PLC0415
+    from tieflax.run.run import Run  # noqa: PLC0415
 
     if args.log_samples and not args.output:
         raise EvalError("--log-samples keeps lm-eval's per-sample records in --output: add --output DIR")
-    evaluate_workdir(args.workdir, tasks=args.tasks.split(","), include_path=args.include_path,
-                     num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
-                     token_budget=args.token_budget, log_samples=args.log_samples, output=args.output,
-                     step=args.step, seed=args.seed, show=True)
+    # The request first (options, task files, the output folder), then the run: a bad option is refused
+    # before any checkpoint or record is read.
+    options = dict(include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
+                   batch_size=args.batch_size, token_budget=args.token_budget, step=args.step)
+    tasks, output, unreachable = checked_request(args.tasks.split(","), output=args.output, **options)
+    run = Run.read(args.workdir, command="evaluate")
+    evaluate_tasks(run, tasks, log_samples=args.log_samples, output=output, seed=args.seed, show=True,
+                   unreachable=unreachable, **options)
     return 0

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     distributed.initialize()
     from tieflax.eval.decode import EvalError, Generator  # noqa: PLC0415
     from tieflax.eval.loaded import load_run  # noqa: PLC0415 (no lm-eval: sample runs on the base install)
+    from tieflax.run.run import Run  # noqa: PLC0415
 
     import math  # noqa: PLC0415
 
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise EvalError(f"--temperature {args.temperature}: use a finite number >= 0 (0 = greedy)")
     if args.step is not None and args.step < 0:
         raise EvalError(f"--step {args.step}: use a checkpoint step >= 0 (or leave it out for the latest)")
-    run = load_run(args.workdir, step=args.step)
+    # Its record verified, and its tokenizer.json the one the record names: refused in one line otherwise.
+    run = load_run(Run.read(args.workdir, command="sample"), step=args.step)
     generator = Generator(run.config, mesh=run.mesh, max_len=run.max_length, pad_id=run.eos_id)
     shards = run.mesh.shape["data"] * run.mesh.shape["fsdp"]  # one row per data shard, the first printed
     prefix = run.eos_id if run.bos_id is None else run.bos_id

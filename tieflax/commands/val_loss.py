@@ -32,10 +32,11 @@ def run(args: argparse.Namespace) -> int:
     from tieflax import strict_json  # noqa: PLC0415
     from tieflax.config import apply_override, model_config, validate_config  # noqa: PLC0415
     from tieflax.errors import ConfigError  # noqa: PLC0415
-    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
+    from tieflax.run.run import Run  # noqa: PLC0415
     from tieflax.train import evaluate_run  # noqa: PLC0415
 
-    config = load_workdir_config(args.workdir)
+    run = Run.read(args.workdir, command="val-loss")
+    config = run.config
     trained = model_config(config)
     for item in args.overrides:
         apply_override(config, item)
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--config.model overrides would evaluate another model than the one trained "
                           f"(config.model.{changed[0]}{' and more' if len(changed) > 1 else ''}): val-loss "
                           "overrides may change how the run is evaluated (mesh, batches), not the model")
-    result = evaluate_run(config, args.workdir)
+    result = evaluate_run(config, run.path)
     if jax.process_index() == 0:
         print(strict_json.dumps(result))  # a NaN loss as "NaN": strict JSON
     return 0

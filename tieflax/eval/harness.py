@@ -107,11 +107,18 @@ class TieflaxLM(TemplateLM):
 
     # ------------------------------------------------------------------------------------- loading
     @classmethod
+    def from_run(cls, run, *, step: Optional[int] = None, **kwargs) -> "TieflaxLM":
+        """The checkpoint (latest, or ``step``), tokenizer and mesh of ``run``, opened by ``Run.read``."""
+        loaded = load_run(run, step)
+        return cls(loaded.config, loaded.params, loaded.tokenizer, eos_id=loaded.eos_id, prefix_id=loaded.bos_id,
+                   max_length=loaded.max_length, mesh=loaded.mesh, **kwargs)
+
+    @classmethod
     def from_workdir(cls, workdir: str, *, step: Optional[int] = None, **kwargs) -> "TieflaxLM":
-        """The run's checkpoint (latest, or ``step``), tokenizer and mesh."""
-        run = load_run(workdir, step)
-        return cls(run.config, run.params, run.tokenizer, eos_id=run.eos_id, prefix_id=run.bos_id,
-                   max_length=run.max_length, mesh=run.mesh, **kwargs)
+        """``from_run`` of the run folder lm-eval names (``pretrained=RUN``) and the study passes."""
+        from tieflax.run.read_only import ReadOnlyRun  # noqa: PLC0415
+
+        return cls.from_run(ReadOnlyRun.open(workdir, command="evaluate"), step=step, **kwargs)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None) -> "TieflaxLM":

@@ -5,16 +5,18 @@ install."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tieflax import sharding as shd
-from tieflax import storage
 from tieflax.eval.decode import EvalError
 from tieflax.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tieflax.run.read_only import ReadOnlyRun
 
 
 @dataclasses.dataclass
@@ -37,20 +39,19 @@ class LoadedRun:
         return self.tokenizer.encode(text, add_special_tokens=add).ids
 
 
-def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
-    """The run's checkpoint (latest, or ``step``), tokenizer and mesh."""
-    from tieflax.run.checkpoints import load_latest_params  # noqa: PLC0415
+def load_run(run: "ReadOnlyRun", step: Optional[int] = None) -> LoadedRun:
+    """The checkpoint (latest, or ``step``), tokenizer and mesh of ``run``, a run opened for reading
+    (``Run.read``: its record verified, its tokenizer checked against the record)."""
     from tieflax.config import model_config  # noqa: PLC0415
-    from tieflax.data.tokenizer import TOKENIZER_FILE, bos_id_of, eos_id_of, load_tokenizer  # noqa: PLC0415
-    from tieflax.run import layout  # noqa: PLC0415
+    from tieflax.data.tokenizer import TOKENIZER_FILE, bos_id_of, eos_id_of  # noqa: PLC0415
 
-    config, params, _ = load_latest_params(workdir, step)
+    config = run.config
+    params, _ = run.params(step)  # first: a run without a checkpoint says so before its tokenizer is read
     mc = model_config(config)
-    path = layout.path(workdir, TOKENIZER_FILE)  # the run layer names what a run directory holds
-    if not storage.is_file(path):
-        raise EvalError(f"{workdir!r} has no {TOKENIZER_FILE}: evaluation needs the run's tokenizer "
+    tok = run.tokenizer()  # refused when the record names another tokenizer
+    if tok is None:
+        raise EvalError(f"{run.path!r} has no {TOKENIZER_FILE}: evaluation needs the run's tokenizer "
                         "(runs on pre-tokenised data have none; copy the tokenizer that made them there)")
-    tok = load_tokenizer(path)
     eos = eos_id_of(tok, config.data.tokenizer.eos_token)
     bos = bos_id_of(tok, config.data.tokenizer.bos_token)
     mesh = run_mesh(config.mesh)

@@ -5,7 +5,8 @@ lm-eval writes its files with ``pathlib`` (a ``gs://`` output would become a loc
 logs a failed write instead of raising, so its tracker writes into a local temporary folder and the files
 are then copied whole through ``tieflax.storage`` to the output (local, gs:// or s3://).
 
-    results = evaluate_workdir("runs/x", tasks=["arc_easy"], limit=100, output="runs/x/lm_eval")
+    tasks, output, _ = checked_request(["arc_easy"], limit=100, output="runs/x/lm_eval")
+    results = evaluate_tasks(Run.read("runs/x", command="evaluate"), tasks, limit=100, output=output)
 
 During training (``config.train.eval_tasks``), ``TrainingTasks`` scores the tasks on the live parameters
 (no checkpoint is read): one ``TieflaxLM`` on the training mesh for the whole run, its parameters swapped
@@ -110,11 +111,13 @@ def task_manager(tasks: Sequence[str], include_path: Optional[str]):
     return manager
 
 
-def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Optional[str] = None,
-                     num_fewshot: Optional[int] = None, limit: Optional[float] = None, batch_size: int = 8,
-                     token_budget: int = 4096, log_samples: bool = False, output: Optional[str] = None,
-                     step: Optional[int] = None, seed: int = 0, show: bool = False) -> dict:
-    """lm-eval's results dict for ``tasks`` on ``workdir``'s checkpoint (``samples`` kept if asked)."""
+def checked_request(tasks: Sequence[str], *, include_path: Optional[str] = None, num_fewshot: Optional[int] = None,
+                    limit: Optional[float] = None, batch_size: int = 8, token_budget: int = 4096,
+                    output: Optional[str] = None, step: Optional[int] = None) -> tuple[list[str], Optional[str],
+                                                                                        Optional[str]]:
+    """``(tasks, output, unreachable)``: the task names, the output folder resolved and the Hugging Face
+    host that could not be reached (None: reachable, or offline by choice), checked on process 0 before any
+    run is read; a refusal (an option, a task file, the output) stops every process together."""
     tasks = [t.strip() for t in tasks if t.strip()]
     if not tasks:
         raise EvalError("--tasks is empty; name at least one lm-eval task, e.g. --tasks arc_easy")
@@ -122,12 +125,10 @@ def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Option
     import jax  # noqa: PLC0415
 
     from tieflax import distributed  # noqa: PLC0415
-    from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
 
-    lead = jax.process_index() == 0   # lm-eval runs here; the other processes follow its batches
     error = None
     try:
-        if lead:
+        if jax.process_index() == 0:   # lm-eval runs here; the other processes follow its batches
             check_options(limit=limit, batch_size=batch_size, token_budget=token_budget, num_fewshot=num_fewshot,
                           step=step)
             if include_path is not None:
@@ -138,15 +139,29 @@ def evaluate_workdir(workdir: str, *, tasks: Sequence[str], include_path: Option
     error = distributed.first_failure(error, "evaluate-options")   # every process stops, or none
     if error is not None:
         raise EvalError(error)
+    return tasks, output, unreachable
+
+
+def evaluate_tasks(run, tasks: Sequence[str], *, include_path: Optional[str] = None,
+                   num_fewshot: Optional[int] = None, limit: Optional[float] = None, batch_size: int = 8,
+                   token_budget: int = 4096, log_samples: bool = False, output: Optional[str] = None,
+                   step: Optional[int] = None, seed: int = 0, show: bool = False,
+                   unreachable: Optional[str] = None) -> dict:
+    """lm-eval's results dict for ``tasks`` on the checkpoint of ``run``, a run opened for reading
+    (``Run.read``; ``samples`` kept if asked), with the request as ``checked_request`` returned it."""
+    import jax  # noqa: PLC0415
+
+    from tieflax.eval.harness import TieflaxLM  # noqa: PLC0415
+
     # The run first: a workdir without a checkpoint fails before lm-eval indexes its tasks.
-    lm = TieflaxLM.from_workdir(workdir, step=step, batch_size=batch_size, token_budget=token_budget, seed=seed)
-    if not lead:
+    lm = TieflaxLM.from_run(run, step=step, batch_size=batch_size, token_budget=token_budget, seed=seed)
+    if jax.process_index() != 0:
         lm.follow()
         return {}
     with lm.leading():
         manager = task_manager(tasks, include_path)
         try:
-            return run_tasks(lm, tasks, manager, model_args={"pretrained": workdir}, num_fewshot=num_fewshot,
+            return run_tasks(lm, tasks, manager, model_args={"pretrained": run.path}, num_fewshot=num_fewshot,
                              limit=limit, log_samples=log_samples, output=output, show=show)
         except ConnectionError as e:
             if unreachable is None:

@@ -1,10 +1,13 @@
 """Checkpoints in and out of tieflax, and the surgery between tied and untied models.
 
 - ``import_hf``: a Hugging Face folder (config.json + safetensors) -> a workdir `tieflax train` starts from.
-- ``export_hf``: a workdir's latest parameters -> a Hugging Face folder (transformers reads it).
-- ``untie_workdir`` / ``tie_workdir``: a new workdir whose head is a copy of the embedding, or whose one
+- ``export_hf``: a run's latest parameters -> a Hugging Face folder (transformers reads it).
+- ``untie_run`` / ``tie_run``: a new workdir whose head is a copy of the embedding, or whose one
   matrix is the input, output or their mean (``tieflax.model.surgery`` does the arithmetic).
-- ``scan_workdir``: the layers stacked (``scan_layers``) or per layer; the same function.
+- ``scan_run``: the layers stacked (``scan_layers``) or per layer; the same function.
+
+The run read from is a ``Run.read`` handle (``tieflax.run.read_only``): resolved once by the command, its
+record verified when its config is first read, after the destination's checks.
 
 Each writes its destination with ``save_initial_params``, whole or not at all: training there starts from
 those parameters at step 0 with a fresh optimizer. ``overrides`` (``--config.a.b=value``) set the new
@@ -34,8 +37,9 @@ from tieflax.run.destinations import check_destination as check_safe_destination
 from tieflax.run.destinations import (check_empty_or_replaceable, copy_file, copy_tree, inside, real,
                                       writing_new_workdir)
 from tieflax.run.layout import (HF_FILES_DIR, IMPORT_SOURCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, TOKENIZER_FILE,
-                                WorkdirError, check_location, is_run)
+                                WorkdirError, is_run)
 from tieflax.run.layout import SURGERY_FILE as SURGERY_REPORT
+from tieflax.run.read_only import ReadOnlyRun
 
 # What every surgery leaves behind: the new workdir holds parameters only (``initial_params/``), so training
 # there starts a new run from them; `tieflax train` says so when it starts.
@@ -73,16 +77,17 @@ def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overw
                 tokenizer=config.data.tokenizer.path or None, carried_files=copied)
 
 
-def export_hf(workdir: str, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+def export_hf(run: ReadOnlyRun, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
               overwrite: bool = False) -> dict:
-    """The workdir's latest parameters -> an HF folder; returns a report. ``out`` (local, gs:// or s3://)
+    """The latest parameters of ``run`` (``Run.read``) -> an HF folder; returns a report. ``out`` (local, gs:// or s3://)
     must be new or empty; with ``overwrite`` what it holds is replaced whole (locally by a rename, on a
     bucket only an earlier export: a prefix holding other files cannot be replaced whole). Never the
     Hugging Face folder the run was imported from (``imported_from.json``), even with ``overwrite``.
     Every file goes through ``tieflax.storage``, inside ``writing_hf_folder``."""
-    workdir = check_location(workdir)  # the run folder canonical (a file, or s3://, holds no checkpoint)
-    out = check_export_destination(workdir, out, overwrite=overwrite)
-    config, params, step = ckpt.load_latest_params(workdir)
+    workdir = run.path
+    out = check_export_destination(workdir, out, overwrite=overwrite)  # before anything of the run is read
+    config = run.config
+    params, step = run.params()
     mc = model_config(config)
     with writing_hf_folder(out) as target:
         written = save_hf_checkpoint(target, mc, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
@@ -145,7 +150,7 @@ def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
     return out if storage.is_remote(out) else real(out)
 
 
-def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:
+def untie_run(run: ReadOnlyRun, out: str, overrides: Sequence[str] = (), *, overwrite: bool = False) -> dict:
     """Latest parameters of a tied run -> a new untied workdir whose head is a copy of the embedding."""
 
     def change(config, params):
@@ -153,11 +158,11 @@ def untie_workdir(workdir: str, out: str, overrides: Sequence[str] = (), *, over
         return untie(params), {"discarded": "no parameter (the head starts as an exact copy of the embedding)",
                                "reset": RESET_BY_SURGERY}
 
-    return _surgery(workdir, out, "untie", change, overrides, overwrite, needs_tied=True)
+    return _surgery(run, out, "untie", change, overrides, overwrite, needs_tied=True)
 
 
-def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = (), *,
-                overwrite: bool = False) -> dict:
+def tie_run(run: ReadOnlyRun, out: str, source: str, overrides: Sequence[str] = (), *,
+            overwrite: bool = False) -> dict:
     """Latest parameters of an untied run -> a new tied workdir keeping ``source`` (input, output, mean)."""
 
     def change(config, params):
@@ -166,11 +171,11 @@ def tie_workdir(workdir: str, out: str, source: str, overrides: Sequence[str] = 
         config.model.head_init_std, config.model.head_init = 0.0, "normal"
         return tie(params, source)
 
-    return _surgery(workdir, out, f"tie-{source}", change, overrides, overwrite, needs_tied=False)
+    return _surgery(run, out, f"tie-{source}", change, overrides, overwrite, needs_tied=False)
 
 
-def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = (), *,
-                 overwrite: bool = False) -> dict:
+def scan_run(run: ReadOnlyRun, out: str, scan: bool, overrides: Sequence[str] = (), *,
+             overwrite: bool = False) -> dict:
     """Latest parameters -> a new workdir with the layers stacked (``scan``) or per layer; same function."""
 
     def change(config, params):
@@ -179,22 +184,23 @@ def scan_workdir(workdir: str, out: str, scan: bool, overrides: Sequence[str] = 
             "discarded": "no parameter (the same values, relaid)",
             "reset": RESET_BY_SURGERY}
 
-    return _surgery(workdir, out, "scan-layers" if scan else "unscan-layers", change, overrides, overwrite)
+    return _surgery(run, out, "scan-layers" if scan else "unscan-layers", change, overrides, overwrite)
 
 
-def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[str], overwrite: bool,
+def _surgery(run: ReadOnlyRun, out: str, action: str, change, overrides: Sequence[str], overwrite: bool,
              needs_tied: bool | None = None) -> dict:
-    """The latest parameters of ``workdir``, changed by ``change(config, params) -> (params, report)``,
+    """The latest parameters of ``run`` (``Run.read``), changed by ``change(config, params) -> (params, report)``,
     written as the new workdir ``out`` (whole or not at all) with the tokenizer, the Hugging Face files and
     the surgery's report; returns the report. ``needs_tied``: the run must be tied (untie) or untied (tie),
     checked on its config before its parameters are read."""
-    workdir = check_location(workdir)  # the run folder canonical (a file, or s3://, holds no checkpoint)
+    workdir = run.path
     # Before anything is read: --out must not be, contain or lie inside the source or another run.
     out = check_safe_destination(out, sources=[("--workdir", workdir)], overwrite=overwrite)
     check_empty_or_replaceable(out, overwrite=overwrite)
+    config = run.config  # the run verified here, once
     if needs_tied is not None:
-        _check_tie(workdir, needs_tied)
-    config, params, step = ckpt.load_latest_params(workdir)
+        _check_tie(workdir, config, needs_tied)
+    params, step = run.params()
     params, report = change(config, params)
     # The parameters exist already: overrides may change training and data settings, not their shapes.
     _apply_overrides(config, overrides, model_config(config), "--untie/--tie",
@@ -215,11 +221,9 @@ def _surgery(workdir: str, out: str, action: str, change, overrides: Sequence[st
     return report
 
 
-def _check_tie(workdir: str, needs_tied: bool) -> None:
+def _check_tie(workdir: str, config, needs_tied: bool) -> None:
     """One line when the run is already what the surgery would make it (``model.tie_embeddings``)."""
-    from tieflax.run.identity import load_workdir_config  # noqa: PLC0415
-
-    tied = bool(load_workdir_config(workdir).model.tie_embeddings)
+    tied = bool(config.model.tie_embeddings)
     if tied != needs_tied:
         state, flag, other = ("tied", "--tie", "--untie") if tied else ("untied", "--untie", "--tie input|output|mean")
         raise WorkdirError(f"--workdir {workdir} is already {state} (model.tie_embeddings={tied}): {flag} has "

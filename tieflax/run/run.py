@@ -1,4 +1,4 @@
-"""The Run: a run directory opened once, for writing.
+"""The Run: a run directory opened once, for writing (``Run.open``) or for reading (``Run.read``).
 
     with Run.open(workdir, config, allow_change=("train.num_steps",)) as run:
         run.adopt_data(prepared.info, tokenizer_json)   # the data it trains on, checked and recorded
@@ -12,6 +12,11 @@
 given), refuses a config that does not validate, an interrupted import and a location that cannot hold a
 run, takes the lease (``tieflax.run.lock``) and checks the run's identity (``tieflax.run.identity``)
 before anything is written. The loop and the commands take the Run, never the string.
+
+    run = Run.read(workdir, command="sample")   # evaluate, sample, val-loss, analyze, convert's source
+
+``Run.read`` opens a run the same way less the lease, for commands that write nothing into it: the
+handle of ``tieflax.run.read_only`` (config in force, checkpoints' parameters, the verified tokenizer).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tieflax.run.layout import TOKENIZER_FILE, check_location
 from tieflax.run.lock import Held, hold
 from tieflax.run.metrics import MetricWriter, read_metrics
 from tieflax.run.profiler import ProfileWindow
+from tieflax.run.read_only import ReadOnlyRun
 from tieflax.run.trackers import check_installed, open_trackers
 
 
@@ -79,6 +85,12 @@ class Run:
                 yield run
             finally:
                 run.close()
+
+    @staticmethod
+    def read(workdir: str, *, command: str) -> ReadOnlyRun:
+        """Opens ``workdir`` for ``command``, a reader: resolved and checked once, its record verified, no
+        lease taken and nothing written (``tieflax.run.read_only``)."""
+        return ReadOnlyRun.open(workdir, command=command)
 
     # ------------------------------------------------------------------------------------ identity
     def say(self, line: str) -> None:
