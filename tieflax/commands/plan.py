@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-eval", action="store_true", help="compile the train step only")
     parser.add_argument("--xla-dump", default=None, help="keep XLA's dump (HLO, buffer assignment) here")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--explain", action="store_true",
+                        help="account for what is live at the train step's peak, by origin (residual stack, "
+                             "a layer's working set, weight gradients, loss, optimizer, copies)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     progress = None if args.json else (lambda text: print(text + " ...", file=sys.stderr, flush=True))
     plans = plan.plan_config_file(args.config, args.overrides, target, tie=args.tie, with_eval=not args.no_eval,
-                                  dump_dir=args.xla_dump, progress=progress)
+                                  dump_dir=args.xla_dump, progress=progress,
+                                  explain=getattr(args, "explain", False))
     if args.json:
         payload = [p.as_dict() for p in plans]
         print(json.dumps(payload if len(payload) > 1 else payload[0], indent=2))
@@ -69,6 +73,7 @@ def child_command(args: argparse.Namespace, topology: str) -> list[str]:
     argv = [sys.executable, "-m", "tieflax.cli", "plan", "--config", args.config, "--topology", topology,
             "--tie", args.tie]
     argv += ["--no-eval"] * bool(args.no_eval) + ["--json"] * bool(args.json)
+    argv += ["--explain"] * bool(getattr(args, "explain", False))
     argv += ["--xla-dump", args.xla_dump] if args.xla_dump else []
     argv += ["--debug"] * bool(getattr(args, "debug", False))
     return argv + list(args.overrides)

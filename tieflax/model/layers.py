@@ -38,6 +38,22 @@ def dense_init(std: float, names: tuple[str | None, ...]):
     return nn.with_logical_partitioning(nn.initializers.normal(std), names)
 
 
+def recast_in_backward(fn, remat: str):
+    """``fn`` (whose first step casts fp32 parameters to the compute dtype) under ``jax.checkpoint`` when
+    ``remat`` is 'none', else ``fn`` itself.
+
+    Autodiff of a matmul keeps its operands: for ``x @ kernel.astype(bf16)`` that is the bf16 copy of the
+    kernel, which a layer scan stacks over the layers and holds until the backward reaches the layer
+    (with remat 'none', a bf16 copy of every layer's weights: 1.8 GiB for Llama-3.2-1B), beside the fp32
+    parameters it came from, which the backward holds anyway (the scan's own input, not a copy). Under
+    ``jax.checkpoint`` the residuals are ``fn``'s inputs and the backward casts again: one elementwise
+    pass over a layer's weights, the same values. A matmul's output is no residual of its own VJP, so
+    nothing else is recomputed. Under the other remat policies the block's checkpoint already recasts,
+    and a nested checkpoint would hide the matmuls from their policies: ``fn`` is returned unchanged.
+    """
+    return jax.checkpoint(fn) if remat == "none" else fn
+
+
 class Norm(nn.Module):
     """LayerNorm (GPT-2) or RMSNorm (Llama), the latter optionally scaled by (1 + w) (Gemma).
 
@@ -212,7 +228,8 @@ class Projection(nn.Module):
         c = self.config
         dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
         kernel = self.param("kernel", dense_init(c.init_std, self.kernel_axes), self.kernel_shape, pdt)
-        y = jnp.einsum(self.equation, x.astype(dt), kernel.astype(dt))
+        project = recast_in_backward(lambda v, w: jnp.einsum(self.equation, v.astype(dt), w.astype(dt)), c.remat)
+        y = project(x, kernel)
         if self.use_bias:
             out_rank = len(self.equation.split("->")[1]) - 2  # the output's non-[B, T] dims
             shape, axes = self.kernel_shape[-out_rank:], self.kernel_axes[-out_rank:]
@@ -272,9 +289,9 @@ class Mlp(nn.Module):
         c = self.config
         dt = dtype_of(c.dtype)
 
-        def dense(name, features_in, features, axes):
+        def dense(name, features_in, features, axes):  # -> (fp32 kernel, bias in the compute dtype)
             kernel, bias = DenseParams(features_in, features, axes, c.mlp_bias, c, name=name)()
-            return kernel.astype(dt), None if bias is None else bias.astype(dt)
+            return kernel, None if bias is None else bias.astype(dt)
 
         d = x.shape[-1]
         weights = {"up": dense("up", d, c.d_ff, ("embed", "mlp"))}
@@ -282,18 +299,27 @@ class Mlp(nn.Module):
             weights["gate"] = dense("gate", d, c.d_ff, ("embed", "mlp"))
         weights["down"] = dense("down", c.d_ff, c.d_model, ("mlp", "embed"))
 
+        x = x.astype(dt)
+        b, t = x.shape[:2]
+        chunk = c.mlp_chunk
+        chunked = bool(chunk) and chunk < t
         activation = functools.partial(_activation, c.mlp)
-        if c.remat == "none" and not (c.mlp_chunk and c.mlp_chunk < x.shape[1]):
+        if c.remat == "none" and not chunked:
             # Kept otherwise: the activation's inner values, each [B, T, d_ff] (sigmoid, products...): six
             # bf16 [layers, B, T, d_ff] stacks for a scanned Llama (24 GiB for Llama-3.2-1B at 8 x 2048).
             # Recomputed from the matmul outputs instead, elementwise and with the same operations (a
             # chunked MLP is rematerialised whole already).
             activation = jax.checkpoint(activation)
+        # Unchunked, each matmul casts its kernel (once) and under remat 'none' casts it again in the
+        # backward instead of keeping the bf16 copy (``recast_in_backward``); chunked, the kernels are cast
+        # once outside the chunk loop, below, so the cast must not move into it.
+        matmul = recast_in_backward(lambda v, kernel: jnp.einsum("btd,df->btf", v, kernel.astype(dt)),
+                                    "none" if c.remat == "none" and not chunked else "")
 
         def apply(w, h):  # h [B, t, d] -> [B, t, d]
             def linear(name, v):
                 kernel, bias = w[name]
-                y = jnp.einsum("btd,df->btf", v, kernel)
+                y = matmul(v, kernel)
                 return y if bias is None else y + bias
 
             up = linear("up", h)
@@ -301,19 +327,25 @@ class Mlp(nn.Module):
             hidden = nn.with_logical_constraint(hidden, BTF)
             return linear("down", hidden)
 
-        x = x.astype(dt)
-        b, t = x.shape[:2]
-        chunk = c.mlp_chunk
-        if not chunk or chunk >= t:
+        if not chunked:
             return apply(weights, x)
-        step = jax.checkpoint(apply, prevent_cse=False)   # inside a loop: nothing for CSE to merge
-        n = t // chunk
-        chunks = x[:, :n * chunk].reshape(b, n, chunk, d).swapaxes(0, 1)   # [n, B, chunk, d]
-        _, out = jax.lax.scan(lambda carry, h: (carry, step(weights, h)), None, chunks)
-        out = out.swapaxes(0, 1).reshape(b, n * chunk, c.d_model)
-        if n * chunk < t:   # a shorter last chunk
-            out = jnp.concatenate([out, step(weights, x[:, n * chunk:])], axis=1)
-        return out
+
+        def chunk_loop(x, weights):
+            # The kernels cast once for all the chunks; their gradients add up over the chunks in the
+            # compute dtype.
+            w = {k: (kernel.astype(dt), bias) for k, (kernel, bias) in weights.items()}
+            step = jax.checkpoint(apply, prevent_cse=False)   # inside a loop: nothing for CSE to merge
+            n = t // chunk
+            chunks = x[:, :n * chunk].reshape(b, n, chunk, d).swapaxes(0, 1)   # [n, B, chunk, d]
+            _, out = jax.lax.scan(lambda carry, h: (carry, step(w, h)), None, chunks)
+            out = out.swapaxes(0, 1).reshape(b, n * chunk, c.d_model)
+            if n * chunk < t:   # a shorter last chunk
+                out = jnp.concatenate([out, step(w, x[:, n * chunk:])], axis=1)
+            return out
+
+        # remat 'none': the chunks' checkpoints keep their inputs, the cast kernels among them; around the
+        # whole loop the checkpoint keeps x and the fp32 kernels instead (``recast_in_backward``).
+        return recast_in_backward(chunk_loop, c.remat)(x, weights)
 
 
 class Block(nn.Module):

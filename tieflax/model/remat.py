@@ -5,8 +5,10 @@
 * ``none``: no rematerialisation of matmuls or attention; their outputs are kept (fastest, most memory).
   The norms and the MLP activation are still recomputed from their inputs, elementwise (``Norm``, ``Mlp``
   in ``tieflax.model.layers``): autodiff would keep fp32 copies of a norm's input and the activation's
-  inner values, more bytes than the recompute saves time. ``mlp_chunk`` > 0 rematerialises each chunk
-  of the MLP whole (its up and gate matmuls run again in the backward), whatever the policy.
+  inner values, more bytes than the recompute saves time; likewise each matmul's kernel is cast to the
+  compute dtype again in the backward rather than kept (``recast_in_backward``). ``mlp_chunk`` > 0
+  rematerialises each chunk of the MLP whole (its up and gate matmuls run again in the backward),
+  whatever the policy.
 * ``full``: each block keeps only its input and recomputes the rest (least memory, about one extra forward).
 * ``minimal``: keeps every matmul output without batch dimensions (the q/k/v/out projections and the MLP
   matmuls), recomputes the rest: the attention scores and probabilities, norms and activations.

@@ -4,6 +4,7 @@ server from any machine and reads the compiler's per-device memory.
 - ``compile``: builds the step as training does (``tieflax.train``) on a target's abstract devices
   (``tieflax.hardware.targets``) and compiles it: ``plan_config``, ``plan_variants``, ``Plan``.
 - ``buffers``: the largest temporaries, named by the JAX operation that made them (XLA's dump).
+- ``peak``: what is live at the train step's peak, by origin (``tieflax plan --explain``).
 - ``report``: the per-device table people read.
 - ``child``: TPU plans compile in a child process (libtpu aborts on some programs).
 

@@ -54,6 +54,7 @@ class StepMemory:
     # the whole step: XLA counts the body of a loop (a scan over layers, a chunked MLP) once.
     compiled_flops: float | None = None
     compiled_flops_note: str = ""
+    peak: Any = None              # tieflax.plan.peak.PeakAccounting with --explain, else None
 
     @property
     def total(self) -> int | None:
@@ -62,9 +63,11 @@ class StepMemory:
         return self.arguments + self.temporaries + (self.outputs or 0)
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "largest"}
+        d = {k: getattr(self, k) for k in (f.name for f in dataclasses.fields(self)) if k not in ("largest", "peak")}
         d["total"] = self.total
         d["largest"] = [b.as_dict() for b in self.largest]
+        if self.peak is not None:
+            d["peak"] = self.peak.as_dict()
         return d
 
     @property
@@ -143,12 +146,13 @@ class Plan:
 
 def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str = "config",
                 global_batch_size: int | None = None, with_eval: bool = True,
-                dump_dir: str | None = None, progress=None) -> Plan:
+                dump_dir: str | None = None, progress=None, explain: bool = False) -> Plan:
     """Compiles ``config``'s train (and eval) step for ``target``; returns the per-device figures.
 
     ``global_batch_size`` None means one sequence per device. ``config.mesh`` is resolved over the
     target's devices (-1 = the rest). ``dump_dir`` keeps XLA's dump there (default: a temporary folder).
-    ``progress(str)`` is called before each compile.
+    ``progress(str)`` is called before each compile. ``explain``: also account for what is live at the
+    train step's peak, by origin (``tieflax.plan.peak``).
     """
     import flax.linen as nn  # noqa: PLC0415
     import jax  # noqa: PLC0415
@@ -185,7 +189,7 @@ def plan_config(config: ml_collections.ConfigDict, target: Target, *, name: str 
         note(f"compiling the train step of {name} ({'tied' if mc.tie_embeddings else 'untied'}) for "
              f"{target.name}")
         train_memory = _compile(train.make_train_step(config, s), (s.abstract_state, batch), target,
-                                dump_dir, "train")
+                                dump_dir, "train", explain=explain)
         eval_memory = None
         if with_eval:
             note(f"compiling the eval step of {name} for {target.name}")
@@ -216,7 +220,8 @@ def plan_variants(config: ml_collections.ConfigDict, target: Target, tie: str = 
 
 
 def plan_config_file(path: str, overrides: list[str], target: Target, *, tie: str = "config",
-                     with_eval: bool = True, dump_dir: str | None = None, progress=None) -> list[Plan]:
+                     with_eval: bool = True, dump_dir: str | None = None, progress=None,
+                     explain: bool = False) -> list[Plan]:
     """``tieflax plan``'s work: the config file ``path`` with its ``--config.*`` ``overrides``, planned on
     ``target`` per ``tie`` variant. The batch is one sequence per device unless the overrides give
     ``train.global_batch_size``."""
@@ -230,7 +235,7 @@ def plan_config_file(path: str, overrides: list[str], target: Target, *, tie: st
     name = os.path.splitext(os.path.basename(path.partition(":")[0]))[0]
     return plan_variants(config, target, tie=tie, name=name,
                          global_batch_size=config.train.global_batch_size if batch_given else None,
-                         with_eval=with_eval, dump_dir=dump_dir, progress=progress)
+                         with_eval=with_eval, dump_dir=dump_dir, progress=progress, explain=explain)
 
 
 def check_dump_dir(folder: str) -> None:
@@ -260,9 +265,11 @@ def _shard_bytes(tree: Any) -> int:
     return total
 
 
-def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, label: str) -> StepMemory:
+def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, label: str,
+             explain: bool = False) -> StepMemory:
     """Lowers and compiles one step; on the compiler's out-of-memory error, returns what it needed."""
     from tieflax.plan.buffers import largest_temporaries  # noqa: PLC0415
+    from tieflax.plan.peak import peak_accounting  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tieflax-plan-") as tmp:
         folder = f"{dump_dir}/{label}" if dump_dir else tmp
@@ -279,7 +286,8 @@ def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, 
             seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             return StepMemory(arguments=None, temporaries=_needed_bytes(str(e)), outputs=None,
                               generated_code=None, compile_seconds=seconds, cpu_seconds=cpu,
-                              largest=largest_temporaries(folder), out_of_memory=_first_line(str(e)))
+                              largest=largest_temporaries(folder), out_of_memory=_first_line(str(e)),
+                              peak=peak_accounting(folder) if explain else None)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         m = compiled.memory_analysis()
         flops, note = _compiled_flops(compiled)
@@ -287,7 +295,8 @@ def _compile(jitted, args: Sequence[Any], target: Target, dump_dir: str | None, 
                           outputs=max(m.output_size_in_bytes - m.alias_size_in_bytes, 0),
                           generated_code=m.generated_code_size_in_bytes, compile_seconds=seconds,
                           cpu_seconds=cpu, largest=largest_temporaries(folder),
-                          all_outputs=m.output_size_in_bytes, compiled_flops=flops, compiled_flops_note=note)
+                          all_outputs=m.output_size_in_bytes, compiled_flops=flops, compiled_flops_note=note,
+                          peak=peak_accounting(folder) if explain else None)
 
 
 def _compiled_flops(compiled) -> tuple[float | None, str]:

@@ -75,6 +75,9 @@ def format_report(plans: list[Plan]) -> str:
             lines.append("  largest temporaries of the train step (per device):")
             for b in p.train.largest[:5 if not p.fits else 3]:
                 lines.append(f"    {gib(b.bytes):>10} {b.shape} x{b.count}  {b.op}")
+        if p.train.peak is not None:
+            from tieflax.plan.peak import format_accounting  # noqa: PLC0415
+            lines += format_accounting(p.train.peak, gib)
     return "\n".join(lines)
 
 
