@@ -348,7 +348,7 @@ def test_bootstrap_intervals_known_answers():
     ci = st.bootstrap_ci(x)
     assert ci["lo"] < 1.0 < ci["hi"] and ci["hi"] - ci["lo"] == pytest.approx(2 * 1.96 / 20, rel=0.2)
     assert st.excludes_zero(ci) and "above" in st.verdict(ci, "above", "below")
-    assert st.verdict(st.bootstrap_ci([0.1]), "a", "b").startswith("too little data (1 seed: no interval over seeds)")
+    assert st.verdict(st.bootstrap_ci([0.1]), "a", "b").startswith("no verdict from < 2 units (1 seed: no interval over seeds)")
     # Two levels: per-seed offsets that dwarf document noise widen the joint interval, not the doc one.
     tokens = np.full(200, 100.0)
     base = rng.normal(0, 0.01, size=(3, 200)) * tokens

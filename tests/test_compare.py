@@ -3,6 +3,7 @@ report has every section and plot; `tieflax analyze` on one of its runs."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from tieflax import cli
 from tieflax.study import compare as study
 from tieflax.study.resume import StudyMismatch
 from tieflax.model.params import param_report
-from tieflax.study.report import REPORT, claims, load_summary
+from tieflax.study.findings import LITTLE, VERDICTS, judge
+from tieflax.study.report import REPORT, claims, load_summary, study_findings
 from tieflax.config import load_config
 from tieflax.model import ModelConfig
 from tieflax.run.layout import WorkdirError
@@ -22,7 +24,8 @@ WORDS = ("the of and to in that he shall unto for his a lord they be is him not 
          "was god which my me said but ye their have will thee from as are when this out were upon man by "
          "you israel king son up there hath then people came had house into her").split()
 PLOTS = ("loss_curves", "loss_differences", "norm_vs_frequency", "movement_by_bin", "anisotropy",
-         "gradient_interference", "updated_by_bin", "input_path_ratio", "lens_by_layer", "rare_token_gains")
+         "gradient_interference", "updated_by_bin", "input_path_ratio", "lens_by_layer", "rare_token_gains",
+         "gains_through_training")
 
 
 @pytest.mark.parametrize("strategy,shape", [("width", dict(n_layers=2)), ("depth", dict(n_layers=6)),
@@ -113,7 +116,7 @@ def compare_run(tmp_path_factory, corpus):
 def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys):
     workdir = compare_run
     text = (workdir / REPORT).read_text()
-    for section in ("## Setup", "## Results", "## The claims, checked against these numbers",
+    for section in ("## Setup", "## Results", "## Findings on the study's hypotheses",
                     "## Geometry (final checkpoint against init and a row-shuffled control)",
                     "## Gradient interference and updated rows", "## Plots",
                     "## What these numbers support, and what they do not"):
@@ -122,7 +125,9 @@ def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys
         assert f"]({plot}.png)" in text, plot
         assert (workdir / f"{plot}.png").stat().st_size > 1000, plot
     assert "epochs of the train split" in text and "2 seeds x 3 documents" in text
-    assert (workdir / "report.html").exists()
+    html = (workdir / "report.html").read_text()
+    assert html.count('src="data:image/png;base64,') == len(PLOTS) and '.png"' not in html  # travels alone
+    assert str(workdir) not in text and "`tied/seed_0`" in text  # runs named relative to the study
     summary = load_summary(str(workdir))
     runs = {(r["variant"], r["seed"]): r for r in summary["runs"]}
     assert len(runs) == 4  # 2 variants x 2 seeds
@@ -147,9 +152,10 @@ def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys
     assert len(lines) == 6 and all("[" in line for line in lines)
     # The literature table opens the report, and summary.json carries its rows (no NaN in them).
     assert text.index("## From the literature") < text.index("## Setup")
-    assert [r["source"] for r in summary["literature"]] == ["arXiv 2603.26663"] * 4 + ["arXiv 2601.22040"]
-    assert all(r["verdict"] in ("holds here", "contradicted here", "not resolved", "too little data")
-               for r in summary["literature"])
+    assert [r["source"] for r in summary["literature"]] == ["arXiv 2603.26663"] * 4 + ["arXiv 2601.22040"] * 2
+    assert all(r["verdict"] in VERDICTS for r in summary["literature"])
+    assert [t["step"] for t in tied["through"]] == [2, 4] and "Gains through training, `untied` - tied" in text
+    assert tied["lens"]["method"] == "kl" and len(tied["lens"]["kl"]) == 1
     json.dumps(summary["literature"], allow_nan=False)  # undefined numbers are null, never NaN
     al = summary["alignment"]["tied"]["0"]
     assert al["same"]["init"]["cka_input"] == pytest.approx(1.0) and al["same"]["init"]["knn_input"] == 1.0
@@ -160,7 +166,6 @@ def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys
 def test_one_seed_one_document_prints_no_verdict_and_no_nan(tmp_path, corpus):
     """1 seed, 1 held-out document (the runlocal shape): every line says what is missing, none gives a
     verdict, nothing prints nan, and the split is called whole only when it is."""
-    import re
 
     overrides = [
         "data.source=files", f"data.files.paths={corpus}/*.txt", "data.tokenizer.vocab_size=300",
@@ -177,13 +182,17 @@ def test_one_seed_one_document_prints_no_verdict_and_no_nan(tmp_path, corpus):
     text = (tmp_path / REPORT).read_text()
     for shown in (text, console, (tmp_path / "report.html").read_text()):
         assert not re.search(r"\bnan\b", shown, re.IGNORECASE), [x for x in shown.splitlines() if "nan" in x.lower()]
-    said = "\n".join(x for x in text.splitlines() if not x.startswith("Verdicts: "))  # not the legend
-    for verdict in ("holds here", "contradicted here", "not resolved", "is better", "seen: ", "interference: ",
-                    "tying adds", "moved its rare rows", "the bias ", "dominates more", "dominates less"):
+    legends = ("Verdicts: ", "Runs trained by")
+    said = "\n".join(x for x in text.splitlines() if not x.startswith(legends))  # not the legends
+    for verdict in ("holds here", "contradicted here", "unresolved"):
         assert verdict not in said, [x for x in said.splitlines() if verdict in x]
+    found = [x for x in said.splitlines() if "Claim tested:" in x]
+    assert len(found) == 6 and all(x.endswith("*no verdict from < 2 units*.") or "*no verdict from < 2 units*. " in x
+                                   for x in found), found
+    assert all(re.match(r"- \*\*[^*]*: no interval \(", x) for x in found), found   # no side is stated
     assert "1 seed: no interval over seeds" in text and "1 held-out document" in text
     summary = load_summary(str(tmp_path))
-    assert {r["verdict"] for r in summary["literature"]} == {"too little data"}
+    assert {r["verdict"] for r in summary["literature"]} == {LITTLE}
     whole = summary["data"]["whole_split"]
     assert ("evaluation on the whole validation split" in text) == whole
     assert whole or "not the whole split" in text
@@ -209,14 +218,22 @@ def test_report_only_rewrites_from_the_summary_and_verdicts_follow_the_interval(
     assert f"report: {workdir / REPORT}" in capsys.readouterr().out
     summary = load_summary(str(workdir))
     tied = {r["seed"]: r["analysis"]["val"] for r in summary["runs"] if r["variant"] == "tied"}
-    for shift, verdict in ((-0.5, "untied is better"), (0.0, "includes 0"), (0.5, "tied is better")):
+    for shift, said, verdict in ((-0.5, "Untied reaches lower loss than tied", "holds here"),
+                                 (0.0, "Loss, untied - tied: no resolved difference", "unresolved"),
+                                 (0.5, "Tied reaches lower loss than untied", "contradicted here")):
         fake = copy.deepcopy(summary)
         for r in fake["runs"]:
             if r["variant"] == "untied":  # untied = tied + shift per token, document by document
                 t = tied[r["seed"]]
                 r["analysis"]["val"]["doc_loss"] = [x + shift * n for x, n in zip(t["doc_loss"], t["doc_tokens"])]
-        line = [x for x in render(fake, {}).splitlines() if "untied, same body" in x][0]
-        assert verdict in line and f"{shift:+.4f}" in line
+        line = [x for x in render(fake, {}).splitlines() if "Untying reaches lower loss at matched" in x][0]
+        assert line.startswith(f"- **{said}") and f"*{verdict}*" in line and f"{shift:+.4f}" in line
+        groups = {}
+        for r in fake["runs"]:
+            groups.setdefault(r["variant"], []).append(r)
+        for f, _ in study_findings(groups, fake):   # no heading contradicted by its own interval
+            if f is not None:
+                assert f["verdict"] == judge(f, f["predicted"], f["ref"]), f
 
 
 def _strict(text: str):
@@ -244,15 +261,18 @@ def test_a_finished_study_rerun_says_each_run_is_finished_and_trains_nothing(com
     run although nothing trained."""
     argv = json.loads((compare_run / "argv.json").read_text())
     steps = sorted(os.listdir(compare_run / "tied" / "seed_0" / "checkpoints"))
+    before = load_summary(str(compare_run))
     code, console = capture_console(cli.main, argv)
     assert code == 0, console
     assert "training" not in console and "resuming from step" not in console, console
     for variant in ("tied", "untied"):
         for seed in (0, 1):
-            assert f"{variant} (seed {seed}) in {compare_run / variant / f'seed_{seed}'}: finished before (step 4), " \
-                   "nothing to train" in console, console
-    assert console.count("finished before, at step 4 (checkpoints/4): nothing to train") == 4, console
+            assert f"{variant} (seed {seed}) in {variant}/seed_{seed}\n" in console, console
+    assert console.count("nothing to train") == 4, console   # each finished run announced once
     assert sorted(os.listdir(compare_run / "tied" / "seed_0" / "checkpoints")) == steps
+    after = load_summary(str(compare_run))   # the runs' provenance and compute time survive the rerun
+    assert after["provenance"] == before["provenance"] and before["provenance"]["runs_trained"] == 4
+    assert f"{before['provenance']['compute_seconds'] / 60:.1f} minutes of training" in (compare_run / REPORT).read_text()
 
 
 def test_report_only_from_a_bucket(compare_run, gcs, capsys):
@@ -267,7 +287,9 @@ def test_report_only_from_a_bucket(compare_run, gcs, capsys):
     names = set(gcs.objects(study.rsplit("/", 1)[0], ""))
     assert names == {f"compare/{n}" for n in ("summary.json", "report.md", "report.html",
                                               *[f"{p}.png" for p in PLOTS])}, names
-    assert storage.read_text(f"{study}/report.md") == (compare_run / REPORT).read_text()
+    own_time = re.compile(r" This report was written on [^.]*\(\d+\.\d s\)\.")   # the report's own time, apart
+    assert own_time.sub("", storage.read_text(f"{study}/report.md")) == own_time.sub("", (compare_run / REPORT).read_text())
+    assert 'src="data:image/png;base64,' in storage.read_text(f"{study}/report.html")
     png = storage.read_bytes(f"{study}/loss_curves.png")
     assert png.startswith(b"\x89PNG") and len(png) > 1000
 

@@ -39,7 +39,7 @@ def get_config(arg: str = ""):
     t.log_every = 10
     t.analyze_every = 0           # the study measures checkpoints instead
     config.compare = default_compare_config()
-    config.compare.analysis_points = 1
+    config.compare.analysis_points = 5   # checkpoints at 50, 100, ..., 250: the rare-token gains through training
     if arg == "smoke":
         # Seconds, not minutes: a shape check of the whole pipeline (the numbers mean nothing).
         config.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64)

@@ -4,7 +4,8 @@
     scalars = training_diagnostics(params, token_counts, lookup_grad=g_in, head_grad=g_out)
 
 Each diagnostic is a pure function of parameters (and data statistics) whose docstring states its
-definition; see ``frequency``, ``geometry``, ``gradients`` and ``softmax``.
+definition; see ``frequency``, ``geometry``, ``gradients`` and ``softmax``; ``literature`` and ``lens`` (the
+tuned lens, trained as Belrose et al. train it) hold the measures of this year's claims.
 """
 
 from tieflax.analysis.diagnostics import embedding_diagnostics, flatten, training_diagnostics

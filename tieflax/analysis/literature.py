@@ -8,9 +8,9 @@
 - **Which path drives the tied matrix** (same paper): the ratio of the head path's gradient norm to the
   lookup path's over training, early and late (:func:`path_ratio`), from the trainer's logged
   ``grad_norm/embed_head`` and ``grad_norm/embed_lookup``.
-- **Lens by layer** (tuned lens, Belrose et al., arXiv 2303.08112): the affine translator of one layer's
-  residual stream onto the final one, fit in closed form by least squares (:func:`fit_translator`), in
-  place of Belrose et al.'s translators trained by gradient descent on the KL to the final output.
+- **Lens by layer** (tuned lens, Belrose et al., arXiv 2303.08112): how much a range of layers lowers a
+  lens's loss (:func:`layer_contribution`); the translators themselves are trained as Belrose et al. train
+  them, by KL to the model's final distribution (:mod:`tieflax.analysis.lens`).
 - **Rare-token gains** (Leviathan, arXiv 2601.22040): per-document loss by equal-token-mass bin of the
   target token (:func:`bin_sums`); the share the rarest bins carry is a ratio of sums
   (:func:`tieflax.analysis.stats.two_level_ratio`).
@@ -137,21 +137,6 @@ def path_ratio(rows: list[dict], num_steps: int, frac: float = 0.1) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- lenses
-def fit_translator(x, y) -> tuple[np.ndarray, np.ndarray]:
-    """The affine map ``y ~ x A + b`` of least squares (closed form, float64): ``x`` [n, d_in] one layer's
-    residual stream, ``y`` [n, d] the final layer's. Returns ``(A [d_in, d], b [d])``. With fewer than
-    ``d_in + 1`` rows the system is underdetermined and this raises (the caller reports too little data)."""
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    if x.ndim != 2 or y.ndim != 2 or len(x) != len(y):
-        raise ValueError(f"need x [n, d_in] and y [n, d] with the same n, got {x.shape} and {y.shape}")
-    if len(x) < x.shape[1] + 1:
-        raise ValueError(f"{len(x)} activations cannot fit an affine map of {x.shape[1]} inputs (need at least "
-                         f"{x.shape[1] + 1})")
-    design = np.concatenate([x, np.ones((len(x), 1))], axis=1)
-    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-    return coef[:-1], coef[-1]
-
-
 def layer_contribution(doc_loss: list, first: int, last: int) -> np.ndarray:
     """Per document, how much the layers ``first+1 .. last`` lower a lens's summed loss:
     ``doc_loss[first] - doc_loss[last]`` ([L+1][D] per-layer summed losses -> [D])."""

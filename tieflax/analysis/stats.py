@@ -151,13 +151,14 @@ def missing(ci: dict) -> str:
 
 
 def verdict(ci: dict, positive: str, negative: str) -> str:
-    """A sentence from a CI: ``positive`` if it lies above 0, ``negative`` below, else "not resolved";
-    no interval (fewer than 2 units at a level it resamples) gives no verdict: "too little data (...)"."""
+    """A sentence from a CI: ``positive`` if it lies above 0, ``negative`` below, else "unresolved ...";
+    no interval (fewer than 2 units at a level it resamples) gives none: "no verdict from < 2 units (...)"
+    (the words of ``tieflax.study.findings``)."""
     ex = excludes_zero(ci)
     if ex is None:
-        return f"too little data ({missing(ci)}): no verdict"
+        return f"no verdict from < 2 units ({missing(ci)})"
     if not ex:
-        return "the 95% interval includes 0: not resolved at this n"
+        return "unresolved (the 95% interval includes 0 at this n)"
     return positive if ci["lo"] > 0 else negative
 
 

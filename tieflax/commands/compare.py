@@ -44,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, args.overrides)
         compilation_cache(args.workdir)
+        command = " ".join(["tieflax compare --config", args.config, "--workdir", args.workdir, *args.overrides])
         summary = run_compare(config, args.workdir, log=lambda line: print(line, flush=True),
-                              retrain_changed=args.retrain_changed)
+                              retrain_changed=args.retrain_changed, command=command)
         path = summary["report"]
         if path is None:  # not process 0 of a multi-process run: process 0 writes the report
             return 0

@@ -41,6 +41,7 @@ from tieflax import strict_json as jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigError
 from tieflax.model.params import param_report
+from tieflax.study.provenance import carried_seconds, code_commit, provenance
 
 # Variants a user can name; DEFAULT_VARIANTS is what `tieflax compare` trains unless told otherwise.
 MATCHED = ("untied_matched", "untied_width", "untied_depth")
@@ -75,6 +76,8 @@ def default_compare_config() -> ml_collections.ConfigDict:
     # The literature measures (tieflax.study.literature): the tuned lens's fit, the neighbours compared.
     c.lens_fit_tokens = 8192     # held-out positions the tuned lens's translators fit on (0 = no lens)
     c.lens_score_tokens = 8192   # held-out tokens it scores, whole documents (0 = the whole second half)
+    c.lens_steps = 250           # the tuned lens's SGD steps (the tuned-lens package's default)
+    c.lens_batch_tokens = 128    # positions per step, drawn from the fit positions (the package: 2**18 tokens)
     c.knn = 10                   # k of the nearest-neighbour overlap (unembedding bias)
     c.input_grad_scale = 5.0     # the factor of the 'tied_input_grad_scaled' variant (> 0)
     # Benchmark tasks (tieflax.study.tasks): lm-eval task names scored on each run's final checkpoint.
@@ -89,11 +92,13 @@ def default_compare_config() -> ml_collections.ConfigDict:
 
 # Counts of config.compare and their least value (what each means, for the error line).
 _COUNTS = {"analysis_points": 1, "grad_batches": 1, "val_batches": 0, "analysis_sequences": 1, "n_bins": 1,
-           "max_rows": 0, "bootstrap": 1, "lens_fit_tokens": 0, "lens_score_tokens": 0, "knn": 1}
+           "max_rows": 0, "bootstrap": 1, "lens_fit_tokens": 0, "lens_score_tokens": 0, "lens_steps": 1,
+           "lens_batch_tokens": 1, "knn": 1}
 _COUNTS_WHY = {"analysis_points": "checkpoints kept per run", "grad_batches": "held-out batches of the gradient "
                "measures", "val_batches": "0 = the whole split", "analysis_sequences": "sequences per gradient batch",
                "n_bins": "frequency bins", "max_rows": "0 = every row", "bootstrap": "replicates per interval",
                "lens_fit_tokens": "0 = no lens", "lens_score_tokens": "0 = the whole second half",
+               "lens_steps": "the tuned lens's SGD steps", "lens_batch_tokens": "positions per tuned-lens step",
                "knn": "neighbours compared"}
 
 
@@ -346,8 +351,7 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     steps = checkpoint_steps(run_dir)
     if storage.is_file(path):
         saved = jsonable.loads(storage.read_text(path))
-        current = "doc_bin_loss" in saved.get("val", {}) and ("lens" in saved or not cc.lens_fit_tokens)
-        if saved.get("step") == steps[-1] and ("arrays" in saved) >= with_arrays and current:
+        if saved.get("step") == steps[-1] and ("arrays" in saved) >= with_arrays and _current(saved, cc, steps):
             return saved
     mc = model_config(config)
     _, params, last = load_params_at(run_dir, steps[-1])
@@ -358,10 +362,55 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
                          val_batches=data["val_batches"], doc_ids=data["doc_ids"], n_docs=data["n_docs"],
                          grad_batches=data["grad_batches"], loss_options=analysis_loss_options(config),
                          n_bins=cc.n_bins, max_rows=cc.max_rows or None, with_arrays=with_arrays,
-                         lens_fit_tokens=cc.lens_fit_tokens, lens_score_tokens=cc.lens_score_tokens)
-    result.update(step=int(last), data_dir=data["data_dir"])
+                         lens_fit_tokens=cc.lens_fit_tokens, lens_score_tokens=cc.lens_score_tokens,
+                         lens_recipe=lens_recipe(cc))
+    result.update(step=int(last), data_dir=data["data_dir"], measured_at=time.time())
+    result["through"] = through_training(config, run_dir, cc, data, steps, result["val"])
     storage.write_text(path, jsonable.dumps(result))
     return jsonable.loads(jsonable.dumps(result))  # as a rerun reads it back (plain floats and lists)
+
+
+def lens_recipe(cc) -> dict:
+    """The tuned lens's training settings this study asks for (over ``tieflax.analysis.lens.RECIPE``)."""
+    return dict(steps=int(cc.lens_steps), batch_tokens=int(cc.lens_batch_tokens))
+
+
+def _current(saved: dict, cc, steps: list[int]) -> bool:
+    """Whether a saved analysis holds every measure this study asks for, as it measures them now: the
+    frequency-bin losses, the tuned lens trained by KL with these settings, and every kept checkpoint's
+    held-out loss by bin (one written by an older tieflax is measured again)."""
+    if "doc_bin_loss" not in saved.get("val", {}):
+        return False
+    lens = saved.get("lens")
+    if cc.lens_fit_tokens and lens is None:
+        return False
+    if lens and "missing" not in lens and (lens.get("method") != "kl" or
+                                          {k: lens["recipe"].get(k) for k in ("steps", "batch_tokens")}
+                                          != lens_recipe(cc)):
+        return False
+    return [t["step"] for t in saved.get("through", [])] == [s for s in steps if s > 0]
+
+
+def through_training(config, run_dir: str, cc, data: dict, steps: list[int], final_val: dict) -> list[dict]:
+    """The held-out loss by (document, frequency bin) at every kept checkpoint of a run, oldest first:
+    ``[{'step', 'loss', 'doc_bin_loss' [D][B]}]`` (the last is ``final_val``'s, measured once). What the
+    rare-token gains over training (Leviathan, arXiv 2601.22040) are computed from."""
+    from tieflax.study.analyze import analysis_loss_options, load_params_at  # noqa: PLC0415
+    from tieflax.study.evidence import bin_losses  # noqa: PLC0415
+    from tieflax.analysis import measures  # noqa: PLC0415
+    from tieflax.config import model_config  # noqa: PLC0415
+
+    mc = model_config(config)
+    options = dict(analysis_loss_options(config), z_loss=0.0, label_smoothing=0.0)
+    bins = measures.mass_bins(data["counts"], cc.n_bins)
+    out = []
+    steps = [s for s in steps if s > 0]  # step 0 (an init checkpoint) is no point of training
+    for step in steps[:-1]:
+        _, params, _ = load_params_at(run_dir, step)
+        out.append(dict(step=int(step), **bin_losses(mc, params, data["val_batches"], data["doc_ids"],
+                                                     data["n_docs"], options, bins, cc.n_bins)))
+    out.append(dict(step=int(steps[-1]), loss=final_val["loss"], doc_bin_loss=final_val["doc_bin_loss"]))
+    return out
 
 
 def _embedding_rows(params: dict) -> dict:
@@ -447,7 +496,7 @@ def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> str:
 
 
 def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
-                retrain_changed: bool = False) -> dict:
+                retrain_changed: bool = False, command: str = "tieflax compare") -> dict:
     """Trains every variant and seed, analyses them and writes ``workdir/report.md``; returns the summary.
 
     Layout: ``workdir/<variant>/seed_<s>/`` (a normal tieflax workdir each: rerunning resumes),
@@ -455,7 +504,8 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
     ``report.html`` (when markdown-it-py is installed) and the PNGs. ``log`` receives progress lines.
     ``workdir`` may be a ``gs://`` / ``s3://`` prefix. A rerun reuses a run only if it was trained with
     the config it would be trained with now (``tieflax.study.resume``); ``retrain_changed`` trains
-    the ones that differ again instead of refusing.
+    the ones that differ again instead of refusing. ``command``: the command line, for the provenance
+    (``tieflax.study.provenance``: kept as it was when a rerun trains nothing).
     """
     import jax  # noqa: PLC0415
 
@@ -470,7 +520,8 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
     variants, match = variant_configs(config)
     # One compare at a time in a workdir (each run's trainer locks its own folder as well).
     with workdir_lock(workdir, "compare", enabled=jax.process_index() == 0):
-        return _run_compare(config, workdir, cc, variants, match, log=log, retrain_changed=retrain_changed)
+        return _run_compare(config, workdir, cc, variants, match, log=log, retrain_changed=retrain_changed,
+                            command=command)
 
 
 def _planned_runs(workdir: str, cc, variants: dict, tokenizer: str | None) -> list[tuple]:
@@ -514,7 +565,22 @@ def _check_existing_runs(planned: list[tuple], is_main: bool, *, retrain_changed
         raise StudyMismatch(error)
 
 
-def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool) -> dict:
+def _measured_now(analysis: dict | None, since: float) -> bool:
+    """Whether a run's analysis was computed by this invocation (not reused from its compare.json)."""
+    return bool(analysis) and analysis.get("measured_at", 0.0) >= since - 1.0
+
+
+def _previous_summary(workdir: str) -> dict | None:
+    """The summary.json a previous invocation wrote here (None: none, or unreadable)."""
+    path = storage.join(workdir, "summary.json")
+    try:
+        return jsonable.loads(storage.read_text(path)) if storage.is_file(path) else None
+    except (ValueError, OSError):
+        return None
+
+
+def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool,
+                 command: str = "tieflax compare") -> dict:
     from tieflax.study.report import write_report  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415
     from tieflax.run.checkpoints import latest_step  # noqa: PLC0415
@@ -530,13 +596,17 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
     kept: dict = {}  # (variant, seed) -> embedding matrices, for the unembedding-bias comparison
     total = len(variants) * len(cc.seeds)
     t_start = time.perf_counter()
+    since = time.time()  # what an analysis's measured_at is compared with (wall clock)
     planned = _planned_runs(workdir, cc, variants, tokenizer)
     _check_existing_runs(planned, is_main, retrain_changed=retrain_changed, log=log)
+    previous = _previous_summary(workdir) if is_main else None
+    trained = 0
     for seed, name, cfg, run_dir in planned:
-        # A run trained to its end before (a rerun of a finished or stopped study) is evaluated, not trained.
+        # A run trained to its end before (a rerun of a finished or stopped study) is evaluated, not trained;
+        # the trainer says so itself ("finished before ... nothing to train"), so this line does not.
         finished = latest_step(run_dir) == cfg.train.num_steps
-        log(f"[{len(runs) + 1}/{total}] {name} (seed {seed}) in {run_dir}: "
-            + (f"finished before (step {cfg.train.num_steps}), nothing to train" if finished else "training"))
+        where = storage.join(name, f"seed_{seed}")
+        log(f"[{len(runs) + 1}/{total}] {name} (seed {seed}) in {where}" + ("" if finished else ": training"))
         t0 = time.perf_counter()
         result = train_and_evaluate(cfg, run_dir)
         if result.get("preempted"):
@@ -544,6 +614,7 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
             log(f"stopped by SIGTERM during {name} (seed {seed}); rerun the same command to resume")
             raise SystemExit(143)
         t1 = time.perf_counter()
+        trained += not finished
         # Analysis and the report run on process 0 only; the others go on to the next run's training
         # and wait for it there.
         analysis = None
@@ -559,15 +630,22 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
         full = f", full split {analysis['val']['loss']:.4f}" if analysis else ""
         log(f"[{len(runs) + 1}/{total}] {name} seed {seed}: val loss {result['final_val_loss']:.4f}{full} "
             f"(train {t1 - t0:.0f} s, analysis {time.perf_counter() - t1:.0f} s)")
+        seconds = dict(train=t1 - t0, analysis=time.perf_counter() - t1)
+        carried = carried_seconds(previous, name, seed) if finished else None
+        if carried:  # the run's own cost, as the study that trained (and first measured) it timed it
+            seconds = dict(carried, analysis=seconds["analysis"] if _measured_now(analysis, since)
+                           else carried.get("analysis", seconds["analysis"]))
         runs.append(dict(variant=name, seed=int(seed), run_dir=run_dir, result=result, analysis=analysis,
                          metrics=read_metrics(run_dir) if is_main else [], model=cfg.model.to_dict(),
                          tasks=scores,
-                         train=cfg.train.to_dict(), params=param_counts(model_config(cfg)),
-                         seconds=dict(train=t1 - t0, analysis=time.perf_counter() - t1)))
+                         train=cfg.train.to_dict(), params=param_counts(model_config(cfg)), seconds=seconds))
     alignment = alignment_study(planned, cc, data["counts"], kept) if is_main and data else {}
     kept.clear()
+    origin = provenance(previous, runs, command, trained)
+    if not trained and any(_measured_now(r["analysis"], since) for r in runs):
+        origin["remeasured"] = dict(commit=code_commit(), date=time.strftime("%Y-%m-%d"))
     summary = dict(config=json.loads(config.to_json_best_effort()), compare=cc.to_dict(), match=match,
-                   runs=runs, alignment=alignment, wall_seconds=time.perf_counter() - t_start,
+                   runs=runs, alignment=alignment, wall_seconds=time.perf_counter() - t_start, provenance=origin,
                    data=dict(train_tokens=data["train_tokens"], n_docs=data["n_docs"],
                              val_tokens=int(sum(sum(r["analysis"]["val"]["doc_tokens"]) for r in runs[:1])),
                              data_dir=data["data_dir"], whole_split=data["whole_split"]) if data else {})

@@ -15,9 +15,11 @@
 - ``val.doc_bin_loss`` / ``val.doc_bin_tokens`` [D][B]: the same held-out loss split by the equal-token-mass
   bin of the target token (rare-token gains, Leviathan arXiv 2601.22040).
 - ``lens``: held-out loss when the residual stream after each layer is read out through the final norm
-  and the model's own head, plain (logit lens) and through an affine translator per layer (tuned lens,
-  fit in closed form on the first half of the held-out documents, scored on the second):
-  :func:`lens_measures`.
+  and the model's own head, plain (logit lens) and through a translator per layer (the tuned lens as
+  Belrose et al. train it, by KL to the model's own final distribution, on the first half of the held-out
+  documents, scored on the second): :func:`lens_measures`.
+- :func:`bin_losses` (called by ``tieflax.study.compare.analyze_run`` at every kept checkpoint): the
+  per-(document, frequency bin) held-out loss through training, for the rare-token gains over training.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tieflax.analysis import literature, measures
+from tieflax.analysis import lens, literature, measures
 from tieflax.analysis.gradients import split_embedding_gradients
 
 
@@ -99,6 +101,16 @@ def validation(model_config, params: dict, batches: list[dict], doc_ids: list[np
     return out
 
 
+def bin_losses(model_config, params: dict, batches: list[dict], doc_ids: list[np.ndarray], n_docs: int,
+               loss_options: dict, token_bins: np.ndarray, n_bins: int) -> dict:
+    """The held-out loss of one checkpoint: ``loss`` (token mean) and ``doc_bin_loss`` [D][B] (summed per
+    document and frequency bin of the target; the tokens per cell are the final checkpoint's
+    ``doc_bin_tokens``, the same data)."""
+    val = validation(model_config, params, batches, doc_ids, n_docs, loss_options, token_bins=token_bins,
+                     n_bins=n_bins)
+    return dict(loss=val["loss"], doc_bin_loss=val["doc_bin_loss"])
+
+
 # ----------------------------------------------------------------------------------------- lenses
 def _readout(module, x, targets, loss_options: dict):
     """(inside ``TransformerLM.apply``) per-token loss [B, T] of a residual stream read through the final
@@ -109,6 +121,14 @@ def _readout(module, x, targets, loss_options: dict):
     loss, _ = cross_entropy(module.final_norm(x), module.lm_head.weight(), targets,
                             bias=module.head_bias_or_none(), **head_loss_kwargs(module.config), **loss_options)
     return loss
+
+
+def _readout_logits(module, x):
+    """(inside ``TransformerLM.apply``) logits [n, V] of a residual stream [n, d] read through the final
+    norm and the model's own head (its logit scale, soft-cap and bias), the vocabulary's columns only
+    (padding columns cut off, not set to -inf, so a KL over them is finite)."""
+    h = module.final_norm(x)[None]                  # the head reads [B, T, d]: here B = 1, T = the positions
+    return module.lm_head(h, module.head_bias_or_none())[0, ..., :module.config.vocab_size]
 
 
 @functools.lru_cache(maxsize=16)
@@ -133,54 +153,76 @@ def _lens_fns(model_config, loss_options: tuple):
     return jax.jit(residuals), jax.jit(readout)
 
 
-def lens_measures(model_config, params: dict, batches: list[dict], doc_ids: list[np.ndarray], n_docs: int,
-                  final_doc_loss, loss_options: dict, fit_tokens: int = 8192, score_tokens: int = 0,
-                  doc_tokens=None) -> dict:
-    """Logit lens and tuned lens by layer on the held-out split, per document.
+def _logits_fn(model_config, params: dict):
+    """The frozen readout the tuned lens is trained through: x [n, d] f32 -> logits [n, V] f32."""
+    from tieflax.model import TransformerLM  # noqa: PLC0415
 
-    The documents are split in two halves in split order: the first fits, per layer l < L, the affine
-    translator of the residual stream after l blocks onto the final residual stream
-    (:func:`tieflax.analysis.literature.fit_translator`, least squares on at most ``fit_tokens`` of its
-    positions, the first ones); the second half is scored, whole documents in split order until
-    ``score_tokens`` scored tokens (0: every document of the half; ``doc_tokens`` [D]: the validation's
-    scored tokens per document, which the cap counts). Layer 0 is the embedding output (before any block),
-    layer L the model itself (``final_doc_loss``: the validation's per-document loss).
+    model = TransformerLM(model_config)
+    dtype = jnp.dtype(model_config.dtype)
+    return lambda x: model.apply({"params": params}, x.astype(dtype), method=_readout_logits).astype(jnp.float32)
 
-    Returns ``layers`` (L), ``fit_docs`` / ``score_docs`` (their counts), ``fit_tokens`` (positions fitted),
-    ``doc_tokens`` [D] (scored tokens; 0 on the fitting half), ``logit`` and ``tuned`` [L+1][D] summed loss
-    per document and layer; or ``missing`` (why nothing was measured) with too few documents or
-    positions. The residual stream is ``TransformerLM.residual_stream`` (scanned layers or unrolled).
-    """
-    if n_docs < 2:
-        return dict(missing=f"{n_docs} held-out document: the tuned lens fits on one half of the documents "
-                            "and scores the other")
-    residuals, readout = _lens_fns(model_config, tuple(sorted(loss_options.items())))
-    n_layers, d = model_config.n_layers, model_config.d_model
-    first_scored = n_docs - n_docs // 2          # documents [0, first_scored) fit, the rest are scored
+
+def _fit_positions(residuals, params, batches, doc_ids, first_scored: int, fit_tokens: int):
+    """The residual streams at the first ``fit_tokens`` scored positions of documents ``[0, first_scored)``:
+    (xs [L, n, d] layers 0..L-1, y [n, d] the final stream), float32 host arrays."""
     xs, ys = [], []
     have = 0
     for batch, ids in zip(batches, doc_ids):
-        sel = (np.asarray(batch["targets"]) >= 0) & (ids < first_scored)
         if have >= fit_tokens:
             break
+        sel = (np.asarray(batch["targets"]) >= 0) & (ids < first_scored)
         if not sel.any():
             continue
         r = np.asarray(residuals(params, batch))[:, sel]            # [L+1, n, d]
         xs.append(r[:-1])
         ys.append(r[-1])
         have += sel.sum()
-    if have < d + 1:
-        return dict(missing=f"{have} positions in the fitting half of the documents: too few to fit a {d}-input "
-                            "affine translator")
-    x = np.concatenate(xs, axis=1)[:, :fit_tokens]
-    y = np.concatenate(ys, axis=0)[:fit_tokens]
-    fits = [literature.fit_translator(x[i], y) for i in range(n_layers)]
+    if not xs:
+        return None, None
+    return np.concatenate(xs, axis=1)[:, :fit_tokens], np.concatenate(ys, axis=0)[:fit_tokens]
+
+
+def lens_measures(model_config, params: dict, batches: list[dict], doc_ids: list[np.ndarray], n_docs: int,
+                  final_doc_loss, loss_options: dict, fit_tokens: int = 8192, score_tokens: int = 0,
+                  doc_tokens=None, recipe: dict | None = None) -> dict:
+    """Logit lens and tuned lens by layer on the held-out split, per document.
+
+    The documents are split in two halves in split order. On the first, one translator per layer l < L
+    (the residual stream after l blocks) is trained as Belrose et al. train theirs
+    (:func:`tieflax.analysis.lens.train_translators`: ``h + A h + b`` from zero, KL to the model's own final
+    distribution, SGD with Nesterov momentum; ``recipe`` overrides :data:`tieflax.analysis.lens.RECIPE`)
+    on at most ``fit_tokens`` of its positions, the first ones. The second half is scored, whole documents
+    in split order until ``score_tokens`` scored tokens (0: every document of the half; ``doc_tokens`` [D]:
+    the validation's scored tokens per document, which the cap counts). Layer 0 is the embedding output
+    (before any block), layer L the model itself (``final_doc_loss``: the validation's per-document loss).
+
+    Returns ``layers`` (L), ``fit_docs`` / ``score_docs`` (their counts), ``fit_tokens`` (positions trained
+    on), ``doc_tokens`` [D] (scored tokens; 0 on the fitting half), ``logit`` and ``tuned`` [L+1][D] summed
+    loss per document and layer, ``method`` ('kl'), ``recipe`` (the optimizer's settings) and ``kl`` [L]
+    (each layer's KL from the final distribution on the training positions, after training); or
+    ``missing`` (why nothing was measured) with too few documents or positions. The residual stream is
+    ``TransformerLM.residual_stream`` (scanned layers or unrolled).
+    """
+    if n_docs < 2:
+        return dict(missing=f"{n_docs} held-out document: the tuned lens trains on one half of the documents "
+                            "and scores the other")
+    residuals, readout = _lens_fns(model_config, tuple(sorted(loss_options.items())))
+    n_layers = model_config.n_layers
+    first_scored = n_docs - n_docs // 2          # documents [0, first_scored) train the lens, the rest are scored
+    x, y = _fit_positions(residuals, params, batches, doc_ids, first_scored, fit_tokens)
+    if x is None or len(y) < 2:
+        return dict(missing=f"{0 if y is None else len(y)} positions in the training half of the documents: too "
+                            "few to train a tuned lens")
+    recipe = {**lens.RECIPE, **(recipe or {})}
+    logits_fn = _logits_fn(model_config, params)
+    translators, _ = lens.train_translators(x, y, logits_fn, **recipe)
+    kl = [float(lens.kl_from_final(jax.nn.log_softmax(logits_fn(jnp.asarray(y)), -1),
+                                   logits_fn(lens.translate(translators, i, jnp.asarray(x[i])))))
+          for i in range(n_layers)]
     last_scored = n_docs  # documents [first_scored, last_scored) are scored
     if score_tokens and doc_tokens is not None:
         reached = np.cumsum(np.asarray(doc_tokens, np.float64)[first_scored:]) >= score_tokens
         last_scored = first_scored + (int(np.argmax(reached)) + 1 if reached.any() else n_docs - first_scored)
-    a = [jnp.asarray(f[0], jnp.float32) for f in fits]
-    b = [jnp.asarray(f[1], jnp.float32) for f in fits]
     sums = np.zeros((2, n_layers, n_docs))
     tokens = np.zeros(n_docs)
     for batch, ids in zip(batches, doc_ids):
@@ -189,16 +231,15 @@ def lens_measures(model_config, params: dict, batches: list[dict], doc_ids: list
             continue
         xs = residuals(params, batch)
         for layer in range(n_layers):
-            for k, x in enumerate((xs[layer], xs[layer] @ a[layer] + b[layer])):   # logit lens, tuned lens
-                loss = np.asarray(readout(params, x, batch["targets"]), np.float64)
+            for k, h in enumerate((xs[layer], lens.translate(translators, layer, xs[layer]))):  # logit, tuned
+                loss = np.asarray(readout(params, h, batch["targets"]), np.float64)
                 sums[k, layer] += np.bincount(ids[sel], weights=loss[sel], minlength=n_docs)
         tokens += np.bincount(ids[sel], minlength=n_docs)
     scored = (np.arange(n_docs) >= first_scored) & (np.arange(n_docs) < last_scored)
     final = np.where(scored, np.asarray(final_doc_loss, np.float64), 0.0)
-    logit = [*sums[0].tolist(), final.tolist()]
-    tuned = [*sums[1].tolist(), final.tolist()]
     return dict(layers=n_layers, fit_docs=int(first_scored), score_docs=int(last_scored - first_scored),
-                fit_tokens=int(len(y)), doc_tokens=tokens.tolist(), logit=logit, tuned=tuned)
+                fit_tokens=int(len(y)), doc_tokens=tokens.tolist(), logit=[*sums[0].tolist(), final.tolist()],
+                tuned=[*sums[1].tolist(), final.tolist()], method="kl", recipe=recipe, kl=kl)
 
 
 # -------------------------------------------------------------------------------------- matrices
@@ -247,10 +288,11 @@ def gradient_measures(model_config, params: dict, batches: list[dict], counts, n
 def measure_run(model_config, params: dict, init_params: dict, counts, *, val_batches: list[dict],
                 doc_ids: list[np.ndarray], n_docs: int, grad_batches: list[dict], loss_options: dict,
                 n_bins: int = 8, max_rows: int | None = 1024, with_arrays: bool = False,
-                lens_fit_tokens: int = 8192, lens_score_tokens: int = 0) -> dict:
+                lens_fit_tokens: int = 8192, lens_score_tokens: int = 0, lens_recipe: dict | None = None) -> dict:
     """Every measurement of one run (see the module docstring). ``counts``: [V] train unigram counts.
     ``lens_fit_tokens``: held-out positions the tuned lens fits on (0: no lens); ``lens_score_tokens``:
-    about how many it scores (whole documents; 0: the whole second half of the documents)."""
+    about how many it scores (whole documents; 0: the whole second half of the documents); ``lens_recipe``:
+    the tuned lens's optimizer settings over :data:`tieflax.analysis.lens.RECIPE`."""
     counts = np.asarray(counts)
     eval_options = dict(loss_options, z_loss=0.0, label_smoothing=0.0)
     out = dict(tied="lm_head" not in params)
@@ -259,7 +301,7 @@ def measure_run(model_config, params: dict, init_params: dict, counts, *, val_ba
     if lens_fit_tokens:
         out["lens"] = lens_measures(model_config, params, val_batches, doc_ids, n_docs, out["val"]["doc_loss"],
                                     eval_options, fit_tokens=lens_fit_tokens, score_tokens=lens_score_tokens,
-                                    doc_tokens=out["val"]["doc_tokens"])
+                                    doc_tokens=out["val"]["doc_tokens"], recipe=lens_recipe)
     final, init = _matrices(params), _matrices(init_params)
     sides = ("input",) if out["tied"] else ("input", "output")
     out["matrices"] = {s: matrix_measures(final[s], init[s], counts, n_bins, max_rows) for s in sides}

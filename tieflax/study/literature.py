@@ -5,9 +5,13 @@ interval and a verdict drawn from the interval alone:
 
 - *holds here*: the interval lies on the side the paper predicts;
 - *contradicted here*: it lies on the other side;
-- *not resolved*: it includes the reference value (0, or the share of tokens for the rare-token row);
-- *too little data*: no interval can be formed (fewer than 2 resampling units at a level the interval
-  resamples: "1 seed: no interval over seeds"), and the row says what is missing.
+- *unresolved*: it includes the reference value (0);
+- *no verdict from < 2 units*: no interval can be formed (fewer than 2 resampling units at a level the
+  interval resamples: "1 seed: no interval over seeds"), and the row says what is missing.
+
+(:mod:`tieflax.study.findings` computes the words and each row's finding.) Every difference between
+variants is taken as *untied - tied* (the variant minus ``tied``); rows that are not such a difference say
+what they are instead.
 
 Claims (Lopardo, Harish, Arnett, Gupta, arXiv 2603.26663; Leviathan, arXiv 2601.22040; the tuned lens is
 Belrose et al., arXiv 2303.08112):
@@ -18,11 +22,14 @@ Belrose et al., arXiv 2303.08112):
 2. **The output path drives the tied matrix early**: log(||g_head|| / ||g_lookup||) over the first 10%
    of the steps, from the trainer's logged gradient norms (:func:`tieflax.analysis.literature.path_ratio`).
 3. **Tied early layers contribute less to the residual stream**: the drop in tuned-lens loss over the
-   first half of the layers, tied minus untied (``analysis['lens']``).
+   first half of the layers, untied minus tied (``analysis['lens']``; the lens trained by KL as
+   Belrose et al. train it, :mod:`tieflax.analysis.lens`).
 4. **Scaling the input path's gradient reduces the bias** (only when ``tied_input_grad_scaled`` ran): the
    row-1 measure, ``tied_input_grad_scaled`` minus ``tied``.
 5. **Untying's gains concentrate in rare tokens**: the share of the untied - tied loss difference that the
    rarest half of the equal-mass frequency bins carries, minus their share of the scored tokens.
+6. **... and grow with training**: the untied - tied loss on the rarest half of the bins (nats per token
+   of that half) at the last analysed checkpoint minus at the first (``analysis['through']``).
 
 Everything here reads only the summary ``run_compare`` writes, so ``--report-only`` redraws it.
 """
@@ -34,13 +41,17 @@ import math
 import numpy as np
 
 from tieflax import storage
+from tieflax.analysis import lens as lens_lib
 from tieflax.analysis import literature as lit
 from tieflax.analysis import plots
 from tieflax.analysis import stats as st
+from tieflax.study.findings import CONTRA, HOLDS, LITTLE, OPEN, Claim, finding, judge  # noqa: F401 (re-exported)
 
 NAN = float("nan")
-HOLDS, CONTRA, OPEN, LITTLE = "holds here", "contradicted here", "not resolved", "too little data"
 BIAS = "2603.26663"
+# The tuned lens's values are printed to 3 decimals: its SGD training moves a run's value by about 1e-3
+# when the parameters change by an ulp (docs/study.md), so a 4th decimal would be noise.
+LENS_DIGITS = 3
 LEVIATHAN = "2601.22040"
 
 
@@ -51,19 +62,6 @@ def _runs(groups: dict, variant: str) -> dict[int, dict]:
 
 def _n_boot(summary: dict) -> int:
     return summary.get("compare", {}).get("bootstrap", st.N_BOOT)
-
-
-def judge(ci: dict, predicted: str, ref: float = 0.0) -> str:
-    """The verdict of an interval against ``ref``: ``predicted`` is the side the paper predicts
-    ('above' or 'below'); no interval is "too little data"."""
-    lo, hi = ci.get("lo", NAN), ci.get("hi", NAN)
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return LITTLE
-    if lo > ref:
-        return HOLDS if predicted == "above" else CONTRA
-    if hi < ref:
-        return HOLDS if predicted == "below" else CONTRA
-    return OPEN
 
 
 def cell(ci: dict, digits: int = 3, transform=None, short: bool = False) -> str:
@@ -235,69 +233,166 @@ def rare_compare(summary: dict, groups: dict, variant: str, base: str = "tied") 
                 bin_tokens=tokens.sum(0).tolist())
 
 
+def _through_of(run: dict) -> dict[int, list]:
+    return {int(t["step"]): t["doc_bin_loss"] for t in run["analysis"].get("through") or []}
+
+
+def _bin_interval(diff: np.ndarray, tokens: np.ndarray, boot: dict) -> dict:
+    """Two-level interval of ``diff`` [S, D] summed loss differences per token of ``tokens`` [D] (documents
+    without a token left out)."""
+    docs = tokens > 0
+    if not docs.any():
+        return dict(mean=NAN, lo=NAN, hi=NAN, missing="no scored token")
+    return st.two_level_bootstrap(diff[:, docs], np.zeros_like(diff[:, docs]), tokens[docs], **boot)
+
+
+def through_compare(summary: dict, groups: dict, variant: str, base: str = "tied") -> dict | None:
+    """``variant`` minus ``base`` at every analysed checkpoint both have (``analysis['through']``), paired by
+    seed and document; every interval resamples seeds and documents with the same draws at every step.
+
+    Returns ``steps`` [K]; per step ``bins`` [K][B] (loss difference per token of each bin), ``total`` [K]
+    (per scored token), ``rare`` [K] (per token of the rarest half of the bins), ``share`` [K] (the rarest
+    half's share of the difference minus its share of the tokens); ``growth``: ``rare`` at the last step
+    minus at the first (< 0: untying's rare-token gain grew) and ``share_change`` the same of ``share``.
+    None when no paired run has checkpoints measured through training."""
+    a, b = _runs(groups, variant), _runs(groups, base)
+    seeds = sorted(s for s in set(a) & set(b) if _through_of(a[s]) and _through_of(b[s])
+                   and "doc_bin_tokens" in a[s]["analysis"]["val"])
+    if not seeds:
+        return None
+    steps = sorted(set.intersection(*[set(_through_of(r)) for s in seeds for r in (a[s], b[s])]))
+    if not steps:
+        return None
+    tokens = np.asarray(a[seeds[0]]["analysis"]["val"]["doc_bin_tokens"], np.float64)            # [D, B]
+    keep = tokens.sum(1) > 0
+    cube = lambda runs: np.array([[_through_of(runs[s])[k] for k in steps] for s in seeds], np.float64)  # noqa: E731
+    diff = (cube(a) - cube(b))[:, :, keep]                                                            # [S, K, D, B]
+    tokens = tokens[keep]
+    n_bins = tokens.shape[1]
+    rare = slice(0, n_bins // 2)
+    boot = dict(n_boot=_n_boot(summary))
+    rare_diff = diff[:, :, :, rare].sum(3)                                                            # [S, K, D]
+    out = dict(seeds=seeds, steps=steps, n_bins=n_bins,
+               bins=[[_bin_interval(diff[:, k, :, j], tokens[:, j], boot) for j in range(n_bins)]
+                     for k in range(len(steps))],
+               total=[_bin_interval(diff[:, k].sum(2), tokens.sum(1), boot) for k in range(len(steps))],
+               rare=[_bin_interval(rare_diff[:, k], tokens[:, rare].sum(1), boot) for k in range(len(steps))],
+               share=[st.two_level_ratio(rare_diff[:, k], diff[:, k].sum(2),
+                                         minus=(tokens[:, rare].sum(1), tokens.sum(1)), **boot)
+                      for k in range(len(steps))])
+    if len(steps) < 2:
+        why = (f"1 analysed checkpoint (step {steps[0]}): no change over training; keep more "
+               "(config.compare.analysis_points >= 2)")
+        out["growth"] = out["share_change"] = dict(mean=NAN, lo=NAN, hi=NAN, missing=why)
+    else:
+        out["growth"] = st.two_level_bootstrap(rare_diff[:, -1], rare_diff[:, 0], tokens[:, rare].sum(1), **boot)
+        out["share_change"] = st.two_level_ratio(rare_diff[:, -1], diff[:, -1].sum(2),
+                                                 minus=(rare_diff[:, 0], diff[:, 0].sum(2)), **boot)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the rows
-def _row(claim: str, source: str, measure: str, ci: dict, verdict: str, value: str, **extra) -> dict:
-    note = (st.missing(ci) or "no interval") if verdict == LITTLE else ""
+CLAIMS = {
+    "bias": Claim("A tied matrix is more like an untied model's head than like its input embedding", f"arXiv {BIAS}",
+                  "above", "The tied matrix is more like an untied head than like an untied input embedding",
+                  "The tied matrix is more like an untied input embedding than like an untied head",
+                  "Unembedding bias"),
+    "path": Claim("The output path's gradient dominates the tied matrix early in training", f"arXiv {BIAS}", "above",
+                  "The head path's gradient is the larger one into the tied matrix early in training",
+                  "The lookup path's gradient is the larger one into the tied matrix early in training",
+                  "Which path drives the tied matrix early"),
+    "lens": Claim("Tied early layers contribute less to the residual stream (tuned lens)", f"arXiv {BIAS}", "above",
+                  "The untied model's first blocks lower the tuned-lens loss more than the tied model's",
+                  "The tied model's first blocks lower the tuned-lens loss more than the untied model's",
+                  "Early-layer contribution, untied - tied"),
+    "intervention": Claim("Scaling the input path's gradient during training reduces the unembedding bias",
+                          f"arXiv {BIAS}", "below", "Scaling the lookup gradient raised the unembedding bias",
+                          "Scaling the lookup gradient lowered the unembedding bias",
+                          "The intervention's effect on the bias"),
+    "rare": Claim("Untying's gains concentrate in rare tokens", f"arXiv {LEVIATHAN}", "above",
+                  "The rarest half of the bins carries more of the untied - tied difference than of the tokens",
+                  "The rarest half of the bins carries less of the untied - tied difference than of the tokens",
+                  "Where untying's gain lies"),
+    "growth": Claim("Untying's gains in rare tokens grow with training", f"arXiv {LEVIATHAN}", "below",
+                    "Untying's gain on the rarest half of the bins shrank over training",
+                    "Untying's gain on the rarest half of the bins grew over training",
+                    "Untying's rare-token gain over training"),
+}
+
+
+def _row(key: str, measure: str, ci: dict, value: str, verdict: str | None = None, **extra) -> dict:
+    f = finding(CLAIMS[key], ci, verdict)
+    note = (st.missing(ci) or "no interval") if f["verdict"] == LITTLE else ""
     if note and " (" in value:
         value = value.split(" (")[0] + " (no interval)"  # what is missing is said once, in the verdict
-    return dict(claim=claim, source=f"arXiv {source}", measure=measure, value=value, mean=ci.get("mean", NAN),
-                lo=ci.get("lo", NAN), hi=ci.get("hi", NAN), verdict=verdict, missing=note,
-                n_seeds=ci.get("n", ci.get("n_seeds", 0)), **extra)
+    return dict(f, key=key, measure=measure, value=value, missing=note, n_seeds=ci.get("n", ci.get("n_seeds", 0)),
+                **extra)
 
 
 def literature_rows(summary: dict, groups: dict) -> list[dict]:
-    """The table's rows (plain values; NaN where a number is undefined, the table never shows it)."""
+    """The table's rows (plain values; NaN where a number is undefined, the table never shows it): each a
+    :func:`tieflax.study.findings.finding` with ``key``, ``measure``, ``value`` and ``missing``."""
     rows = []
     tied, untied = "tied" in groups, "untied" in groups
     if tied and untied:
         for key, label in (("cka_diff", "linear CKA"), ("knn_diff", f"{summary['compare'].get('knn', 10)}-NN overlap")):
             ci = bias_ci(summary, "tied", key=key)
-            rows.append(_row("A tied matrix is more like an untied model's head than its input embedding "
-                             "(unembedding bias)", BIAS,
-                             f"{label}: like the untied head - like the untied input embedding, tied W (final) "
-                             "against the untied run of the next seed (no shared init)",
-                             ci, judge(ci, "above"), cell(ci)))
+            rows.append(_row("bias", f"{label}: like the untied head - like the untied input embedding, tied W (final) "
+                                     "against the untied run of the next seed (one tied matrix against two untied "
+                                     "ones, not a difference of variants)", ci, cell(ci)))
     if tied:
         ci = path_ci(summary, groups, "tied", "early")
-        rows.append(_row("The output path's gradient dominates the tied matrix early in training", BIAS,
-                         "ln(||g_head|| / ||g_lookup||) over the first 10% of steps (logged norms), tied; "
-                         "the ratio is exp of this", ci, judge(ci, "above"), cell(ci)))
+        rows.append(_row("path", "ln(||g_head|| / ||g_lookup||) over the first 10% of steps (logged norms), tied "
+                                 "alone (> 0: the head's is larger; the ratio is exp of this)", ci, cell(ci)))
     if tied and untied:
-        comp = lens_compare(summary, groups, "tied", "untied")
+        comp = lens_compare(summary, groups, "untied", "tied")
         if comp is None:
             ci = dict(mean=NAN, lo=NAN, hi=NAN, missing=lens_missing(groups) or "no paired lens")
             layer = "L/2"
         else:
             ci, layer = comp["early"], str(comp["early_layer"])
-        rows.append(_row("Tied early layers contribute less to the residual stream (tuned lens)", BIAS,
-                         f"tuned-lens loss drop from layer 0 to layer {layer} (nats/token), tied - untied; "
-                         "held-out documents, least-squares translators", ci, judge(ci, "below"), cell(ci, 4)))
+        rows.append(_row("lens", f"tuned-lens loss drop from layer 0 to layer {layer} (nats/token), untied - tied "
+                                 "(> 0: untied's first blocks lower it more); held-out documents, translators "
+                                 "trained by KL (Belrose et al.)", ci, cell(ci, LENS_DIGITS)))
     if tied and "tied_input_grad_scaled" in groups:
         scale = summary["compare"].get("input_grad_scale", NAN)
         ci = bias_effect(summary, "tied_input_grad_scaled", "cka_diff")
-        rows.append(_row("Scaling the input path's gradient during training reduces the unembedding bias", BIAS,
-                         f"CKA like the head - like the input, tied_input_grad_scaled (lookup gradient x {scale:g}) "
-                         "- tied, same untied runs", ci, judge(ci, "below"), cell(ci)))
+        rows.append(_row("intervention", f"CKA like the head - like the input, tied_input_grad_scaled (lookup "
+                                         f"gradient x {scale:g}) - tied (both tied: a difference of two tied "
+                                         "variants), same untied runs", ci, cell(ci)))
     if tied and untied:
-        comp = rare_compare(summary, groups, "untied", "tied")
-        if comp is None:
-            ci, verdict = dict(mean=NAN, lo=NAN, hi=NAN, missing="no per-bin losses (an analysis from before them)"), LITTLE
-        else:
-            ci = comp["share"]
-            verdict = judge(ci, "above")
-            total = judge(comp["total"], "below")
-            if verdict in (HOLDS, CONTRA) and total != HOLDS:
-                verdict = OPEN if total != LITTLE else LITTLE  # no resolved gain of untying to share out
-        rows.append(_row("Untying's gains concentrate in rare tokens", LEVIATHAN,
-                         "share of the untied - tied loss difference carried by the rarest half of the "
-                         "equal-mass frequency bins, minus their share of the scored tokens", ci, verdict, cell(ci)))
+        rows += _rare_rows(summary, groups)
+    return rows
+
+
+def _rare_rows(summary: dict, groups: dict) -> list[dict]:
+    """The two rare-token rows: where untying's gain lies (share), and whether it grows over training."""
+    rows = []
+    comp = rare_compare(summary, groups, "untied", "tied")
+    if comp is None:
+        ci, verdict = dict(mean=NAN, lo=NAN, hi=NAN, missing="no per-bin losses (an analysis from before them)"), LITTLE
+    else:
+        ci = comp["share"]
+        verdict = judge(ci, "above")
+        total = judge(comp["total"], "below")
+        if verdict in (HOLDS, CONTRA) and total != HOLDS:
+            verdict = OPEN if total != LITTLE else LITTLE  # no resolved gain of untying to share out
+    rows.append(_row("rare", "share of the untied - tied loss difference carried by the rarest half of the "
+                             "equal-mass frequency bins, minus their share of the scored tokens (> 0: more of the "
+                             "difference than of the tokens)", ci, cell(ci), verdict))
+    through = through_compare(summary, groups, "untied", "tied")
+    if through is not None:
+        ci = through["growth"]
+        first, last = through["steps"][0], through["steps"][-1]
+        rows.append(_row("growth", f"untied - tied loss on the rarest half of the bins (nats per token of that half), "
+                                   f"step {last} minus step {first} (< 0: the gain grew)", ci, cell(ci, 4)))
     return rows
 
 
 def literature_table(rows: list[dict], table) -> str:
-    body = [[r["claim"], r["source"], r["measure"], r["value"],
+    body = [[r["finding"], f"\"{r['claim']}\" ({r['source']})", r["measure"], r["value"],
              r["verdict"] + (f" ({r['missing']})" if r["missing"] else "")] for r in rows]
-    return table(["claim", "source", "measure", "value [95% CI]", "verdict"], body)
+    return table(["finding", "claim tested (source)", "measure", "value [95% CI]", "verdict"], body)
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
@@ -312,7 +407,8 @@ def section(summary: dict, groups: dict, table, loss_comps: list[dict] = ()) -> 
     knn = summary["compare"].get("knn", 10)
     parts = (_bias_parts(summary, table, knn) + _path_parts(summary, groups) + _lens_parts(summary, groups, table)
              + _intervention_parts(summary, groups, loss_comps, knn) + _rare_token_parts(summary, groups, table))
-    seeds, docs = len(summary.get("compare", {}).get("seeds", [])), (summary.get("data") or {}).get("n_docs", 2)
+    seeds = len({int(r["seed"]) for rs in groups.values() for r in rs})   # distinct seeds: the units
+    docs = (summary.get("data") or {}).get("n_docs", 2)
     why = "; ".join(m for m in (st.too_little(seeds, "seed"), st.too_little(docs, "document")) if m)
     if parts and why:
         parts.append(f"(\"no interval\" in these tables: {why}.)")
@@ -383,9 +479,10 @@ def _lens_parts(summary: dict, groups: dict, table) -> list[str]:
             continue
         for i in range(comp["layers"] + 1):
             lens_rows.append([f"{v} - tied, layer {i}" + (" (the model)" if i == comp["layers"] else ""),
-                              cell(comp["logit"][i], 4, short=True), cell(comp["tuned"][i], 4, short=True)])
+                              cell(comp["logit"][i], LENS_DIGITS, short=True),
+                              cell(comp["tuned"][i], LENS_DIGITS, short=True)])
         lens_rows.append([f"{v} - tied, tuned-lens drop layer 0 -> {comp['early_layer']}", "",
-                          cell(comp["early"], 4, short=True)])
+                          cell(comp["early"], LENS_DIGITS, short=True)])
     means = {v: lens_means(groups, v) for v in groups}
     if lens_rows:
         any_lens = next(_lens(r) for rs in groups.values() for r in rs if r.get("analysis") and _lens(r))
@@ -395,14 +492,17 @@ def _lens_parts(summary: dict, groups: dict, table) -> list[str]:
         parts += [
             "**Lens by layer.** Held-out loss (nats/token) when the residual stream after each layer (0: the "
             "embedding output, before any block) is read out through the final norm and the model's own head: "
-            "plain (logit lens) and through an affine translator per layer fit by least squares onto the final "
-            f"residual stream (a closed-form tuned lens, Belrose et al. arXiv 2303.08112, whose translators are "
-            f"trained on the KL instead): fit on the first {any_lens['fit_tokens']:,} positions of the first half "
-            f"of the held-out documents ({any_lens['fit_docs']}), scored on {any_lens['score_docs']} documents of "
-            "the second half. "
-            "Mean over seeds, logit / tuned:", "",
+            "plain (logit lens) and through a translator per layer, `h + A h + b`, trained from the identity "
+            "(A, b = 0) to minimise the KL divergence from the model's own final-layer distribution at the same "
+            "position (the tuned lens as Belrose et al., arXiv 2303.08112, train it; "
+            f"{lens_lib.describe(any_lens.get('recipe') or {})}), on the first {any_lens['fit_tokens']:,} "
+            f"positions of the first half of the held-out documents ({any_lens['fit_docs']}), scored by the "
+            f"next-token loss on {any_lens['score_docs']} documents of the second half. Mean over seeds, "
+            "logit / tuned:", "",
             table(["variant", *[f"layer {i}" for i in range(n_layers + 1)]], mean_rows), "",
-            "Paired differences (seeds x scored documents, 95% intervals; `lens_by_layer.png`):", "",
+            "Paired differences, untied - tied (seeds x scored documents, 95% intervals; `lens_by_layer.png`); "
+            "the drop row is layer 0's loss minus the later layer's, so > 0 means the variant's first blocks "
+            "lower the loss more than tied's:", "",
             table(["difference", "logit lens", "tuned lens"], lens_rows), ""]
     elif lens_missing(groups):
         parts += [f"**Lens by layer.** Not measured: {lens_missing(groups)}.", ""]
@@ -422,7 +522,7 @@ def _intervention_parts(summary: dict, groups: dict, loss_comps: list[dict], knn
             f"{knn}-NN: {cell(bias_effect(summary, v, 'knn_diff'))}",
             f"path ratio ln(head / lookup), first 10% of steps: {cell(path_effect(summary, groups, v, 'early'))}; "
             f"last 10%: {cell(path_effect(summary, groups, v, 'late'))}",
-            f"tuned-lens drop over the first layers: {cell(comp['early'], 4) if comp else 'not measured'}",
+            f"tuned-lens drop over the first layers: {cell(comp['early'], LENS_DIGITS) if comp else 'not measured'}",
             f"validation loss: {cell(loss, 4) if loss else 'not measured'}"]
         verdicts = [st.verdict(bias_effect(summary, v, "cka_diff"), "the bias grew", "the bias shrank"),
                     st.verdict(loss, "the loss rose", "the loss fell") if loss else ""]
@@ -432,9 +532,20 @@ def _intervention_parts(summary: dict, groups: dict, loss_comps: list[dict], knn
     return parts
 
 
+def share_sentence(share: dict) -> str:
+    """What the rare-token share means, in words: the rarest half's share of the difference against its
+    share of the tokens (a share above 1 or below 0 says the other half moved the other way)."""
+    if not math.isfinite(share.get("diff_share", NAN)):
+        return cell(share, short=True)
+    d, t = share["diff_share"], share["token_share"]
+    odd = (" (more than the whole difference: the frequent half's difference has the other sign)" if d > 1 else
+           " (the rare half's difference has the other sign from the whole)" if d < 0 else "")
+    return (f"the rarest half carries {d:.3f} of the difference{odd} and holds {t:.3f} of the scored tokens; "
+            f"share - token share {cell(share, short=True)}")
+
+
 def _rare_token_parts(summary: dict, groups: dict, table) -> list[str]:
     """Rare-token gains: the loss difference to ``tied`` by frequency bin of the target token."""
-    parts = []
     rare_lines = []
     for v in groups:
         if v == "tied":
@@ -442,20 +553,43 @@ def _rare_token_parts(summary: dict, groups: dict, table) -> list[str]:
         comp = rare_compare(summary, groups, v, "tied")
         if comp is None:
             continue
-        sh = comp["share"]
-        rare_lines.append(
-            [f"{v} - tied", *[cell(b, 4, short=True) for b in comp["bins"]],
-             f"{sh['diff_share']:.3f} of the difference vs {sh['token_share']:.3f} of the tokens: "
-             f"{cell(sh, short=True)}" if math.isfinite(sh.get("diff_share", NAN)) else cell(sh, short=True)])
-    if rare_lines:
-        nb = len(rare_lines[0]) - 2
-        parts += ["**Rare-token gains.** Held-out loss difference to `tied` (nats per scored token) by equal-token-"
-                  "mass bin of the *target* token (train frequency; bin 0 the rarest), and the share of the whole "
-                  "difference that the rarest half of the bins carries, minus their share of the scored tokens "
-                  "(> 0: the difference concentrates in rare tokens); 95% intervals over seeds x documents "
-                  "(`rare_token_gains.png`):", "",
-                  table(["difference", *[f"bin {k}" for k in range(nb)], "rarest half: share - token share"],
-                        rare_lines), ""]
+        rare_lines.append([f"{v} - tied", *[cell(b, 4, short=True) for b in comp["bins"]],
+                           share_sentence(comp["share"])])
+    if not rare_lines:
+        return []
+    nb = len(rare_lines[0]) - 2
+    return ["**Rare-token gains.** Held-out loss difference, variant - tied (nats per scored token; < 0: the "
+            "variant is better), by equal-token-mass bin of the *target* token (train frequency; bin 0 the "
+            "rarest), and how the whole difference splits: the rarest half of the bins' share of the summed "
+            "difference against their share of the scored tokens (a share > their token share: the difference "
+            "concentrates in rare tokens); 95% intervals over seeds x documents (`rare_token_gains.png`):", "",
+            table(["difference", *[f"bin {k}" for k in range(nb)], "rarest half of the bins"], rare_lines), "",
+            *_through_parts(summary, groups, table)]
+
+
+def _through_parts(summary: dict, groups: dict, table) -> list[str]:
+    """Untying's gains through training: the rare-token measures at every analysed checkpoint."""
+    parts = []
+    for v in [v for v in groups if v != "tied"]:
+        comp = through_compare(summary, groups, v, "tied")
+        if comp is None:
+            continue
+        rows = [[str(step), cell(comp["total"][k], 4, short=True), cell(comp["rare"][k], 4, short=True),
+                 cell(comp["share"][k], 3, short=True), *[cell(b, 4, short=True) for b in comp["bins"][k]]]
+                for k, step in enumerate(comp["steps"])]
+        growth = comp["growth"]
+        claim = CLAIMS["growth"] if v == "untied" else None
+        verdict = (f"; claim \"{claim.claim}\" ({claim.source}): *{judge(growth, claim.predicted)}*"
+                   if claim else "")
+        parts += [f"**Gains through training, `{v}` - tied** (every analysed checkpoint, paired by seed and "
+                  "document, each interval over seeds x documents with the same draws at every step): the "
+                  "difference per scored token, on the rarest half of the bins (per token of that half), the "
+                  "rarest half's share of the difference minus its share of the tokens, and each bin:", "",
+                  table(["step", "all tokens", "rarest half", "share - token share",
+                         *[f"bin {j}" for j in range(comp["n_bins"])]], rows), "",
+                  f"Change over training, step {comp['steps'][-1]} minus step {comp['steps'][0]}: rarest half "
+                  f"{cell(growth, 4)} nats/token (< 0: untying's rare-token gain grew), share - token share "
+                  f"{cell(comp['share_change'])}{verdict}.", ""]
     return parts
 
 
@@ -495,4 +629,10 @@ def make_plots(summary: dict, groups: dict, out_dir: str) -> dict[str, str]:
             {v: c["bins"] for v, c in rare.items()}, storage.join(out_dir, "rare_token_gains.png"),
             ylabel="loss minus tied (nats/token)",
             title="held-out loss minus tied by frequency bin of the target (0 = rarest), 95% CI over seeds x docs")
+    through = through_compare(summary, groups, "untied", "tied") if "untied" in groups else None
+    if through:
+        paths["gains_through_training"] = plots.bin_intervals(
+            {f"step {step}": through["bins"][k] for k, step in enumerate(through["steps"])},
+            storage.join(out_dir, "gains_through_training.png"), ylabel="untied - tied (nats/token)",
+            title="untied - tied by frequency bin at every analysed checkpoint, 95% CI over seeds x docs")
     return paths

@@ -9,7 +9,10 @@ come with the same matrix at initialisation and a row-shuffled control.
 
 from __future__ import annotations
 
+import base64
 import math
+import re
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -20,6 +23,7 @@ from tieflax.analysis import plots
 from tieflax.analysis import stats as st
 from tieflax.strict_json import to_jsonable
 from tieflax.study import literature
+from tieflax.study.findings import Claim, direction, finding, heading
 
 REPORT = "report.md"
 SUMMARY = "summary.json"
@@ -32,6 +36,27 @@ def _by_variant(runs: list[dict]) -> dict[str, list[dict]]:
     for r in runs:
         out[r["variant"]].append(r)
     return dict(out)
+
+
+def seed_units(summary: dict) -> list[int]:
+    """The distinct seeds the study's runs hold: its resampling units (a finished study has every variant
+    at each)."""
+    return sorted({int(r["seed"]) for r in summary["runs"]})
+
+
+def check_units(summary: dict) -> None:
+    """Refuses, in one line, a summary whose runs repeat a (variant, seed): an interval over copies of one
+    run is not an interval (``config.compare.seeds`` refuses a repeat before training; this guards a
+    summary.json written otherwise)."""
+    from tieflax.errors import ConfigError  # noqa: PLC0415
+
+    seen = set()
+    for r in summary["runs"]:
+        key = (r["variant"], int(r["seed"]))
+        if key in seen:
+            raise ConfigError(f"summary.json holds `{key[0]}` seed {key[1]} twice: a repeated run is one unit, not "
+                              "two; rerun `tieflax compare` with each seed once in config.compare.seeds")
+        seen.add(key)
 
 
 def _get(r: dict, getter) -> float:
@@ -59,8 +84,17 @@ def paired(groups: dict, va: str, ga, vb: str, gb, n_boot: int = st.N_BOOT) -> d
     return st.bootstrap_ci([a[s] - b[s] for s in seeds], n_boot=n_boot)
 
 
+NUMERIC = re.compile(r"^[+-]?(\d|n/a)")
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    """A markdown table: a column whose every filled cell starts with a number (or n/a) is right-aligned,
+    text left-aligned."""
+    def align(j: int) -> str:
+        cells = [row[j] for row in rows if j < len(row) and row[j]]
+        return "---:" if cells and all(NUMERIC.match(c) for c in cells) else "---"
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align(j) for j in range(len(header))) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -199,24 +233,64 @@ def gradient_table(groups: dict[str, list[dict]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- claims
-# Verdict wording: (interval above 0, interval below 0).
-V_RHO = ("seen: the head norms rise with frequency where the text is",
-         "the opposite is seen: norms fall with frequency")
-V_INPUT = ("the tied input carries more of the profile", "the tied input carries less of it")
-V_ANISO = ("tying adds anisotropy beyond the head role", "the tied matrix is less anisotropic than a head")
-V_GRAD = ("the paths help each other", "interference: the paths cost each other")
+# The study's own hypotheses (no paper behind them is measured here; the literature table has those).
+HYPOTHESIS = "the study's hypothesis"
+CLAIMS = {
+    "rho": Claim("Output-head row norms grow with token frequency", HYPOTHESIS, "above",
+                 "Untied head row norms rose with token frequency over training (frequent half of the mass)",
+                 "Untied head row norms fell with token frequency over training (frequent half of the mass)",
+                 "Head row norms against frequency"),
+    "profile": Claim("When tied, the head's frequency profile reaches the input", HYPOTHESIS, "below",
+                     "An untied input embedding carries more of the frequency profile than the tied matrix",
+                     "The tied matrix carries more of the frequency profile than an untied input embedding",
+                     "Frequency profile, untied W_in - tied"),
+    "aniso": Claim("Tying magnifies anisotropy", HYPOTHESIS, "below",
+                   "An untied head is more anisotropic than the tied matrix",
+                   "The tied matrix is more anisotropic than an untied head",
+                   "Anisotropy, untied W_out - tied"),
+    "rare_rows": Claim("Under tying, rare rows are updated every step through the softmax", HYPOTHESIS, "below",
+                       "An untied input embedding moved its rare rows more than the tied matrix",
+                       "The tied matrix moved its rare rows more than an untied input embedding",
+                       "Rare-row movement, untied W_in - tied"),
+    "interference": Claim("The tied gradient's output and input signals interfere", HYPOTHESIS, "below",
+                          "The tied matrix's two gradient paths help each other (raw gradients)",
+                          "The tied matrix's two gradient paths interfere (raw gradients)",
+                          "Gradient interference"),
+    "untied": Claim("Untying reaches lower loss at matched non-embedding parameters", HYPOTHESIS, "below",
+                    "Tied reaches lower loss than untied with the same body",
+                    "Untied reaches lower loss than tied with the same body", "Loss, untied - tied"),
+    "untied_matched": Claim("Small models prefer tying at matched total parameters", HYPOTHESIS, "above",
+                            "Tied reaches lower loss than untied at equal total parameters (untied_matched)",
+                            "Untied reaches lower loss than tied at equal total parameters (untied_matched)",
+                            "Loss, untied_matched - tied"),
+}
+LOSS_NAMES = {"untied": "untied, same body (matched non-embedding parameters)",
+              "untied_matched": "untied at the tied total, same body, narrower embeddings (Chung et al.)",
+              "untied_width": "untied at the tied total by a narrower body (width)",
+              "untied_depth": "untied at the tied total by fewer layers (depth)"}
 
 
 def _moved(a: dict, side: str, key: str) -> float:
     return a["matrices"][side][key]["move_ratio_top_bottom"]
 
 
-def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[str]:
-    """One bullet per claim: the measured difference with its 95% interval, and the verdict it supports."""
+def study_findings(groups: dict[str, list[dict]], summary: dict | None = None) -> list[tuple[dict | None, str]]:
+    """``[(finding or None, line), ...]``: each claim's :func:`tieflax.study.findings.finding` (None for a
+    line with no claim behind it: ablations, other matched variants) and the bullet the report prints."""
     found = [_row_norm_claim(groups), _profile_reaches_input_claim(groups), _anisotropy_claim(groups),
-             _rare_rows_claim(groups), _interference_claim(groups), _loss_claim(groups, summary),
+             _rare_rows_claim(groups), _interference_claim(groups), *_loss_claims(groups, summary),
              _ablation_claim(groups)]
     return [claim for claim in found if claim]
+
+
+def claims(groups: dict[str, list[dict]], summary: dict | None = None) -> list[str]:
+    """One bullet per finding: what was found, the claim it tests and its verdict, then the numbers."""
+    return [line for _, line in study_findings(groups, summary)]
+
+
+def _stated(key: str, ci: dict, details: str) -> tuple[dict, str]:
+    f = finding(CLAIMS[key], ci)
+    return f, f"{heading(f)} {details}"
 
 
 def _analysed(groups: dict[str, list[dict]], *variants: str) -> bool:
@@ -229,120 +303,110 @@ def _rho(side: str, state: str = "final"):
     return mat(side, state, "profile", "rho_head")
 
 
-def _row_norm_claim(groups: dict[str, list[dict]]) -> str | None:
+def _row_norm_claim(groups: dict[str, list[dict]]):
     """Output-head row norms grow with token frequency (untied W_out, final minus init)."""
     if not _analysed(groups, "untied"):
         return None
     ci = paired(groups, "untied", _rho("output"), "untied", _rho("output", "init"))
-    return (
-        "**Output-head row norms grow with token frequency.** Spearman rho of row norm against count "
-        "within the frequent half of the token mass (untied W_out), final minus init: "
-        f"{st.fmt_ci(ci)}; {st.verdict(ci, *V_RHO)}. "
-        "(One rho over all rows is decided by the rare tail; `norm_vs_frequency.png` shows every bin.)")
+    return _stated("rho", ci, (
+        "Spearman rho of row norm against count within the frequent half of the token mass (untied W_out), "
+        f"final - init (one run against its own start, not a difference of variants): {st.fmt_ci(ci)}. "
+        "(One rho over all rows is decided by the rare tail; `norm_vs_frequency.png` shows every bin.)"))
 
 
-def _profile_reaches_input_claim(groups: dict[str, list[dict]]) -> str | None:
+def _profile_reaches_input_claim(groups: dict[str, list[dict]]):
     """When tied, the head's frequency profile reaches the input."""
     if not _analysed(groups, "tied", "untied"):
         return None
-    d_in = paired(groups, "tied", _rho("input"), "untied", _rho("input"))
-    d_out = paired(groups, "tied", _rho("input"), "untied", _rho("output"))
+    d_in = paired(groups, "untied", _rho("input"), "tied", _rho("input"))
+    d_out = paired(groups, "untied", _rho("output"), "tied", _rho("input"))
     move = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["move_ratio_top_bottom"]))
     m_t, m_u = ci_of(groups, "tied", move), ci_of(groups, "untied", move)
-    direction = lambda ci: ("frequent rows moved more" if st.excludes_zero(ci) and ci["lo"] > 0 else  # noqa: E731
-                            "rare rows moved more" if st.excludes_zero(ci) else "no resolved direction")
-    return (
-        "**When tied, the head's frequency profile reaches the input.** rho (frequent half): tied minus "
-        f"untied W_in {st.fmt_ci(d_in)} ({st.verdict(d_in, *V_INPUT)}); "
-        f"tied minus untied W_out {st.fmt_ci(d_out)}. Which rows move, log(movement of the commonest bin / "
-        f"the rarest): tied {st.fmt_ci(m_t)} ({direction(m_t)}), untied W_in {st.fmt_ci(m_u)} "
-        f"({direction(m_u)}). The sign matters: the claim is about frequent rows growing.")
+    moved = lambda ci: direction(ci, "frequent rows moved more", "rare rows moved more", "which rows moved")  # noqa: E731
+    return _stated("profile", d_in, (
+        f"rho (frequent half), untied W_in - tied: {st.fmt_ci(d_in)}; untied W_out - tied: {st.fmt_ci(d_out)}. "
+        "Which rows moved, log(movement of the commonest bin / the rarest) of each matrix alone: tied "
+        f"{st.fmt_ci(m_t)} ({moved(m_t)}), untied W_in {st.fmt_ci(m_u)} ({moved(m_u)}). The sign matters: the "
+        "claim is about frequent rows growing."))
 
 
-def _anisotropy_claim(groups: dict[str, list[dict]]) -> str | None:
+def _anisotropy_claim(groups: dict[str, list[dict]]):
     """Tying magnifies anisotropy."""
     if not _analysed(groups, "tied", "untied"):
         return None
     cos = lambda side: mat(side, "final", "aniso", "mean_cosine")  # noqa: E731
-    beyond = paired(groups, "tied", cos("input"), "untied", cos("output"))
-    vs_in = paired(groups, "tied", cos("input"), "untied", cos("input"))
+    beyond = paired(groups, "untied", cos("output"), "tied", cos("input"))
+    vs_in = paired(groups, "untied", cos("input"), "tied", cos("input"))
     moved_in = paired(groups, "untied", cos("input"), "untied", mat("input", "init", "aniso", "mean_cosine"))
-    freq = paired(groups, "tied", mat("input", "final", "aniso", "mean_cosine_freq"),
-                  "untied", mat("output", "final", "aniso", "mean_cosine_freq"))
+    freq = paired(groups, "untied", mat("output", "final", "aniso", "mean_cosine_freq"),
+                  "tied", mat("input", "final", "aniso", "mean_cosine_freq"))
     context = _a(lambda a: a["val"]["context_cos"])
-    ctx = paired(groups, "tied", context, "untied", context)
-    return (
-        "**Tying magnifies anisotropy.** Mean cosine of unit rows, tied minus untied W_out (the decisive "
-        f"comparison: anisotropy beyond what a head has on its own) {st.fmt_ci(beyond)}: "
-        f"{st.verdict(beyond, *V_ANISO)}. "
-        f"Tied minus untied W_in {st.fmt_ci(vs_in)}, but read it with how far W_in moved from its init "
-        f"(its final minus init: {st.fmt_ci(moved_in)}): an untrained matrix is isotropic, not 'untied'. "
-        f"Unigram-weighted, tied minus untied W_out {st.fmt_ci(freq)}; contextual anisotropy of hidden "
-        f"states, tied minus untied {st.fmt_ci(ctx)}.")
+    ctx = paired(groups, "untied", context, "tied", context)
+    return _stated("aniso", beyond, (
+        "Mean cosine of unit rows, untied W_out - tied (the decisive comparison: anisotropy beyond what a head "
+        f"has on its own) {st.fmt_ci(beyond)}. Untied W_in - tied {st.fmt_ci(vs_in)}, but read it with how far "
+        f"W_in moved from its init (its final - init: {st.fmt_ci(moved_in)}): an untrained matrix is isotropic, "
+        f"not 'untied'. Unigram-weighted, untied W_out - tied {st.fmt_ci(freq)}; contextual anisotropy of "
+        f"hidden states, untied - tied {st.fmt_ci(ctx)}."))
 
 
-def _rare_rows_claim(groups: dict[str, list[dict]]) -> str | None:
+def _rare_rows_claim(groups: dict[str, list[dict]]):
     """Under tying, rare rows are updated every step through the softmax."""
     if not _analysed(groups, "tied", "untied"):
         return None
     rare = _a(lambda a: math.log(a["matrices"]["input"]["movement"]["bin_move"][0]))
-    d = paired(groups, "tied", rare, "untied", rare)
+    d = paired(groups, "untied", rare, "tied", rare)
     frac = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["bin_frac_0.01"][0]))
     ratio = ci_of(groups, "tied", _a(lambda a: a["gradient"]["final"]["updated"]["head_over_lookup_rarest"]))
-    return (
-        "**Under tying, rare rows are updated every step through the softmax.** Every row has a non-zero "
-        "head gradient by construction, so the measure is magnitude-aware: the rarest bin's median "
-        f"gradient over a looked-up row's is {st.fmt_ci(ratio, 4)} (tied, final), and "
-        f"{st.fmt_ci(frac)} of its rows reach 1% of it. What the rows did: log(rarest-bin movement from "
-        f"init), tied minus untied W_in, {st.fmt_ci(d)}: "
-        f"{st.verdict(d, 'the tied matrix moved its rare rows more', 'the tied matrix moved its rare rows less')}.")
+    return _stated("rare_rows", d, (
+        "Every row has a non-zero head gradient by construction, so the measure is magnitude-aware: the "
+        f"rarest bin's median gradient over a looked-up row's is {st.fmt_ci(ratio, 4)} (tied, final; a ratio), "
+        f"and a share {st.fmt_ci(frac)} of its rows reach 1% of it. What the rows did: log(rarest-bin movement "
+        f"from init), untied W_in - tied, {st.fmt_ci(d)}."))
 
 
-def _interference_claim(groups: dict[str, list[dict]]) -> str | None:
+def _interference_claim(groups: dict[str, list[dict]]):
     """The tied gradient's output and input signals interfere (the cross term's share)."""
     if not _analysed(groups, "tied"):
         return None
-    parts = []
+    parts, cis = [], {}
     for key, label in (("cross_share", "raw (SGD)"), ("cross_share_adam", "Adam-preconditioned")):
-        ci = ci_of(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]))
+        cis[key] = ci = ci_of(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]))
         ctl = ""
         if _analysed(groups, "untied"):
-            c = paired(groups, "tied", _a(lambda a, k=key: a["gradient"]["final"][k]),
-                       "untied", _a(lambda a, k=key: a["gradient"]["final"][k]))
-            ctl = f", minus the untied control {st.fmt_ci(c)}"
-        parts.append(f"{label} {st.fmt_ci(ci)} ({st.verdict(ci, *V_GRAD)}{ctl})")
+            c = paired(groups, "untied", _a(lambda a, k=key: a["gradient"]["final"][k]),
+                       "tied", _a(lambda a, k=key: a["gradient"]["final"][k]))
+            ctl = f"; the untied control - tied {st.fmt_ci(c)}"
+        found = direction(ci, "the paths help each other", "the paths interfere", "the paths")
+        parts.append(f"{label}, tied alone: {st.fmt_ci(ci)} ({found}{ctl})")
     k = groups["tied"][0]["analysis"]["gradient"]["final"].get("batches", "?")
-    return (
-        "**The tied gradient's dense output signal and sparse input signal interfere.** On gradients "
-        f"averaged over {k} held-out batches, the share of the first-order loss decrease that the cross "
-        f"term 2<g_lookup, g_head> adds: {'; '.join(parts)}. The row-shuffled control is in the "
-        "gradient table.")
+    return _stated("interference", cis["cross_share"], (
+        f"On gradients averaged over {k} held-out batches, the share of the first-order loss decrease that the "
+        f"cross term 2<g_lookup, g_head> adds (< 0: it costs loss decrease): {'; '.join(parts)}. The "
+        "row-shuffled control is in the gradient table."))
 
 
-def _loss_claim(groups: dict[str, list[dict]], summary: dict | None) -> str | None:
-    """Validation loss of each variant minus tied, over seeds and documents."""
-    comps = loss_comparisons(summary or {}, groups)
-    if not comps:
-        return None
-    names = {"untied": "untied, same body (matched non-embedding parameters)",
-             "untied_matched": "untied at the tied total, same body, narrower embeddings (Chung et al.)",
-             "untied_width": "untied at the tied total by a narrower body (width)",
-             "untied_depth": "untied at the tied total by fewer layers (depth)"}
-    lines = []
-    for c in comps:
+def _loss_claims(groups: dict[str, list[dict]], summary: dict | None) -> list:
+    """Validation loss of each variant minus tied, over seeds and documents: one finding per variant."""
+    out = []
+    for c in loss_comparisons(summary or {}, groups):
         ci = dict(c, n=c["n_seeds"])
-        joint = st.fmt_interval(c["lo"], c["hi"])
-        lines.append(f"{names.get(c['variant'], c['variant'])}: {c['mean']:+.4f} "
-                     + (joint if math.isfinite(c["lo"]) else f"({c['missing']})")
-                     + f" (seeds only {st.fmt_interval(c['seed_lo'], c['seed_hi'])}, documents only "
-                     f"{st.fmt_interval(c['doc_lo'], c['doc_hi'])}; {c['n_seeds']} seeds x {c['n_docs']} documents): "
-                     f"{st.verdict(ci, 'tied is better', 'untied is better')}")
-    return ("**Untied reaches lower loss at matched non-embedding parameters; small models prefer tying "
-            "at matched totals.** Validation loss on the full held-out split, variant minus tied (nats "
-            "per token; negative favours the variant):\n  - " + "\n  - ".join(lines))
+        joint = st.fmt_interval(c["lo"], c["hi"]) if math.isfinite(c["lo"]) else f"({c['missing']})"
+        numbers = (f"Validation loss on the full held-out split, {c['variant']} - tied: {c['mean']:+.4f} {joint} nats "
+                   f"per token (seeds only {st.fmt_interval(c['seed_lo'], c['seed_hi'])}, documents only "
+                   f"{st.fmt_interval(c['doc_lo'], c['doc_hi'])}; {c['n_seeds']} seeds x {c['n_docs']} documents; "
+                   f"< 0 favours {c['variant']}).")
+        if c["variant"] in CLAIMS:
+            out.append(_stated(c["variant"], ci, numbers))
+        else:
+            name = LOSS_NAMES.get(c["variant"], c["variant"])
+            found = direction(ci, f"Tied reaches lower loss than {name}", f"{name} reaches lower loss than tied",
+                              f"Loss, {c['variant']} - tied")
+            out.append((None, f"**{found}.** {numbers}"))
+    return out
 
 
-def _ablation_claim(groups: dict[str, list[dict]]) -> str | None:
+def _ablation_claim(groups: dict[str, list[dict]]):
     """Mechanism ablations: one switch each, against its base."""
     ablation = [(v, base) for v, base in (("tied_embed_decay", "tied"), ("untied_embed_decay", "untied"),
                                           ("tied_rsqrt_logits", "tied"), ("untied_rsqrt_logits", "untied"),
@@ -356,10 +420,11 @@ def _ablation_claim(groups: dict[str, list[dict]]) -> str | None:
         ratio = _a(lambda a: math.log(a["matrices"]["output"]["profile"]["norm_ratio_top_bottom"]))
         dl = paired(groups, v, LOSS, base, LOSS)
         dr = paired(groups, v, ratio, base, ratio)
-        lines.append(f"`{v}` minus `{base}`: val loss {st.fmt_ci(dl, 4)}; log(commonest / rarest mean head-row "
-                     f"norm) {st.fmt_ci(dr)}")
-    return ("**Mechanism ablations** (one switch each; a positive norm-ratio change means the rare rows "
-            "shrank relative to the frequent ones):\n  - " + "\n  - ".join(lines))
+        found = direction(dl, "raises the loss", "lowers the loss", "its loss change")
+        lines.append(f"`{v}` - `{base}` (an ablation minus its own base): {found}; val loss {st.fmt_ci(dl, 4)}; "
+                     f"log(commonest / rarest mean head-row norm) {st.fmt_ci(dr)}")
+    return (None, "**Mechanism ablations**, one switch each (a positive norm-ratio change means the rare rows "
+                  "shrank relative to the frequent ones):\n  - " + "\n  - ".join(lines))
 
 
 def caveats(summary: dict) -> str:
@@ -368,12 +433,12 @@ def caveats(summary: dict) -> str:
     data = summary.get("data") or {}
     tokens = t["num_steps"] * t["global_batch_size"] * t["seq_len"]
     epochs = tokens / data["train_tokens"] if data.get("train_tokens") else NAN
-    n = len(summary["compare"]["seeds"])
+    n = len(seed_units(summary))
     return "\n".join([
         *(["- **Too little data.** With 1 seed no interval over seeds exists (and with 1 held-out document none "
            "over documents): such lines give the mean and say what is missing, and no verdict."] if n < 2 or
           (data.get("n_docs") or 2) < 2 else []),
-        f"- **Seeds.** {n} seed(s) per variant. A percentile bootstrap over {n} seeds has few distinct "
+        f"- **Seeds.** {n} distinct seed(s) per variant. A percentile bootstrap over {n} seeds has few distinct "
         "resamples and under-covers; intervals over seeds are a floor on the uncertainty, not a ceiling.",
         f"- **Budget.** {tokens:,} training tokens per run ({epochs:.2f} epochs of the train split"
         + (": over-epoching, the model sees repeated text" if epochs > 1 else "") + "); every variant gets "
@@ -504,6 +569,7 @@ CAPTIONS = {
     "input_path_ratio": "Head over lookup gradient norm into the tied matrix over training, every seed.",
     "lens_by_layer": "Logit and tuned lens by layer (left), and each variant minus tied with 95% CI (right).",
     "rare_token_gains": "Loss difference to tied by frequency bin of the target token (95% CI).",
+    "gains_through_training": "Untied - tied by frequency bin of the target token at every analysed checkpoint.",
 }
 
 
@@ -520,10 +586,11 @@ def literature_part(summary: dict, groups: dict) -> list[str]:
     rows = literature.literature_rows(summary, groups)
     if not rows:
         return []
-    note = ("Verdicts: *holds here* / *contradicted here* when the 95% interval lies on the paper's / the other "
-            "side of the reference (0; for the rare-token row the rarest bins' share of the tokens), *not "
-            "resolved* when it includes it, *too little data* when no interval exists (fewer than 2 seeds or "
-            "documents to resample; the row says which). Details, controls and plots: \"The literature claims, "
+    note = ("Verdicts: *holds here* / *contradicted here* when the 95% interval lies on the claim's / the other "
+            "side of 0, *unresolved* when it includes 0, *no verdict from < 2 units* when no interval exists "
+            "(fewer than 2 seeds or documents to resample; the row says which). The finding is the side the "
+            "interval lies on, in words. Differences of variants are untied - tied; the bias and path rows "
+            "measure tied runs alone and say so. Details, controls and plots: \"The literature claims, "
             "measured\" below.")
     if "tied_input_grad_scaled" not in groups:
         note += (" The intervention row (the input path's gradient scaled during training) appears when the "
@@ -531,20 +598,61 @@ def literature_part(summary: dict, groups: dict) -> list[str]:
     return ["## From the literature", "", literature.literature_table(rows, _table), "", note, ""]
 
 
+def provenance_line(summary: dict) -> str:
+    """Where the runs came from (kept across reruns and ``--report-only``), and this report's own time."""
+    p = summary.get("provenance")
+    if not p:
+        runs = f"Produced by `tieflax compare` in {summary.get('wall_seconds', NAN) / 60:.1f} minutes"
+    else:
+        trained, n = p.get("runs_trained", len(summary["runs"])), len(summary["runs"])
+        how = (f"Runs trained by `{_here(p['command'], summary)}`" if trained else
+               f"Runs reused by `{_here(p['command'], summary)}` (trained earlier by a study that kept no provenance)")
+        reused = "" if trained in (0, n) else f" ({trained} trained by it, the others reused)"
+        runs = (f"{how} at commit {p['commit']} on {p['date']}: {n} runs{reused}, {p['compute_seconds'] / 60:.1f} "
+                "minutes of training (as each run first measured it) and analysis")
+        again = p.get("remeasured")
+        if again:
+            runs += f"; measured again (analysis only) at commit {again['commit']} on {again['date']}"
+    written = summary.get("report_written")
+    own = f" This report was written on {written['date']} ({written['seconds']:.1f} s)." if written else ""
+    return runs + "." + own
+
+
+def _here(command: str, summary: dict) -> str:
+    """``command`` with the study's folder (where its runs live) written ``<this folder>``: the report names
+    no absolute path, so it reads the same wherever the folder goes."""
+    for r in summary.get("runs", [])[:1]:
+        rel = run_path(r)
+        folder = str(r["run_dir"]).rstrip("/")[: -len(rel)].rstrip("/") if rel != str(r["run_dir"]) else ""
+        if folder:
+            return command.replace(folder, "<this folder>")
+    return command
+
+
+def run_path(r: dict) -> str:
+    """A run's folder relative to the study's (``<variant>/seed_<s>``, the layout ``run_compare`` writes), so
+    the report reads the same wherever the folder is moved or mailed."""
+    rel = f"{r['variant']}/seed_{r['seed']}"
+    return rel if str(r["run_dir"]).rstrip("/").endswith(rel) else str(r["run_dir"])
+
+
 def render(summary: dict, plot_paths: dict[str, str]) -> str:
     groups = _by_variant(summary["runs"])
     lit_detail = literature.section(summary, groups, _table, loss_comparisons(summary, groups))
     parts = [
         "# Tied vs untied embeddings: comparison report", "",
-        f"Produced by `tieflax compare` in {summary.get('wall_seconds', NAN) / 60:.1f} minutes. Every interval "
-        "is a paired percentile bootstrap 95% interval; a verdict says whether it excludes 0, nothing else. "
+        f"{provenance_line(summary)} Every interval is a paired percentile bootstrap 95% interval; every "
+        "difference of variants is taken as the variant minus tied (*untied - tied*), and a line that is not "
+        "says what it is. Each finding in bold is what its interval shows; the claim it tests is quoted beside "
+        "it with its source and a verdict drawn from the interval alone (*holds here*, *contradicted here*, "
+        "*unresolved*, or *no verdict from < 2 units*). "
         f"Frequency bins hold equal shares of the training tokens ({summary['compare']['n_bins']} bins, rarest "
         "first); padding rows are excluded everywhere. Definitions: `tieflax/analysis/measures.py`.", "",
         *literature_part(summary, groups),
         "## Setup", "", _setup_section(summary, groups), "",
         "## Results", "", results_table(groups), "",
         *_tasks_part(summary),
-        "## The claims, checked against these numbers", "",
+        "## Findings on the study's hypotheses", "",
         *[f"- {c}" for c in claims(groups, summary)], "",
         *(["## The literature claims, measured", "", lit_detail, ""] if lit_detail else []),
         "## Geometry (final checkpoint against init and a row-shuffled control)", "",
@@ -552,11 +660,12 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
         "frequency (rho, bin ratios, unigram-weighted cosine, movement by bin) fall to their null there, while "
         "order-free ones (plain cosine, rank, isotropy) equal the final value up to the row sample. The init "
         "column is the same matrix before training: a measure that barely moved from it describes the "
-        "initialisation, not tying.", "",
+        "initialisation, not tying. Ratios (commonest bin / rarest bin) are of mean values per bin.", "",
         diagnostics_table(groups), "",
         "## Gradient interference and updated rows", "",
         "Lookup and head gradients averaged over K held-out batches; for an untied model the same numbers "
-        "are the control (its two paths update different matrices).", "",
+        "are the control (its two paths update different matrices). Shares are fractions of the first-order "
+        "loss decrease; 'rows' lines are fractions of the rows.", "",
         gradient_table(groups), "",
         "## Plots", "",
     ]
@@ -564,13 +673,16 @@ def render(summary: dict, plot_paths: dict[str, str]) -> str:
         if key in plot_paths:
             parts += [f"**{caption}**", "", f"![{key}]({storage.name(plot_paths[key])})", ""]
     parts += ["## What these numbers support, and what they do not", "", caveats(summary), "",
-              "## Runs", "", *[f"- `{r['variant']}` seed {r['seed']}: `{r['run_dir']}`" for r in summary["runs"]], ""]
+              "## Runs", "", "Folders relative to this report's:", "",
+              *[f"- `{r['variant']}` seed {r['seed']}: `{run_path(r)}`" for r in summary["runs"]], ""]
     return "\n".join(parts)
 
 
 def write_report(summary: dict, out_dir: str) -> str:
     """Writes ``summary.json``, the PNGs, ``report.md`` (and ``report.html`` if cheap); returns the .md path.
     ``out_dir`` may be a local folder or a ``gs://`` / ``s3://`` prefix; every file is written whole."""
+    started = time.perf_counter()
+    check_units(summary)
     storage.makedirs(out_dir)
     summary = to_jsonable(summary)
     if any(r.get("tasks") for r in summary["runs"]):
@@ -583,26 +695,39 @@ def write_report(summary: dict, out_dir: str) -> str:
     summary["literature"] = literature.summary_rows(literature.literature_rows(summary, _by_variant(summary["runs"])))
     storage.write_text(storage.join(out_dir, SUMMARY), jsonable.dumps(summary))
     plot_paths = make_plots(_by_variant(summary["runs"]), out_dir, summary)
-    text = render(summary, plot_paths)
+    written = dict(date=time.strftime("%Y-%m-%d %H:%M"), seconds=time.perf_counter() - started)
+    text = render(dict(summary, report_written=written), plot_paths)
     path = storage.join(out_dir, REPORT)
     storage.write_text(path, text)
-    write_html(text, storage.join(out_dir, "report.html"))
+    write_html(text, storage.join(out_dir, "report.html"), out_dir)
     return path
 
 
-def write_html(markdown_text: str, path: str) -> str | None:
-    """``report.html`` via markdown-it-py when it is installed (images stay relative); else nothing."""
+def write_html(markdown_text: str, path: str, out_dir: str | None = None) -> str | None:
+    """``report.html`` via markdown-it-py when it is installed, else nothing. Self-contained: every PNG the
+    report shows is embedded (a ``data:`` URI, read from ``out_dir``), so the file can be mailed alone."""
     try:
         from markdown_it import MarkdownIt  # noqa: PLC0415
     except ImportError:
         return None
     body = MarkdownIt("commonmark").enable("table").render(markdown_text)
+    if out_dir is not None:
+        body = embed_images(body, out_dir)
     html = ("<!doctype html><html><head><meta charset='utf-8'><title>tieflax compare report</title><style>"
             "body{font-family:sans-serif;max-width:70em;margin:2em auto;line-height:1.4}"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em}"
             "img{max-width:100%}</style></head><body>" + body + "</body></html>")
     storage.write_text(path, html)
     return path
+
+
+def embed_images(html: str, out_dir: str) -> str:
+    """Every ``<img src="NAME.png">`` of ``html`` as a base64 ``data:image/png`` URI of ``out_dir/NAME.png``."""
+    def inline(match: re.Match) -> str:
+        data = storage.read_bytes(storage.join(out_dir, match.group(1)))
+        return f'src="data:image/png;base64,{base64.b64encode(data).decode("ascii")}"'
+
+    return re.sub(r'src="([^":/]+\.png)"', inline, html)
 
 
 def load_summary(out_dir: str) -> dict:

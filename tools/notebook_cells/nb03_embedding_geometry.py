@@ -17,7 +17,7 @@ CELLS = [
     ("code", r'''
 # Settings. The defaults train two tiny models for 20 steps each (a minute or two on a 2-core CPU):
 # enough to see what every plot shows, far too little to judge a claim. With one seed there are no
-# intervals: every verdict reads "not resolved". For a real run use configs/experiments/tie_vs_untie.py's
+# intervals: every verdict reads "unresolved". For a real run use configs/experiments/tie_vs_untie.py's
 # shapes: VOCAB = 8192, D_MODEL = 64, N_LAYERS = 2, SEQ_LEN = 128, STEPS = 250,
 # VARIANTS = ("tied", "untied", "untied_matched"), SEEDS = (0, 1, 2), and a fresh WORKDIR.
 STEPS = 20
