@@ -18,7 +18,7 @@ from tieflax.config import load_config
 from tieflax.run.metrics import MetricWriter, MetricsFileError, read_metrics
 from tieflax.model import ConfigError
 from tieflax.train import final_interval_loss
-from tieflax.run.layout import LOCK_FILE
+from tieflax.run.layout import LOCK_FILE, RunDir
 from tieflax.run.lock import workdir_lock
 
 TINY = os.path.join(REPO, "configs", "experiments", "tiny.py")
@@ -29,7 +29,7 @@ def trained(tmp_path_factory):
     """A workdir as a run leaves it, minus checkpoints: config.json and metrics.jsonl (nothing compiles)."""
     workdir = str(tmp_path_factory.mktemp("reliability") / "run")
     ckpt.save_config(workdir, micro_config(str(tmp_path_factory.mktemp("unused_data")), num_steps=6))
-    writer = MetricWriter(workdir, tensorboard=False)
+    writer = MetricWriter(RunDir.at(workdir), tensorboard=False)
     for step in (2, 4, 6):
         writer.write(step, {"loss": 5.0, "ce_loss": 5.0, "interval_steps": 2})
     writer.close()

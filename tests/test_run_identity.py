@@ -289,6 +289,7 @@ def test_check_resume_reads_the_record_once_and_checks_that_snapshot(tmp_path, m
     folders listed again to tell whether the run had trained)."""
     from tieflax import storage
     from tieflax.config import default_config
+    from tieflax.run.layout import RunDir
 
     workdir = str(tmp_path / "run")
     config = default_config()
@@ -299,12 +300,12 @@ def test_check_resume_reads_the_record_once_and_checks_that_snapshot(tmp_path, m
         real = getattr(storage, name)
         monkeypatch.setattr(storage, name, lambda p, _real=real: asked.extend([p] if isinstance(p, str) else p)
                             or _real(p))
-    assert identity.check_resume(workdir, config).changed == {}
+    assert identity.check_resume(RunDir.at(workdir), config).changed == {}
     changed = default_config()
     changed.seed = config.seed + 1
     with pytest.raises(identity.RunChanged, match="seed"):
-        identity.check_resume(workdir, changed)
-    assert identity.check_resume(str(tmp_path / "new"), config).fresh
+        identity.check_resume(RunDir.at(workdir), changed)
+    assert identity.check_resume(RunDir.at(str(tmp_path / "new")), config).fresh
     config_file = os.path.join(workdir, CONFIG_FILE)
     assert asked.count(config_file) == 2 and asked.count(os.path.join(workdir, "metrics")) == 2, asked
     assert asked.count(os.path.join(str(tmp_path / "new"), CONFIG_FILE)) == 1

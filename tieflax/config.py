@@ -16,8 +16,14 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from tieflax.config_rules import Range, check_section
 from tieflax.errors import ConfigError
 from tieflax.model.config import ModelConfig, remat_name
+from tieflax.train_config import default_train_config, train_value, validate_train_config
+
+# The root's own field, as a table like every section's (``tieflax.config_rules``).
+RANGES = {"seed": Range(0, 2**32, True, False, "the run's PRNG seed")}
+MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def default_model_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -45,7 +51,6 @@ def default_config() -> ml_collections.ConfigDict:
 def _add_optional_sections(config: ml_collections.ConfigDict) -> None:
     """Adds the data and train sections from the modules that own their defaults."""
     from tieflax.data.config import default_data_config  # noqa: PLC0415 (import cycle-free, late)
-    from tieflax.train_config import default_train_config  # noqa: PLC0415
 
     config.data = default_data_config()
     config.train = default_train_config()
@@ -64,27 +69,32 @@ def section_with_defaults(config: ml_collections.ConfigDict, name: str,
 
 
 def validate_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """Checks every section's ranges (model, train, data, mesh, seed), naming the field; returns the
-    validated ``ModelConfig``. Runs when a config is loaded, before anything is written."""
+    """Checks every section (model, train, data, mesh, seed), naming the field; returns the validated
+    ``ModelConfig``. Once per command, before anything is written: when a command loads its config
+    (``load_config``), or, for ``tieflax train`` and ``train_and_evaluate``, when ``Run.open`` opens the run.
+    Each section's ranges and choices are tables checked by ``tieflax.config_rules.check_section``."""
     from tieflax.data.config import validate_data_config  # noqa: PLC0415
-    from tieflax.train_config import validate_train_config  # noqa: PLC0415
 
     mc = model_config(config)
     validate_train_config(config.train)
-    if config.train.get("tied_input_grad_scale", 1.0) != 1.0 and not mc.tie_embeddings:
+    if train_value(config.train, "tied_input_grad_scale") != 1.0 and not mc.tie_embeddings:
         raise ConfigError(f"config.train.tied_input_grad_scale = {config.train.tied_input_grad_scale!r} has no "
                           "effect with model.tie_embeddings=False (it scales a tied matrix's lookup-path gradient); "
                           "set it to 1.0 or tie the embeddings.")
     validate_data_config(config.data)
-    for axis in ("data", "fsdp", "tensor"):
-        size = config.mesh.get(axis, 1)
+    _validate_mesh(config.mesh)
+    check_section("config", config, RANGES)
+    _validate_across_sections(config, mc)
+    return mc
+
+
+def _validate_mesh(mesh: ml_collections.ConfigDict) -> None:
+    """Each axis a positive size, or -1 (a rule no range states: 0 and -2 out, -1 in)."""
+    for axis in MESH_AXES:
+        size = mesh[axis] if axis in mesh else 1
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             raise ConfigError(f"config.mesh.{axis} = {size!r} must be a positive integer, or -1 for all "
                               "remaining devices.")
-    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
-        raise ConfigError(f"config.seed = {config.seed!r} must be an integer in [0, 2**32).")
-    _validate_across_sections(config, mc)
-    return mc
 
 
 def _validate_across_sections(config: ml_collections.ConfigDict, mc: ModelConfig) -> None:
@@ -94,7 +104,7 @@ def _validate_across_sections(config: ml_collections.ConfigDict, mc: ModelConfig
     if t.seq_len > mc.max_seq_len:
         raise ConfigError(f"config.train.seq_len = {t.seq_len} exceeds config.model.max_seq_len = {mc.max_seq_len} "
                           "(the longest row the model is made for): lower train.seq_len or raise model.max_seq_len")
-    window = t.get("profile_steps", ())
+    window = train_value(t, "profile_steps")
     if window and window[1] > t.num_steps:
         raise ConfigError(f"config.train.profile_steps = {tuple(window)!r} lies outside the run's steps 1..{t.num_steps} "
                           f"(config.train.num_steps): no trace would be written there; choose steps within it, or () "
@@ -106,11 +116,12 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     return ModelConfig.from_dict(config.model)
 
 
-def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
+def load_config(path: str, overrides: Iterable[str] = (), *, validate: bool = True) -> ml_collections.ConfigDict:
     """Loads ``path[:arg]`` and applies ``a.b=value`` overrides (a leading ``--config.`` is allowed).
 
     Values are parsed as Python literals when possible (``3``, ``1e-3``, ``False``, ``(2, 4)``) and kept
     as strings otherwise; the ConfigDict's type checks reject a value of the wrong type by field name.
+    ``validate=False``: the caller validates it once later (``tieflax train``: ``Run.open``).
     """
     path, _, arg = path.partition(":")
     if not os.path.isfile(path):
@@ -120,7 +131,8 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
     for item in overrides:
         apply_override(config, item)
     if "train" in config and "data" in config:
-        validate_config(config)  # validate early, naming the field
+        if validate:
+            validate_config(config)  # validate early, naming the field
     else:
         model_config(config)  # a model-only config (configs/models)
     return config

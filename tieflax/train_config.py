@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from tieflax.config_rules import INF, Range, check_section
 from tieflax.errors import ConfigError
 
 
@@ -80,64 +81,58 @@ def default_train_config() -> ml_collections.ConfigDict:
     return c
 
 
-# Range of every numeric field: (lowest, highest, lowest allowed itself, highest allowed itself, why).
-# Checked when a config is loaded, so a bad value never reaches the data cache, config.json or a trace.
-_INF = float("inf")
-_RANGES = {
-    "seq_len": (1, _INF, True, True, "tokens per row"),
-    "global_batch_size": (1, _INF, True, True, "sequences per optimiser step"),
-    "grad_accum_steps": (1, _INF, True, True, "micro-batches per step"),
-    "num_steps": (1, _INF, True, True, "optimiser steps of the run"),
-    "learning_rate": (0.0, _INF, False, True, "a non-positive rate trains uphill or not at all"),
-    "warmup_steps": (0, _INF, True, True, "0 = no warmup"),
-    "min_lr_ratio": (0.0, 1.0, True, True, "the cosine's end as a fraction of learning_rate"),
-    "adam_b1": (0.0, 1.0, True, False, "Adam's first-moment decay"),
-    "adam_b2": (0.0, 1.0, True, False, "Adam's second-moment decay"),
-    "adam_eps": (0.0, _INF, False, True, "Adam's denominator guard"),
-    "weight_decay": (0.0, _INF, True, True, "0 = none"),
-    "grad_clip_norm": (0.0, _INF, True, True, "0 = no clipping"),
-    "z_loss": (0.0, _INF, True, True, "0 = none"),
-    "label_smoothing": (0.0, 1.0, True, False, "the probability moved to the uniform distribution"),
-    "tied_input_grad_scale": (0.0, _INF, False, True, "the factor on a tied matrix's lookup-path gradient; 1 = none"),
-    "loss_token_block": (0, _INF, True, True, "tokens per tile of the fused loss; 0 = the platform's default"),
-    "loss_vocab_block": (0, _INF, True, True, "vocabulary rows per tile of the fused loss; 0 = the default"),
-    "eval_every": (1, _INF, True, True, "steps between evaluations"),
-    "eval_batches": (0, _INF, True, True, "0 = the whole validation split"),
-    "log_every": (1, _INF, True, True, "steps between logged rows"),
-    "checkpoint_every": (1, _INF, True, True, "steps between checkpoints"),
-    "keep_checkpoints": (1, _INF, True, True, "checkpoints kept"),
-    "analyze_every": (0, _INF, True, True, "0 = off"),
-    "eval_tasks_every": (0, _INF, True, True, "steps between lm-eval scorings; 0 = at the last step only"),
-    "eval_tasks_limit": (0.0, _INF, True, True, "items per task: 0 = every item, < 1 a fraction, else a count"),
-    "eval_tasks_num_fewshot": (-1, _INF, True, True, "-1 = the task's own"),
-    "eval_tasks_batch_size": (0, _INF, True, True, "0 = one row per data x fsdp shard"),
-    "eval_tasks_token_budget": (1, _INF, True, True, "tokens per log-likelihood batch"),
+# Range of every numeric field (``tieflax.config_rules.Range``: lowest, highest, lowest allowed itself,
+# highest allowed itself, why), and the fields that take one of a few values. Checked when a command opens
+# its config, so a bad value never reaches the data cache, config.json or a trace.
+RANGES = {
+    "seq_len": Range(1, INF, True, True, "tokens per row"),
+    "global_batch_size": Range(1, INF, True, True, "sequences per optimiser step"),
+    "grad_accum_steps": Range(1, INF, True, True, "micro-batches per step"),
+    "num_steps": Range(1, INF, True, True, "optimiser steps of the run"),
+    "learning_rate": Range(0.0, INF, False, True, "a non-positive rate trains uphill or not at all"),
+    "warmup_steps": Range(0, INF, True, True, "0 = no warmup"),
+    "min_lr_ratio": Range(0.0, 1.0, True, True, "the cosine's end as a fraction of learning_rate"),
+    "adam_b1": Range(0.0, 1.0, True, False, "Adam's first-moment decay"),
+    "adam_b2": Range(0.0, 1.0, True, False, "Adam's second-moment decay"),
+    "adam_eps": Range(0.0, INF, False, True, "Adam's denominator guard"),
+    "weight_decay": Range(0.0, INF, True, True, "0 = none"),
+    "grad_clip_norm": Range(0.0, INF, True, True, "0 = no clipping"),
+    "z_loss": Range(0.0, INF, True, True, "0 = none"),
+    "label_smoothing": Range(0.0, 1.0, True, False, "the probability moved to the uniform distribution"),
+    "tied_input_grad_scale": Range(0.0, INF, False, True, "the factor on a tied matrix's lookup-path gradient; 1 = none"),
+    "loss_token_block": Range(0, INF, True, True, "tokens per tile of the fused loss; 0 = the platform's default"),
+    "loss_vocab_block": Range(0, INF, True, True, "vocabulary rows per tile of the fused loss; 0 = the default"),
+    "eval_every": Range(1, INF, True, True, "steps between evaluations"),
+    "eval_batches": Range(0, INF, True, True, "0 = the whole validation split"),
+    "log_every": Range(1, INF, True, True, "steps between logged rows"),
+    "checkpoint_every": Range(1, INF, True, True, "steps between checkpoints"),
+    "keep_checkpoints": Range(1, INF, True, True, "checkpoints kept"),
+    "analyze_every": Range(0, INF, True, True, "0 = off"),
+    "eval_tasks_every": Range(0, INF, True, True, "steps between lm-eval scorings; 0 = at the last step only"),
+    "eval_tasks_limit": Range(0.0, INF, True, True, "items per task: 0 = every item, < 1 a fraction, else a count"),
+    "eval_tasks_num_fewshot": Range(-1, INF, True, True, "-1 = the task's own"),
+    "eval_tasks_batch_size": Range(0, INF, True, True, "0 = one row per data x fsdp shard"),
+    "eval_tasks_token_budget": Range(1, INF, True, True, "tokens per log-likelihood batch"),
 }
-_INTEGER_FIELDS = {k for k, (lo, *_rest) in _RANGES.items() if isinstance(lo, int)}
-_CHOICES = {"loss_impl": ("fused", "dense"), "console": ("auto", "lines", "bar", "quiet")}
+CHOICES = {"loss_impl": ("fused", "dense"), "console": ("auto", "lines", "bar", "quiet")}
 TRACKERS = ("tensorboard", "wandb")
 
 
+# Every default of this section, for a hand-built section that lacks a field (``train_value``).
+_DEFAULTS = default_train_config().to_dict()
+
+
+def train_value(c: ml_collections.ConfigDict, field: str):
+    """``c.<field>``, or its default from ``default_train_config`` (the one place defaults live) when a
+    hand-built ``config.train`` lacks it."""
+    return c[field] if field in c else _DEFAULTS[field]
+
+
 def validate_train_config(c: ml_collections.ConfigDict) -> None:
-    """Fails naming ``config.train.<field>``, its range and a fix, for any value out of range."""
-    for field, (lo, hi, lo_ok, hi_ok, why) in _RANGES.items():
-        if field not in c:
-            continue
-        value = c[field]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                (field in _INTEGER_FIELDS and not isinstance(value, int)):
-            kind = "an integer" if field in _INTEGER_FIELDS else "a number"
-            raise ConfigError(f"config.train.{field} = {value!r} must be {kind} ({why}).")
-        below = value < lo or (value == lo and not lo_ok)
-        above = value > hi or (value == hi and not hi_ok)
-        if below or above or value != value:  # value != value: NaN
-            left, right = ("[" if lo_ok else "("), ("]" if hi_ok else ")")
-            hi_text = "inf" if hi == _INF else hi
-            raise ConfigError(f"config.train.{field} = {value!r} is out of range {left}{lo}, {hi_text}{right} "
-                              f"({why}); set --config.train.{field} to a value in that range.")
-    for field, choices in _CHOICES.items():
-        if field in c and c[field] not in choices:
-            raise ConfigError(f"config.train.{field} = {c[field]!r} is not one of {choices}.")
+    """Fails naming ``config.train.<field>``, its range or choices and a fix, for any value out of them
+    (the tables ``RANGES`` and ``CHOICES``, checked by ``tieflax.config_rules.check_section``); then the
+    fields a table cannot state (``_validate_observers``)."""
+    check_section("config.train", c, RANGES, CHOICES)
     _validate_observers(c)
 
 
@@ -147,7 +142,7 @@ def _names(value) -> bool:
 
 def _validate_observers(c: ml_collections.ConfigDict) -> None:
     """Trackers, W&B names, the profiler window and the in-training tasks (types and ranges)."""
-    trackers = c.get("trackers", ())
+    trackers = train_value(c, "trackers")
     if not _names(trackers) or any(t not in TRACKERS for t in trackers) or len(set(trackers)) < len(trackers):
         raise ConfigError(f"config.train.trackers = {trackers!r}: give a tuple of distinct names from {TRACKERS}, "
                           "e.g. --config.train.trackers='(\"tensorboard\", \"wandb\")', or () for none.")
@@ -157,7 +152,7 @@ def _validate_observers(c: ml_collections.ConfigDict) -> None:
     if "wandb_tags" in c and not (c.wandb_tags == () or _names(c.wandb_tags)):
         raise ConfigError(f"config.train.wandb_tags = {c.wandb_tags!r}: give a tuple of strings, e.g. "
                           "'(\"tied\", \"d64\")'.")
-    window = c.get("profile_steps", ())
+    window = train_value(c, "profile_steps")
     ok = isinstance(window, (tuple, list)) and (len(window) == 0 or (
         len(window) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in window)
         and 1 <= window[0] <= window[1]))
@@ -165,7 +160,7 @@ def _validate_observers(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.train.profile_steps = {window!r}: give (start, stop) with 1 <= start <= stop "
                           "(steps start..stop are traced), e.g. --config.train.profile_steps='(5, 7)', or () "
                           "for no trace.")
-    tasks = c.get("eval_tasks", ())
+    tasks = train_value(c, "eval_tasks")
     if not (tasks == () or _names(tasks)) or isinstance(tasks, str):
         raise ConfigError(f"config.train.eval_tasks = {tasks!r}: give a tuple of lm-eval task names, e.g. "
                           "'(\"arc_easy\",)', or () for none.")

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 
-from tieflax.commands.flags import integer, location
 import os
+
+from tieflax.commands.flags import integer, location
 
 HELP = "train a model (resumes from the workdir's latest checkpoint)"
 FULL_DISK_FIX = ("free space on that disk, or point --workdir at another one; rerun the same command to "
@@ -43,30 +44,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-id", type=integer(0), default=None)
 
 
-def load_run_config(config_path, workdir: str, overrides):
-    """The config file with overrides, or the config the run trains with (overrides applied) when none.
-    A workdir without one is a NotARun error (one line)."""
-    from tieflax.config import apply_override, load_config, validate_config  # noqa: PLC0415
-    from tieflax.run.identity import NotARun, load_workdir_config  # noqa: PLC0415
+def load_run_config(args: argparse.Namespace):
+    """The --config file with overrides, or the config the run in --workdir trains with (overrides
+    applied) when none: a workdir without one is a NotARun error (one line). Not validated here:
+    ``Run.open`` validates it once, before anything is read or written."""
+    from tieflax.config import apply_override, load_config  # noqa: PLC0415
+    from tieflax.run.saved_config import load_workdir_config  # noqa: PLC0415
+    from tieflax.run.record import NotARun  # noqa: PLC0415
 
-    if config_path:
-        return load_config(config_path, overrides)
+    if args.config:
+        return load_config(args.config, args.overrides, validate=False)
     try:
-        config = load_workdir_config(workdir)
+        config = load_workdir_config(args.workdir)
     except NotARun as e:
         raise NotARun(2, f"{e}; or pass --config, e.g. --config configs/experiments/tiny.py", e.filename) from None
-    for item in overrides:
+    for item in args.overrides:
         apply_override(config, item)
-    validate_config(config)
     return config
 
 
-def second_stop_line(workdir: str, at_step: int) -> str:
-    """What a second Ctrl-C lost, read after the stop (the save in flight then has ended or failed)."""
+def second_stop_line(where, at_step: int) -> str:
+    """What a second Ctrl-C lost, read after the stop (the save in flight then has ended or failed).
+    ``where``: the run (``Run.dir``; a path is resolved and checked)."""
     from tieflax.run.checkpoints import latest_step  # noqa: PLC0415
 
     try:
-        saved = latest_step(workdir)
+        saved = latest_step(where)
     except Exception:  # noqa: BLE001 (the line must come out even if the checkpoints cannot be listed)
         saved = None
     head = f"stopped at once by a second SIGINT at step {at_step}: "
@@ -94,22 +97,23 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.errors import Interrupted  # noqa: PLC0415
     from tieflax.train import ProcessesStopped  # noqa: PLC0415
 
-    from tieflax.run.checkpoints import _quiet_abandoned_reads  # noqa: PLC0415
+    from tieflax.run.checkpoint_errors import quiet_abandoned_reads  # noqa: PLC0415
 
     # A failed save or write (a full disk) leaves orbax's and tensorstore's pending writes to end on a
     # closed event loop: their "Event loop is closed" tracebacks would bury the one line that says why.
-    _quiet_abandoned_reads()
-    config = load_run_config(args.config, args.workdir, args.overrides)
+    quiet_abandoned_reads()
+    config = load_run_config(args)
     if args.quiet:
         config.train.console = "quiet"
     allow = tuple(f.strip() for item in args.allow_change for f in item.split(",") if f.strip())
+    run = None
     try:
         with Run.open(args.workdir, config, allow_change=allow) as run:
             result = train_run(run)
     except Interrupted as e:
-        if getattr(e, "at_step", None) is None:
+        if getattr(e, "at_step", None) is None or run is None:
             raise
-        raise Interrupted(e.signum, second_stop_line(args.workdir, e.at_step)) from None
+        raise Interrupted(e.signum, second_stop_line(run.dir, e.at_step)) from None
     except ProcessesStopped as e:
         # Every process stops with this line; orbax's save thread of a healthy process still waits for the
         # failed one at its commit barrier, and joining it at exit would hang: leave without it.

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--config.model overrides would evaluate another model than the one trained "
                           f"(config.model.{changed[0]}{' and more' if len(changed) > 1 else ''}): val-loss "
                           "overrides may change how the run is evaluated (mesh, batches), not the model")
-    result = evaluate_run(config, run.path)
+    result = evaluate_run(config, run.dir)
     if jax.process_index() == 0:
         print(strict_json.dumps(result))  # a NaN loss as "NaN": strict JSON
     return 0

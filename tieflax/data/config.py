@@ -11,6 +11,7 @@ import os
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from tieflax.config_rules import INF, Range, check_section
 from tieflax.errors import ConfigError, UserError
 
 SOURCES = ("kjv", "python_stdlib", "files", "hf", "tokens")
@@ -159,32 +160,43 @@ def _check_no_ignored_section(c: ml_collections.ConfigDict) -> None:
                             "at its defaults")
 
 
+# The section's rules as data (``tieflax.config_rules``: one function checks them, as every section's). The
+# tokenizer's size is a rule only for a BPE trained here (no data.tokenizer.path): ``_BPE_RANGES``.
+RANGES = {
+    "val_fraction": Range(0.0, 1.0, False, False, "the fraction of documents held out whole"),
+    "read_threads": Range(0, INF, True, True, "threads that build rows"),
+    "prefetch_buffer_size": Range(0, INF, True, True, "rows read ahead"),
+}
+_BPE_RANGES = {"tokenizer.vocab_size": Range(257, INF, True, True, "the 256 byte tokens plus EOS a byte-level BPE "
+                                                                    "needs")}
+CHOICES = {"source": SOURCES, "files.errors": ("strict", "replace")}
+
+
 def validate_data_config(c: ml_collections.ConfigDict) -> None:
-    """Fails early, naming the field and the fix, before any file is read."""
-    if c.source not in SOURCES:
-        raise DataConfigError(f"config.data.source = {c.source!r} is not one of {SOURCES}.")
+    """Fails early, naming the field and the fix, before any file is read: the tables (``RANGES``,
+    ``CHOICES``), then what a table cannot state (a section the source does not read, a source's required
+    fields)."""
+    check_section("config.data", c, None, {"source": SOURCES}, error=DataConfigError)
     _check_no_ignored_section(c)
-    if not 0.0 < c.val_fraction < 1.0:
-        raise DataConfigError(f"config.data.val_fraction = {c.val_fraction} must lie strictly between 0 and 1.")
+    check_section("config.data", c, RANGES if c.tokenizer.path else {**RANGES, **_BPE_RANGES}, CHOICES,
+                  error=DataConfigError)
+    _check_source_fields(c)
+
+
+def _check_source_fields(c: ml_collections.ConfigDict) -> None:
+    """What the chosen source needs set: its files, its dataset, its token files and their vocabulary."""
     if c.source == "files" and not c.files.paths:
         raise DataConfigError("config.data.source = 'files' but data.files.paths is empty: list your text files "
-                        "or globs, e.g. data.files.paths = ['corpus/*.txt'].")
+                              "or globs, e.g. data.files.paths = ['corpus/*.txt'].")
     if c.source == "hf" and not c.hf.path:
         raise DataConfigError("config.data.source = 'hf' but data.hf.path is empty: name a dataset, e.g. "
-                        "data.hf.path = 'wikitext', data.hf.name = 'wikitext-2-raw-v1'.")
+                              "data.hf.path = 'wikitext', data.hf.name = 'wikitext-2-raw-v1'.")
     if c.source == "tokens" and not c.tokens.path:
         if not c.tokens.train_path:
-            raise DataConfigError("config.data.source = 'tokens' but data.tokens.path and data.tokens.train_path are "
-                            "empty: give a token store (tieflax prepare) or the pre-tokenised train file "
-                            "(.npy, .bin or .array_record).")
+            raise DataConfigError("config.data.source = 'tokens' but data.tokens.path and data.tokens.train_path "
+                                  "are empty: give a token store (tieflax prepare) or the pre-tokenised train file "
+                                  "(.npy, .bin or .array_record).")
         if not c.tokenizer.path and (c.tokens.vocab_size <= 0 or c.tokens.eos_id < 0):
             raise DataConfigError("config.data.source = 'tokens' with no data.tokenizer.path needs "
-                            "data.tokens.vocab_size and data.tokens.eos_id set to the values the files "
-                            "were tokenised with.")
-    if c.files.errors not in ("strict", "replace"):
-        raise DataConfigError(f"config.data.files.errors = {c.files.errors!r}: use 'strict' or 'replace'.")
-    if c.tokenizer.vocab_size < 257 and not c.tokenizer.path:
-        raise DataConfigError(f"config.data.tokenizer.vocab_size = {c.tokenizer.vocab_size} is below the 256 byte "
-                        "tokens plus EOS a byte-level BPE needs; use at least 257.")
-    if c.read_threads < 0 or c.prefetch_buffer_size < 0:
-        raise DataConfigError("config.data.read_threads and data.prefetch_buffer_size must be >= 0.")
+                                  "data.tokens.vocab_size and data.tokens.eos_id set to the values the files "
+                                  "were tokenised with.")

@@ -3,7 +3,8 @@
     run            the Run: a run directory opened once for writing (location resolved and checked, lease
                    held, identity checked), owning checkpoints, metrics, trackers, profiler and console
     read_only      the same directory opened for reading (``Run.read``): evaluate, sample, val-loss, analyze
-    layout         every name in a run directory, once; what counts as a run; where a run may live
+    layout         every name in a run directory, once; what counts as a run; where a run may live (RunDir:
+                   the location resolved and checked once, handed to every part in place of the string)
     identity       which fields make the run the run it is, and what a resume must match
     record         the record's files (config.json, data.json, config_history/) and their digest chain
     saved_config   config.json written once, and the config in force read back

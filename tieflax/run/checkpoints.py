@@ -34,10 +34,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from tieflax import storage
-from tieflax.run import layout, record
+from tieflax.run import record
 from tieflax.run.checkpoint_errors import (CheckpointError, CheckpointMismatchError, ProcessCountError,  # noqa: F401
                                            quiet_abandoned_reads, why)
-from tieflax.run.layout import CHECKPOINT_DIR, INITIAL_PARAMS_DIR, UNREADABLE_DIR, check_location
+from tieflax.run.layout import CHECKPOINT_DIR, INITIAL_PARAMS_DIR, UNREADABLE_DIR, RunDir
 from tieflax.run.orbax_handlers import OWN_SHARE, barriers_through_the_coordinator, handlers  # noqa: F401
 from tieflax.run.saved_config import load_workdir_config, save_config
 # Re-exported: the trainer, its stop and the tests reach the save watch through this module.
@@ -45,28 +45,27 @@ from tieflax.run.save_watch import (SAVE_DEADLINE_ENV, SaveDeadlinePassed, SaveW
                                     save_deadline_seconds)
 
 ITEMS = ("state", "data")
-# The old private name, kept for callers outside the run room (``commands/train.py``).
-_quiet_abandoned_reads = quiet_abandoned_reads
 
 
 # ------------------------------------------------------------------------------------------------ manager
 
-def checkpoint_dir(workdir: str) -> str:
-    check_location(workdir)
-    return layout.path(workdir, CHECKPOINT_DIR)
+def checkpoint_dir(where: RunDir | str) -> str:
+    """``<run>/checkpoints``."""
+    return RunDir.of(where).file(CHECKPOINT_DIR)
 
 
-def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
-    """The run's manager over ``<workdir>/checkpoints`` with items ``state`` and ``data``."""
+def make_manager(where: RunDir, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+    """The run's manager over ``<run>/checkpoints`` with items ``state`` and ``data``."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
     barriers_through_the_coordinator()
-    storage.forget_listings(checkpoint_dir(workdir))
-    return ocp.CheckpointManager(checkpoint_dir(workdir), handler_registry=handlers(), options=options)
+    folder = where.file(CHECKPOINT_DIR)
+    storage.forget_listings(folder)
+    return ocp.CheckpointManager(folder, handler_registry=handlers(), options=options)
 
 
-def read_manager(workdir: str, *, this_process_only: bool = False) -> ocp.CheckpointManager:
-    """A manager for reading ``<workdir>/checkpoints`` (creates nothing). Readers go through the manager
+def read_manager(where: RunDir | str, *, this_process_only: bool = False) -> ocp.CheckpointManager:
+    """A manager for reading ``<run>/checkpoints`` (creates nothing). Readers go through the manager
     that wrote the checkpoints: it knows the layout (``_CHECKPOINT_METADATA`` sits at the step, not in
     the item folder), so a healthy checkpoint reads without warnings. ``this_process_only``: a reader of
     one process of a multi-process job (host arrays), which must not wait at orbax's barriers for the
@@ -79,8 +78,9 @@ def read_manager(workdir: str, *, this_process_only: bool = False) -> ocp.Checkp
         alone = dict(multiprocessing_options=ocp.options.MultiprocessingOptions(
             primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"tieflax-reader-{me}"))
     options = ocp.CheckpointManagerOptions(create=False, **alone)
-    storage.forget_listings(checkpoint_dir(workdir))
-    return ocp.CheckpointManager(checkpoint_dir(workdir), handler_registry=handlers(), options=options)
+    folder = checkpoint_dir(where)
+    storage.forget_listings(folder)
+    return ocp.CheckpointManager(folder, handler_registry=handlers(), options=options)
 
 
 
@@ -102,7 +102,7 @@ def _numpy_restore_args(metadata: Any) -> Any:
     return jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
 
 
-def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params: Any) -> str:
+def save_initial_params(where: RunDir | str, config: ml_collections.ConfigDict, params: Any) -> str:
     """Writes ``config.json`` and ``initial_params/`` so that training in ``workdir`` starts from ``params``.
 
     ``params``: the model's ``params`` collection, boxed or unboxed, host NumPy or jax arrays. Its tree
@@ -111,8 +111,9 @@ def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params:
     """
     import flax.linen as nn  # noqa: PLC0415
 
-    save_config(workdir, config)
-    path = layout.path(workdir, INITIAL_PARAMS_DIR)
+    where = RunDir.named(where)
+    save_config(where, config)
+    path = where.file(INITIAL_PARAMS_DIR)
     params = jax.tree.map(np.asarray, nn.unbox(params))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, params, force=True)
@@ -120,13 +121,13 @@ def save_initial_params(workdir: str, config: ml_collections.ConfigDict, params:
     return path
 
 
-def has_initial_params(workdir: str) -> bool:
-    return storage.is_dir(layout.path(workdir, INITIAL_PARAMS_DIR))
+def has_initial_params(where: RunDir) -> bool:
+    return storage.is_dir(where.file(INITIAL_PARAMS_DIR))
 
 
-def load_initial_params(workdir: str, abstract_params: Any | None = None) -> Any:
+def load_initial_params(where: RunDir, abstract_params: Any | None = None) -> Any:
     """``initial_params/`` onto ``abstract_params``' shardings, or as host NumPy when it is None."""
-    path = layout.path(workdir, INITIAL_PARAMS_DIR)
+    path = where.file(INITIAL_PARAMS_DIR)
     with ocp.StandardCheckpointer() as ckptr:
         if abstract_params is not None:
             return ckptr.restore(path, abstract_params)
@@ -143,10 +144,12 @@ def _plain(tree: Any) -> Any:
     return tree
 
 
-def latest_step(workdir: str) -> int | None:
-    if not storage.is_dir(checkpoint_dir(workdir)):
+def latest_step(where: RunDir | str) -> int | None:
+    """The newest checkpoint's step; None when the run has none."""
+    where = RunDir.of(where)
+    if not storage.is_dir(where.file(CHECKPOINT_DIR)):
         return None
-    with read_manager(workdir, this_process_only=True) as manager:  # a listing: no barrier with the others
+    with read_manager(where, this_process_only=True) as manager:  # a listing: no barrier with the others
         return manager.latest_step()
 
 
@@ -184,34 +187,35 @@ def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collec
     workdir has neither, or has no checkpoint at the ``step`` asked for.
     """
     config = load_workdir_config(workdir)  # first: a folder that is no run, or a broken record, says so
-    return (config, *read_host_params(workdir, step))
+    return (config, *read_host_params(RunDir.at(workdir), step))
 
 
-def read_host_params(workdir: str, step: int | None = None) -> tuple[Any, int]:
+def read_host_params(where: RunDir, step: int | None = None) -> tuple[Any, int]:
     """``(params, step)``: ``load_latest_params`` without the config (a ``tieflax.run.read_only`` handle
     has read it once already)."""
-    latest = latest_step(workdir)
+    latest = latest_step(where)
     if latest is None and step in (None, 0):
-        if has_initial_params(workdir):
-            return load_initial_params(workdir), 0
-        raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
+        if has_initial_params(where):
+            return load_initial_params(where), 0
+        raise FileNotFoundError(f"{where.path!r} has no checkpoint and no initial_params/; train first.")
     step = latest if step is None else step
-    if not storage.is_dir(storage.join(checkpoint_dir(workdir), str(step), "state")):
-        raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; the latest is {latest}.")
-    with read_manager(workdir, this_process_only=True) as manager:  # host arrays: no other process takes part
+    if not storage.is_dir(where.file(CHECKPOINT_DIR, str(step), "state")):
+        raise FileNotFoundError(f"{where.path!r} has no checkpoint at step {step}; the latest is {latest}.")
+    with read_manager(where, this_process_only=True) as manager:  # host arrays: no other process takes part
         params = _read_params(manager, step, None)
     return _plain(params), step
 
 
-def restore_latest_params(workdir: str, abstract_params: Any) -> tuple[Any, int]:
+def restore_latest_params(where: RunDir | str, abstract_params: Any) -> tuple[Any, int]:
     """``(params, step)``: the latest checkpoint's parameters onto ``abstract_params``' shardings (any
     mesh), or ``initial_params/`` at step 0. Only the parameters are read."""
-    step = latest_step(workdir)
+    where = RunDir.of(where)
+    step = latest_step(where)
     if step is None:
-        if has_initial_params(workdir):
-            return load_initial_params(workdir, abstract_params), 0
-        raise FileNotFoundError(f"{workdir!r} has no checkpoint and no initial_params/; train first.")
-    with read_manager(workdir) as manager:
+        if has_initial_params(where):
+            return load_initial_params(where, abstract_params), 0
+        raise FileNotFoundError(f"{where.path!r} has no checkpoint and no initial_params/; train first.")
+    with read_manager(where) as manager:
         return _read_params(manager, step, abstract_params), step
 
 
@@ -234,28 +238,28 @@ def _check_same_model(manager: ocp.CheckpointManager, step: int, abstract_state:
             f"{diff}): train this model in a new --workdir, or use the config the run was trained with")
 
 
-def move_aside(workdir: str, step: int) -> str:
+def move_aside(where: RunDir, step: int) -> str:
     """Moves ``checkpoints/<step>`` to ``checkpoints_unreadable/<step>[-n]`` (kept, never deleted)."""
-    target_dir = layout.path(workdir, UNREADABLE_DIR)
+    target_dir = where.file(UNREADABLE_DIR)
     target, n = storage.join(target_dir, str(step)), 1
     while storage.exists(target):
         target, n = storage.join(target_dir, f"{step}-{n}"), n + 1
-    storage.move_tree(storage.join(checkpoint_dir(workdir), str(step)), target)
+    storage.move_tree(where.file(CHECKPOINT_DIR, str(step)), target)
     return target
 
 
-def unfinished_steps(workdir: str) -> list[int]:
+def unfinished_steps(where: RunDir) -> list[int]:
     """Steps (oldest first) whose checkpoint was begun and never finished (a save killed mid-write): never
     restored, never taken for a checkpoint written before the run's record carried digests."""
-    return record.unfinished_steps(workdir)
+    return record.unfinished_steps(where)
 
 
-def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any, loader,
+def restore_newest_readable(manager: ocp.CheckpointManager, where: RunDir, abstract_state: Any, loader,
                             say) -> tuple[int | None, Any]:
     """``(step, state)`` of the newest checkpoint that restores, or ``(None, None)`` when there is none.
 
     Newer checkpoints that fail to restore are reported in one line each (step and why) through ``say``
-    and moved to ``<workdir>/checkpoints_unreadable/`` (kept for inspection, never deleted). When none
+    and moved to ``<run>/checkpoints_unreadable/`` (kept for inspection, never deleted). When none
     restores, nothing is moved and CheckpointError says what to do. A checkpoint of another model is a
     config problem: CheckpointMismatchError, nothing moved; one whose data position cannot be moved to
     this run's number of processes a launch problem: ProcessCountError, nothing moved.
@@ -277,11 +281,11 @@ def restore_newest_readable(manager: ocp.CheckpointManager, workdir: str, abstra
         if bad:
             if jax.process_index() == 0:
                 for b, reason in bad:
-                    say(f"checkpoint {b} is unreadable ({reason}); moved it to {move_aside(workdir, b)}")
+                    say(f"checkpoint {b} is unreadable ({reason}); moved it to {move_aside(where, b)}")
             manager.reload()
         return step, state
     if bad:
         steps = "; ".join(f"{b} ({reason[:120]})" for b, reason in bad)
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)} is readable: Restore them from a "
+        raise CheckpointError(f"no checkpoint in {where.file(CHECKPOINT_DIR)} is readable: Restore them from a "
                               f"backup, or move {CHECKPOINT_DIR}/ away to start again from step 0. Steps: {steps}")
     return None, None

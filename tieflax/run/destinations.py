@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 from tieflax import storage
 from tieflax.run.layout import (CONFIG_FILE, INCOMPLETE_MARKER, INITIAL_PARAMS_DIR, LOCK_FILE, PARTIAL_TAG,
-                                RUN_CONTENT, WorkdirError, check_location, holds_a_run, is_run)
+                                RUN_CONTENT, RunDir, WorkdirError, check_location, holds_a_run, is_run)
 from tieflax.run.lock import workdir_lock
 
 
@@ -233,11 +233,12 @@ def partial_imports(workdir: str) -> list[str]:
     return sorted(found)
 
 
-def check_no_partial_import(workdir: str) -> None:
-    """Refuses a workdir whose import or surgery was interrupted (it would train from random weights)."""
-    found = partial_imports(workdir)
+def check_no_partial_import(where: RunDir | str) -> None:
+    """Refuses a run whose import or surgery was interrupted (it would train from random weights)."""
+    where = RunDir.named(where)
+    found = partial_imports(where.path)
     if found:
-        raise WorkdirError(f"an import into {storage.resolve(workdir)} did not finish ({found[0]} is "
+        raise WorkdirError(f"an import into {where.path} did not finish ({found[0]} is "
                            "incomplete): rerun the `tieflax convert` command that writes it, or delete "
                            f"{found[0]} to train without it")
 

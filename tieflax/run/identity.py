@@ -28,7 +28,7 @@ import ml_collections
 
 from tieflax import storage
 from tieflax.errors import UserError
-from tieflax.run.layout import CHECKPOINT_DIR, CONFIG_HISTORY_DIR, DATA_RECORD_FILE, WorkdirError
+from tieflax.run.layout import CHECKPOINT_DIR, CONFIG_HISTORY_DIR, DATA_RECORD_FILE, RunDir, WorkdirError
 from tieflax.run.record import (ALLOW_CHANGE_FLAG, RUN_ID_KEY, NotARun, RecordBroken, in_force, read_data_record,
                                 read_record, shown)
 # Re-exported for the commands and studies outside the run room that read a run's config (and its history) from
@@ -124,9 +124,9 @@ def check_allow_change(config: ml_collections.ConfigDict, allow_change: Sequence
                              f"train.learning_rate, or a section ({', '.join(SECTIONS)})")
 
 
-def check_resume(workdir: str, config: ml_collections.ConfigDict, *, allow_change: Sequence[str] = (),
+def check_resume(where: RunDir, config: ml_collections.ConfigDict, *, allow_change: Sequence[str] = (),
                  command: str = "train", data_next: bool = False) -> Resume:
-    """Compares ``config`` with the run's record in ``workdir`` before anything is written.
+    """Compares ``config`` with the record of the run ``where`` before anything is written.
 
     Returns ``Resume(fresh=True)`` for a new run. A run that has trained (checkpoints or metrics) may go
     on only with the same result fields, unless each changed field is named in ``allow_change`` (a
@@ -137,9 +137,9 @@ def check_resume(workdir: str, config: ml_collections.ConfigDict, *, allow_chang
     becomes a new entry from the last checkpoint, ``Resume.restart``). ``data_next``: the caller calls
     ``check_data`` next, which then names refused fields and changed data in one line."""
     check_allow_change(config, allow_change)
-    found = read_record(workdir)  # the record read once; everything below checks this snapshot
+    found = read_record(where)  # the record read once; everything below checks this snapshot
     try:
-        saved = config_in_force(workdir, found)
+        saved = config_in_force(found)
     except NotARun:
         return Resume(fresh=True, changed={})
     except RecordBroken as e:
@@ -154,16 +154,15 @@ def check_resume(workdir: str, config: ml_collections.ConfigDict, *, allow_chang
     trained = found.trained
     refused = {k: v for k, v in diff.items() if not _allowed(k, allow_change) and (trained or k.startswith("model."))}
     if refused:
-        where = workdir
         if trained:
-            fix = (f"rerun without these settings to resume it as it is (`tieflax {command} --workdir {where}` "
+            fix = (f"rerun without these settings to resume it as it is (`tieflax {command} --workdir {where.path}` "
                    "alone reads its config), train them in a new --workdir, or pass "
                    f"{ALLOW_CHANGE_FLAG} {','.join(refused)} to change them on purpose from the last "
                    f"checkpoint on (recorded in {CONFIG_HISTORY_DIR}/)")
         else:
             fix = ("its parameters are of that model: change the model with `tieflax convert` (--untie, --tie, "
                    "--scan-layers) into a new --out, or train this model in a new --workdir")
-        line = f"{where} was trained with other settings (saved -> now: {shown(refused)}): {fix}"
+        line = f"{where.path} was trained with other settings (saved -> now: {shown(refused)}): {fix}"
         # A change of data settings is named above; other settings wait for check_data's look at the data,
         # so that one refusal names every difference.
         if data_next and trained and not any(k.startswith("data.") for k in refused):
@@ -172,19 +171,19 @@ def check_resume(workdir: str, config: ml_collections.ConfigDict, *, allow_chang
     return Resume(fresh=False, changed=diff, before_first_step=not trained, allow_change=tuple(allow_change))
 
 
-def check_data(workdir: str, data: dict, resume: Resume) -> None:
+def check_data(where: RunDir, data: dict, resume: Resume) -> None:
     """Refuses a run whose data changed under it (the same config, other content: a token store rebuilt
     at the same path, corpus files edited, another tokenizer), unless ``data`` or a ``data.*`` field is
     allowed to change in ``resume`` (a new data setting is expected to bring new data); a refusal also
     names the settings ``check_resume`` held back. An allowed change of data joins ``resume.changed``
     as ``data (key)`` etc., so that it is said and recorded like any other change."""
-    saved = None if resume.fresh or resume.restart else read_data_record(workdir)
+    saved = None if resume.fresh or resume.restart else read_data_record(where)
     consent = any(a.rstrip(".") == "data" or a.startswith("data.") for a in resume.allow_change)
     diff = {} if saved is None or resume.before_first_step else {
         f"data ({k})": (saved.get(k), data.get(k)) for k in ("source", "store", "key", "tokenizer")
         if saved.get(k) != data.get(k)}
     if diff and not consent:
-        line = (f"{workdir} was trained on other data (saved -> now: {shown(diff)}): "
+        line = (f"{where.path} was trained on other data (saved -> now: {shown(diff)}): "
                 "point data.* at the data it trained on, train in a new --workdir, or pass "
                 f"{ALLOW_CHANGE_FLAG} data to go on with this data (recorded in {CONFIG_HISTORY_DIR}/)")
         raise RunChanged(f"{resume.refused}; and {line}" if resume.refused else line)
@@ -193,20 +192,20 @@ def check_data(workdir: str, data: dict, resume: Resume) -> None:
     resume.changed.update(diff)  # on purpose: said and recorded with the fields
 
 
-def check_reached(workdir: str, config: ml_collections.ConfigDict, resume: Resume, step: int) -> None:
+def check_reached(where: RunDir, config: ml_collections.ConfigDict, resume: Resume, step: int) -> None:
     """Refuses a new entry (a change on purpose, a restart) from ``step`` whose ``train.num_steps`` is
     below that step, which the run already reached: nothing would train, and the record would say the run
     ends at a step its checkpoints are past. Called on every process (all stop together), before
     ``record`` writes anything."""
     n = config.train.num_steps
     if (resume.changed or resume.restart is not None) and not resume.before_first_step and n < step:
-        raise RunChanged(f"train.num_steps {n} is below step {step}, which {workdir} already reached "
+        raise RunChanged(f"train.num_steps {n} is below step {step}, which {where.path} already reached "
                          f"({CHECKPOINT_DIR}/{step}): nothing would train, and its record would say it ends at "
                          f"step {n}: pass --config.train.num_steps={step} or more, or train {n} steps in a new "
                          "--workdir")
 
 
-def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: Resume, step: int) -> None:
+def record(where: RunDir, config: ml_collections.ConfigDict, data: dict, resume: Resume, step: int) -> None:
     """Process 0 writes the run's record: a fresh run claims ``config.json`` and ``data.json``
     (create-only: two runs cannot claim one prefix); an allowed change becomes the next numbered
     history entry, naming the digests of the entry before it; a restart (``Resume.restart``) an entry
@@ -214,20 +213,20 @@ def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: 
     if jax.process_index() != 0:
         return
     if resume.fresh:
-        save_config(workdir, config, claim=True)
-    data_path = storage.join(workdir, DATA_RECORD_FILE)
+        save_config(where, config, claim=True)
+    data_path = where.file(DATA_RECORD_FILE)
     if resume.restart is None and not storage.is_file(data_path):  # a fresh run, or one from before data records
         with_id = {**data, RUN_ID_KEY: secrets.token_hex(8)}  # the run's id: its checkpoints name it
         storage.create_new(data_path, json.dumps(with_id, indent=1, sort_keys=True).encode())
     if resume.restart is None:
-        saved_data = read_data_record(workdir)
+        saved_data = read_data_record(where)
         if saved_data is not None and saved_data != data:  # a new tokenizer or data setting: on purpose
             for k in ("source", "store", "key", "tokenizer"):
                 if saved_data.get(k) != data.get(k):
                     resume.changed.setdefault(f"data ({k})", (saved_data.get(k), data.get(k)))
     if not resume.changed and resume.restart is None:
         return
-    found = read_record(workdir)
+    found = read_record(where)
     taken = [int(name.split("/")[-1].removesuffix(".json")) for name in found.files if name.startswith(CONFIG_HISTORY_DIR)]
     n = max([*taken, found.claimed_entry or 0]) + 1  # never a number a checkpoint or a damaged file holds
     entry = {"number": n, "step": int(step), "changed": {k: list(v) for k, v in resume.changed.items()},
@@ -239,10 +238,10 @@ def record(workdir: str, config: ml_collections.ConfigDict, data: dict, resume: 
         log.warning("the run's record was broken (%s); %s starts it again as %s/%d.json from step %d",
                     resume.restart, ALLOW_CHANGE_FLAG, CONFIG_HISTORY_DIR, n, step)
     else:
-        entry["previous"] = in_force(workdir)["files"]
+        entry["previous"] = in_force(where)["files"]
     text = json.dumps(entry, indent=1, sort_keys=True).encode()
-    if not storage.create_new(storage.join(workdir, CONFIG_HISTORY_DIR, f"{n}.json"), text):
-        raise WorkdirError(f"{storage.join(workdir, CONFIG_HISTORY_DIR, f'{n}.json')} was written by another "
+    if not storage.create_new(where.file(CONFIG_HISTORY_DIR, f"{n}.json"), text):
+        raise WorkdirError(f"{where.file(CONFIG_HISTORY_DIR, f'{n}.json')} was written by another "
                            "command at the same time: only one command may continue a run")
 
 

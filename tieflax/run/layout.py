@@ -35,6 +35,8 @@ decides what a run folder holds.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tieflax import storage
 from tieflax.data.tokenizer import TOKENIZER_FILE  # noqa: F401 (re-exported: the tokenizer's file name is the data layer's)
 from tieflax.errors import UserError
@@ -94,6 +96,46 @@ def check_location(workdir: str) -> str:
 def path(workdir: str, *names: str) -> str:
     """``<workdir>/<names...>`` for a local path or a URL (the workdir resolved once here)."""
     return storage.join(storage.resolve(workdir), *names)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """Where a run lives, resolved and checked once (``RunDir.at``): what every reader and writer of the
+    run is handed in place of the ``--workdir`` string, so none of them resolves or checks it again.
+
+    ``path``  the canonical local path or URL (``storage.resolve``), as every message names the run
+    """
+
+    path: str
+
+    @classmethod
+    def at(cls, workdir: str) -> "RunDir":
+        """``workdir`` resolved and checked (``check_location``): a file, or a store orbax cannot write
+        checkpoints to, is refused here, before any work."""
+        return cls(check_location(workdir))
+
+    @classmethod
+    def of(cls, workdir: "RunDir | str") -> "RunDir":
+        """A RunDir as given (the run handle's), or a path (a notebook's, a study's) resolved and checked
+        here, once (``RunDir.at``)."""
+        return workdir if isinstance(workdir, RunDir) else cls.at(workdir)
+
+    @classmethod
+    def named(cls, workdir: "RunDir | str") -> "RunDir":
+        """A RunDir as given, or a string resolved as the run layer names it (``storage.resolve``): for the
+        readers a notebook, a test or a study calls with a path; the run handle passes its own."""
+        return workdir if isinstance(workdir, RunDir) else cls(storage.resolve(workdir))
+
+    def file(self, *names: str) -> str:
+        """``<path>/<names...>``: a name of this module inside the run."""
+        return storage.join(self.path, *names)
+
+    @property
+    def is_remote(self) -> bool:
+        return storage.is_remote(self.path)
+
+    def __str__(self) -> str:
+        return self.path
 
 
 def is_run(folder: str) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from tieflax import lease, storage
-from tieflax.run.layout import LOCK_FILE, WorkdirError, check_location
+from tieflax.run.layout import LOCK_FILE, RunDir, WorkdirError, check_location
 
 __all__ = ["Held", "WorkdirError", "hold", "workdir_lock", "workdir_lock_single"]
 
@@ -42,15 +42,15 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
     a multi-process job): process 0 takes the lock for the job, and in a multi-process job its decision
     reaches every process (all raise the same WorkdirError, or all go on).
     """
-    workdir = check_location(workdir)  # before any work: a file, or a store orbax cannot write to, is refused
-    with hold(workdir, command, enabled=enabled) as held:
+    where = RunDir.at(workdir)  # before any work: a file, or a store orbax cannot write to, is refused
+    with hold(where, command, enabled=enabled) as held:
         yield held
 
 
 @contextlib.contextmanager
-def hold(workdir: str, command: str, *, enabled: bool = True):
-    """``workdir_lock`` for a workdir already resolved and checked (``tieflax.run.run.Run.open`` does
-    both once). Process 0 (``enabled``) tries the lock; every process learns the outcome before any of them
+def hold(where: RunDir, command: str, *, enabled: bool = True):
+    """``workdir_lock`` for a run already resolved and checked (``tieflax.run.run.Run.open`` does both
+    once). Process 0 (``enabled``) tries the lock; every process learns the outcome before any of them
     writes (``distributed.first_failure``; a job of one process just takes it)."""
     from tieflax import distributed  # noqa: PLC0415
 
@@ -59,7 +59,7 @@ def hold(workdir: str, command: str, *, enabled: bool = True):
         held = Held()
         if enabled:
             try:
-                held = stack.enter_context(_take(workdir, command))
+                held = stack.enter_context(_take(where, command))
             except WorkdirError as e:
                 error = e
         failure = distributed.first_failure(None if error is None else str(error), "workdir-lock")
@@ -71,25 +71,26 @@ def hold(workdir: str, command: str, *, enabled: bool = True):
 
 
 def workdir_lock_single(workdir: str, command: str):
-    """The lock as one process takes it (no agreement with other processes)."""
+    """The lock as one process takes it (no agreement with other processes). ``workdir`` canonical
+    (``storage.resolve``); a local one that is a file is refused (a remote destination here need not hold
+    checkpoints, so s3:// is fine)."""
     if not storage.is_remote(workdir):
-        check_location(workdir)  # a file is refused (a remote destination here need not hold checkpoints)
-    return _take(workdir, command)
+        check_location(workdir)
+    return _take(RunDir(workdir), command)
 
 
 @contextlib.contextmanager
-def _take(workdir: str, command: str):
+def _take(where: RunDir, command: str):
     """The lock of a resolved, checked workdir, taken in one place for both kinds of store: a lease object
     on gs:// and s3:// (``tieflax.lease.Lease``, kept alive by a heartbeat), else a lock file
     (``tieflax.lease.LockFile``). Both are acquired and released alike; ``acquire`` False means this
     process holds the lock already (a command calling another): the outer holder releases it."""
     me = _me(command)
-    refuse = _refuse_lease(workdir) if storage.is_remote(workdir) else _refuse_lock(workdir)
-    if storage.is_remote(workdir):
-        storage.check_writable(workdir)
-        lock = lease.Lease(storage.join(workdir, LOCK_FILE), me, owner=workdir, refuse=refuse)
+    if where.is_remote:
+        storage.check_writable(where.path)
+        lock = lease.Lease(where.file(LOCK_FILE), me, owner=where.path, refuse=_refuse_lease(where))
     else:
-        lock = lease.LockFile(workdir, LOCK_FILE, me, owner=workdir, refuse=refuse)
+        lock = lease.LockFile(where.path, LOCK_FILE, me, owner=where.path, refuse=_refuse_lock(where))
     try:  # acquire inside: a signal landing while it takes the lock still releases what it took
         yield Held(lock if lock.acquire() else None)
     finally:
@@ -100,23 +101,23 @@ def _me(command: str) -> dict:
     return lease.holder_record(command=command)
 
 
-def _refuse_lock(workdir: str):
+def _refuse_lock(where: RunDir):
     def refuse(holder: dict | None, path: str) -> WorkdirError:
         if holder is None:
             return WorkdirError(f"could not take the lock {path}: another process keeps replacing it; delete it "
                                 "once no tieflax command runs in that folder")
-        return WorkdirError(_in_use(workdir, holder) + f"; if that process is gone, delete {path}")
+        return WorkdirError(_in_use(where, holder) + f"; if that process is gone, delete {path}")
     return refuse
 
 
-def _refuse_lease(workdir: str):
+def _refuse_lease(where: RunDir):
     def refuse(holder: dict, age: float) -> WorkdirError:
-        return WorkdirError(_in_use(workdir, holder) + f" (its lease was renewed {age:.0f} s ago); if that "
+        return WorkdirError(_in_use(where, holder) + f" (its lease was renewed {age:.0f} s ago); if that "
                             f"process is gone, the lease expires {lease.LEASE_SECONDS:.0f} s after its last "
                             "renewal")
     return refuse
 
 
-def _in_use(workdir: str, holder: dict) -> str:
-    return (f"{workdir} is in use by `tieflax {holder.get('command')}` (host {holder.get('host')}, "
+def _in_use(where: RunDir, holder: dict) -> str:
+    return (f"{where.path} is in use by `tieflax {holder.get('command')}` (host {holder.get('host')}, "
             f"PID {holder.get('pid')}, since {holder.get('since')}): wait for it to finish or stop it")

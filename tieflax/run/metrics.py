@@ -25,8 +25,7 @@ from typing import Mapping, Optional, Sequence
 
 from tieflax import storage
 from tieflax.errors import UserError
-from tieflax.run import layout
-from tieflax.run.layout import LEGACY_METRICS_FILE, METRICS_DIR
+from tieflax.run.layout import LEGACY_METRICS_FILE, METRICS_DIR, RunDir
 
 
 class MetricsFileError(UserError, ValueError):
@@ -36,17 +35,17 @@ class MetricsFileError(UserError, ValueError):
 class MetricWriter:
     """Buffers rows and writes them as one new segment per ``flush`` (each log period), plus the trackers.
 
-    ``workdir``: the run's resolved path (``Run.path``). ``enabled=False`` (every process but 0) makes
+    ``where``: the run (``Run.dir``), its segments in ``metrics/``. ``enabled=False (every process but 0) makes
     every method a no-op. ``path`` is the segment folder.
     ``trackers``: opened trackers (``tieflax.run.trackers.open_trackers``); None = TensorBoard alone when
     ``tensorboard`` (the writer closes them).
     """
 
-    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+    def __init__(self, where: RunDir, *, enabled: bool = True, tensorboard: bool = True,
                  trackers: Optional[Sequence] = None):
         self.enabled = enabled
-        self.workdir = workdir
-        self.path = layout.path(self.workdir, METRICS_DIR)
+        self.where = where
+        self.path = where.file(METRICS_DIR)
         self._session = f"{time.time_ns():020d}"
         self._seq = 0
         self._rows: list[str] = []
@@ -56,7 +55,7 @@ class MetricWriter:
         if trackers is None and tensorboard:
             from tieflax.run.trackers import TensorBoard  # noqa: PLC0415
 
-            trackers = [TensorBoard(self.workdir)]
+            trackers = [TensorBoard(where)]
         self.trackers = list(trackers or ())
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:

@@ -22,17 +22,16 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from tieflax import storage
-from tieflax.run import layout
-from tieflax.run.layout import PROFILE_DIR
+from tieflax.run.layout import PROFILE_DIR, RunDir
 
 
 class ProfileWindow:
     """``before(n)`` ahead of step n, ``step(n)`` around it, ``after(n, out)`` once it was dispatched."""
 
-    def __init__(self, window: Sequence[int], workdir: str, *, enabled: bool = True,
+    def __init__(self, window: Sequence[int], where: RunDir, *, enabled: bool = True,
                  say: Callable[[str], None] = lambda line: None):
         self.start, self.stop = (int(window[0]), int(window[1])) if enabled and len(window) == 2 else (0, -1)
-        self.workdir = workdir  # the run's resolved path (``Run.path``)
+        self.target = where.file(PROFILE_DIR)  # the run's profile/ (``Run.dir``)
         self.say = say
         self._local = None
         self._first = None
@@ -71,7 +70,7 @@ class ProfileWindow:
         try:
             jax.block_until_ready(out)   # the traced steps' device work ends inside the trace
             jax.profiler.stop_trace()
-            target = layout.path(self.workdir, PROFILE_DIR)
+            target = self.target
             files = storage.walk_files(local.name)
             for path in files:
                 rel = os.path.relpath(path, local.name)

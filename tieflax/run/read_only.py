@@ -7,7 +7,7 @@
     tokenizer = run.tokenizer()                  # tokenizer.json as the record names it (None: it has none)
 
 It is checked as ``Run.open`` checks a run for training, less the lease and the comparison with a new
-config: the location resolved once, at ``open`` (``layout.check_location``); then, once, when the config
+config: the location resolved once, at ``open`` (``layout.RunDir.at``); then, once, when the config
 is first asked for, an interrupted import refused (``destinations.check_no_partial_import``), the record
 verified against its digest chain and the config in force read back (``tieflax.run.saved_config``). A
 reader writes nothing, so it cannot mend a broken record: its refusal names the training command that
@@ -24,7 +24,7 @@ from tieflax import storage
 from tieflax.run import checkpoints as ckpt
 from tieflax.run import record
 from tieflax.run.destinations import check_no_partial_import
-from tieflax.run.layout import CONFIG_HISTORY_DIR, TOKENIZER_FILE, WorkdirError, check_location
+from tieflax.run.layout import CONFIG_HISTORY_DIR, TOKENIZER_FILE, RunDir, WorkdirError
 from tieflax.run.saved_config import load_workdir_config
 
 
@@ -44,20 +44,21 @@ def fix_by_training(problem: str, command: str, path: str) -> str:
 class ReadOnlyRun:
     """One run directory opened for reading (``open``); nothing is written through it.
 
-    ``path``     the resolved workdir (local path or ``gs://`` URL): resolved and checked at ``open``
+    ``dir``      where the run lives (``RunDir``), resolved and checked at ``open``; ``path`` its local path
+                 or ``gs://`` URL
     ``config``   the config in force, read (and the record verified) once, when first asked for: a command
                  may check its other arguments (``convert``'s --out) before anything of the run is read
     ``command``  the command reading it (its refusals name it)
     """
 
-    def __init__(self, path: str, command: str):
-        self.path, self.command = path, command
+    def __init__(self, where: RunDir, command: str):
+        self.dir, self.path, self.command = where, where.path, command
         self._config: ml_collections.ConfigDict | None = None
 
     @classmethod
     def open(cls, workdir: str, *, command: str) -> "ReadOnlyRun":
         """``workdir`` resolved once and refused when it cannot hold a run (a file, ``s3://``)."""
-        return cls(check_location(workdir), command)
+        return cls(RunDir.at(workdir), command)
 
     @property
     def config(self) -> ml_collections.ConfigDict:
@@ -72,21 +73,21 @@ class ReadOnlyRun:
         """Checks the run and reads its config in force, once (``config``)."""
         if self._config is not None:
             return
-        check_no_partial_import(self.path)
+        check_no_partial_import(self.dir)
         try:
-            self._config = load_workdir_config(self.path)
+            self._config = load_workdir_config(self.dir)
         except record.RecordBroken as e:
             raise record.RecordBroken(fix_by_training(e.problem, self.command, self.path), e.problem) from None
 
     def file(self, *names: str) -> str:
         """``<path>/<names...>``: a name of ``tieflax.run.layout`` inside this run."""
-        return storage.join(self.path, *names)
+        return self.dir.file(*names)
 
     def params(self, step: int | None = None) -> tuple[Any, int]:
         """``(params, step)``: checkpoint ``step``'s parameters (default: the latest) as host NumPy arrays,
         or ``initial_params/`` at step 0 before the first checkpoint; only the parameters are read."""
         self.verify()  # the record before any checkpoint
-        return ckpt.read_host_params(self.path, step)
+        return ckpt.read_host_params(self.dir, step)
 
     def tokenizer(self):
         """The run's ``tokenizers.Tokenizer``; None when the run has no ``tokenizer.json`` (it trained on
@@ -99,7 +100,7 @@ class ReadOnlyRun:
         if not storage.is_file(path):
             return None
         tok = load_tokenizer(path)
-        named_by, data = record.data_record_in_force(self.path)
+        named_by, data = record.data_record_in_force(self.dir)
         want = (data or {}).get("tokenizer")  # None: a run from before data records, or not trained yet
         have = tokenizer_digest(tok)[:len(want)] if want else None
         if want and have != want:

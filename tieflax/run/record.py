@@ -37,9 +37,8 @@ import re
 
 from tieflax import storage
 from tieflax.errors import UserError
-from tieflax.run import layout
 from tieflax.run.layout import (CHECKPOINT_DIR, CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE,
-                                INITIAL_PARAMS_DIR, LEGACY_METRICS_FILE, METRICS_DIR, WorkdirError)
+                                INITIAL_PARAMS_DIR, LEGACY_METRICS_FILE, METRICS_DIR, RunDir, WorkdirError)
 
 ALLOW_CHANGE_FLAG = "--allow-change"
 RECORD_KEY = "tieflax_record"  # in a checkpoint's custom metadata: the files of the entry in force
@@ -117,7 +116,9 @@ def _fix() -> str:
 class Snapshot:
     """One snapshot of the run's record, read in one place (``read_record``) and checked as it stands:
     the files' bytes by name relative to the run, entries by number, the newest checkpoint's step and what
-    it names (None: no checkpoint, or one saved before the chain), and what training left behind."""
+    it names (None: no checkpoint, or one saved before the chain), and what training left behind;
+    ``where``: the run it was read from."""
+    where: RunDir
     files: dict
     entries: dict
     damaged: dict  # name -> why, for files that do not parse
@@ -143,18 +144,18 @@ def _parse(raw: bytes) -> tuple[dict | None, str | None]:
     return (value, None) if isinstance(value, dict) else (None, "holds no JSON object")
 
 
-def read_record(workdir: str) -> Snapshot:
-    """The record of ``workdir`` (resolved) read once: every listing and file a check needs, the files
+def read_record(where: RunDir) -> Snapshot:
+    """The record of the run ``where`` read once: every listing and file a check needs, the files
     of the record together (``storage.read_many``: one wait on gs://, not one per object); then parsed.
     Nothing after this reads the run again: the checks work on the snapshot."""
-    found = Snapshot(files={}, entries={}, damaged={})
-    found.paths = {name: storage.join(workdir, name) for name in (CONFIG_FILE, DATA_RECORD_FILE)}
+    found = Snapshot(where=where, files={}, entries={}, damaged={})
+    found.paths = {name: where.file(name) for name in (CONFIG_FILE, DATA_RECORD_FILE)}
     # config.json and data.json first (all a fresh run has to read), then the listings and the entries
     found.files = {name: raw for name, raw in zip(found.paths, storage.read_many(list(found.paths.values())))
                    if raw is not None}
-    history, checkpoints, segments = [storage.listdir(storage.join(workdir, d))
+    history, checkpoints, segments = [storage.listdir(where.file(d))
                                       for d in (CONFIG_HISTORY_DIR, CHECKPOINT_DIR, METRICS_DIR)]
-    entries = {f"{CONFIG_HISTORY_DIR}/{n}.json": storage.join(workdir, CONFIG_HISTORY_DIR, f"{n}.json") for n in sorted(
+    entries = {f"{CONFIG_HISTORY_DIR}/{n}.json": where.file(CONFIG_HISTORY_DIR, f"{n}.json") for n in sorted(
         int(x.removesuffix(".json")) for x in history if x.endswith(".json") and x.removesuffix(".json").isdigit())}
     found.paths.update(entries)
     found.files.update({name: raw for name, raw in zip(entries, storage.read_many(list(entries.values())))
@@ -163,8 +164,8 @@ def read_record(workdir: str) -> Snapshot:
     # What each checkpoint names (read together): the newest finished one whose orbax metadata reads is the
     # one checked (its claim None: saved before the chain); the older ones tell a foreign checkpoint from an
     # edited file. A save that never finished (killed mid-write) names nothing: it is no pre-chain run.
-    finished = _finished(workdir, steps)
-    metas = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(s), CHECKPOINT_METADATA_FILE) for s in steps
+    finished = _finished(where, steps)
+    metas = storage.read_many([where.file(CHECKPOINT_DIR, str(s), CHECKPOINT_METADATA_FILE) for s in steps
                                if s in finished])
     for step, raw in zip([s for s in steps if s in finished], metas):
         try:
@@ -178,14 +179,14 @@ def read_record(workdir: str) -> Snapshot:
             found.claimed_step, found.claim = step, claim
         else:
             found.older_claims[step] = claim
-    legacy_metrics = storage.is_file(storage.join(workdir, LEGACY_METRICS_FILE))
+    legacy_metrics = storage.is_file(where.file(LEGACY_METRICS_FILE))
     # An empty local checkpoints/ or metrics/ folder counts as trained, as it always has; remotely a
     # prefix exists once it holds an object, which its listing says.
-    found.trained = bool(checkpoints or segments or legacy_metrics) or (not storage.is_remote(workdir) and any(
-        storage.exists(storage.join(workdir, d)) for d in (CHECKPOINT_DIR, METRICS_DIR)))
+    found.trained = bool(checkpoints or segments or legacy_metrics) or (not where.is_remote and any(
+        storage.exists(where.file(d)) for d in (CHECKPOINT_DIR, METRICS_DIR)))
     # An empty checkpoints/ folder, made before a first run failed, is not a trained run.
     found.left_steps = bool(steps or segments or legacy_metrics) or (
-        CONFIG_FILE not in found.files and storage.exists(storage.join(workdir, INITIAL_PARAMS_DIR)))
+        CONFIG_FILE not in found.files and storage.exists(where.file(INITIAL_PARAMS_DIR)))
     for name, raw in found.files.items():
         value, why = _parse(raw)
         if why:
@@ -195,57 +196,57 @@ def read_record(workdir: str) -> Snapshot:
     return found
 
 
-def _finished(workdir: str, steps: list[int]) -> set[int]:
+def _finished(where: RunDir, steps: list[int]) -> set[int]:
     """The numbered checkpoints whose save finished. Locally orbax writes into a temporary folder and
     renames it, so a numbered folder is finished; on a bucket it writes into ``checkpoints/<step>/`` itself
     and marks the end with ``commit_success.txt`` (read together, one wait)."""
-    if not storage.is_remote(workdir) or not steps:
+    if not where.is_remote or not steps:
         return set(steps)
-    marks = storage.read_many([storage.join(workdir, CHECKPOINT_DIR, str(s), COMMIT_MARKER) for s in steps])
+    marks = storage.read_many([where.file(CHECKPOINT_DIR, str(s), COMMIT_MARKER) for s in steps])
     return {s for s, mark in zip(steps, marks) if mark is not None}
 
 
-def unfinished_steps(workdir: str) -> list[int]:
+def unfinished_steps(where: RunDir) -> list[int]:
     """Steps (oldest first) whose checkpoint was begun and never finished: a bucket's numbered folder with
     no commit marker, or a local temporary folder (``<step>.orbax-checkpoint-tmp...``) a killed save left."""
-    names = [n.rstrip("/") for n in storage.listdir(storage.join(workdir, CHECKPOINT_DIR))]
+    names = [n.rstrip("/") for n in storage.listdir(where.file(CHECKPOINT_DIR))]
     numbered = [int(n) for n in names if n.isdigit()]
     begun = {int(m.group(1)) for m in map(_TMP_NAME.match, names) if m}
-    return sorted(begun | (set(numbered) - _finished(workdir, numbered)))
+    return sorted(begun | (set(numbered) - _finished(where, numbered)))
 
-def broken(workdir: str, name: str, what: str) -> RecordBroken:
+def broken(where: RunDir, name: str, what: str) -> RecordBroken:
     """RecordBroken naming the file of the record, what is wrong with it, and the training command's fix."""
-    problem = f"{storage.join(workdir, name)} {what}"
+    problem = f"{where.file(name)} {what}"
     return RecordBroken(f"{problem}: {_fix()}", problem)
 
 
-def _check_named(workdir: str, found: Snapshot, named: dict, by: str) -> None:
+def _check_named(found: Snapshot, named: dict, by: str) -> None:
     for name, want in sorted(named.items()):
         raw = found.files.get(name)
         if raw is None:
-            raise broken(workdir, name, f"is missing ({by} names it in the run's record)")
+            raise broken(found.where, name, f"is missing ({by} names it in the run's record)")
         if not _matches(raw, want):
             why = found.damaged.get(name)
             what = f"is {why}" if why else "was edited"
-            raise broken(workdir, name, f"{what} (its digest differs from the one {by} names)")
+            raise broken(found.where, name, f"{what} (its digest differs from the one {by} names)")
 
 
 _LEGACY_SAID: set = set()
 
 
 
-def verify_record(workdir: str) -> list[dict]:
+def verify_record(where: RunDir | str) -> list[dict]:
     """Checks the run's record against its digest chain and returns the history entries in force (oldest
     first, from the newest restart on). Raises NotARun when the folder holds no run, RecordBroken naming
     the file when one is missing, damaged or edited (config.json missing from a run that has trained
     included: that is not a fresh run). Links written before the chain are accepted, said once."""
-    workdir = layout.path(workdir)  # as the run layer names it (check_resume takes the Run's resolved path)
-    return verified(workdir, read_record(workdir))
+    return verified(read_record(RunDir.named(where)))
 
 
-def verified(workdir: str, found: Snapshot) -> list[dict]:
+def verified(found: Snapshot) -> list[dict]:
     """``verify_record`` of a snapshot (``read_record``): pure, nothing is read."""
-    _check_belongs(workdir, found)  # first: a fix for a broken record must not go on from another run's
+    where = found.where
+    _check_belongs(found)  # first: a fix for a broken record must not go on from another run's
     numbers = sorted(set(found.entries) | {int(n.split("/")[1].removesuffix(".json")) for n in found.damaged
                                            if n.startswith(CONFIG_HISTORY_DIR)})
     restarts = [n for n in numbers if n in found.entries and "restarted" in found.entries[n]]
@@ -253,44 +254,44 @@ def verified(workdir: str, found: Snapshot) -> list[dict]:
     if not restarts:
         if CONFIG_FILE not in found.files:
             if found.left_steps:
-                raise broken(workdir, CONFIG_FILE, "is missing, yet the run has trained (checkpoints or "
+                raise broken(found.where, CONFIG_FILE, "is missing, yet the run has trained (checkpoints or "
                               "metrics): it is not a fresh run")
             if not numbers:
                 path = found.paths[CONFIG_FILE]
-                raise NotARun(2, f"{path} does not exist: {workdir} is not a tieflax run (train into it with "
+                raise NotARun(2, f"{path} does not exist: {where.path} is not a tieflax run (train into it with "
                                  "--config first, or save_initial_params there)", path)
         for name in (CONFIG_FILE, DATA_RECORD_FILE):
             if name in found.damaged:
-                raise broken(workdir, name, f"is {found.damaged[name]}")
+                raise broken(found.where, name, f"is {found.damaged[name]}")
     for n in range(first, (numbers[-1] if numbers else 0) + 1):
         name = entry_name(n)
         if name in found.damaged:
-            raise broken(workdir, name, f"is {found.damaged[name]}")
+            raise broken(found.where, name, f"is {found.damaged[name]}")
         if n not in found.entries:
-            raise broken(workdir, name, f"is missing ({CONFIG_HISTORY_DIR}/ holds {numbers[-1]}.json after it)")
+            raise broken(found.where, name, f"is missing ({CONFIG_HISTORY_DIR}/ holds {numbers[-1]}.json after it)")
     legacy = []
     for n in range(first, (numbers[-1] if numbers else 0) + 1):
         previous = found.entries[n].get("previous")
         if previous is None:
             legacy.append(entry_name(n))
         else:
-            _check_named(workdir, found, previous, entry_name(n))
+            _check_named(found, previous, entry_name(n))
     if found.claimed_step is not None:
         by = f"{CHECKPOINT_DIR}/{found.claimed_step}"
         if found.claim is None:
             legacy.append(by)
         elif (found.claimed_entry or 0) >= (restarts[-1] if restarts else 0):
             try:
-                _check_named(workdir, found, found.claim.get("files", {}), by)
+                _check_named(found, found.claim.get("files", {}), by)
             except RecordBroken:
-                _check_not_foreign(workdir, found, by)
+                _check_not_foreign(found, by)
                 raise
             if found.claimed_entry and found.claimed_entry not in found.entries:
-                raise broken(workdir, entry_name(found.claimed_entry), f"is missing ({by} names it)")
-    if legacy and workdir not in _LEGACY_SAID:
-        _LEGACY_SAID.add(workdir)
+                raise broken(found.where, entry_name(found.claimed_entry), f"is missing ({by} names it)")
+    if legacy and where.path not in _LEGACY_SAID:
+        _LEGACY_SAID.add(where.path)
         log.warning("%s was written before the run's record carried digests (%s): its record is trusted as it "
-                    "is; checkpoints saved from now on name it", workdir, ", ".join(legacy))
+                    "is; checkpoints saved from now on name it", where.path, ", ".join(legacy))
     return [found.entries[n] for n in range(first, (numbers[-1] if numbers else 0) + 1)]
 
 
@@ -300,18 +301,18 @@ def _run_id(found: Snapshot) -> str | None:
     return value.get(RUN_ID_KEY) if isinstance(value, dict) else None
 
 
-def _check_belongs(workdir: str, found: Snapshot) -> None:
+def _check_belongs(found: Snapshot) -> None:
     """Raises ForeignCheckpoint when the newest checkpoint names another run's id: the record's files
     then differ from what it names because it is not this run's, not because they were edited. A
     checkpoint or a run from before ids is left to the digests."""
     theirs = found.claim.get(RUN_ID_KEY) if isinstance(found.claim, dict) else None
     ours = _run_id(found)
     if theirs is not None and ours is not None and theirs != ours:
-        raise _foreign(workdir, f"{CHECKPOINT_DIR}/{found.claimed_step}", f"it was saved by run {theirs}, this "
+        raise _foreign(found.where, f"{CHECKPOINT_DIR}/{found.claimed_step}", f"it was saved by run {theirs}, this "
                        f"run is {ours}")
 
 
-def _check_not_foreign(workdir: str, found: Snapshot, by: str) -> None:
+def _check_not_foreign(found: Snapshot, by: str) -> None:
     """For a checkpoint or a run from before ids whose named files differ: raises ForeignCheckpoint when
     an older checkpoint names the same entry by the files as they are. A run's checkpoints that name one
     entry name the same digests (entries are create-only), so the record holds and the newest one was
@@ -321,20 +322,20 @@ def _check_not_foreign(workdir: str, found: Snapshot, by: str) -> None:
         named = claim.get("files") if isinstance(claim, dict) else None
         if named and (claim.get("entry") or 0) == entry and all(
                 name in found.files and _matches(found.files[name], want) for name, want in named.items()):
-            raise _foreign(workdir, by, f"it names other files than {CHECKPOINT_DIR}/{step}, which match the record")
+            raise _foreign(found.where, by, f"it names other files than {CHECKPOINT_DIR}/{step}, which match the record")
 
 
-def _foreign(workdir: str, by: str, why: str) -> ForeignCheckpoint:
-    return ForeignCheckpoint(f"{storage.join(workdir, by)} does not belong to this run's record ({why}): it was "
+def _foreign(where: RunDir, by: str, why: str) -> ForeignCheckpoint:
+    return ForeignCheckpoint(f"{where.file(by)} does not belong to this run's record ({why}): it was "
                              f"copied in from another run; remove it (move it out of {CHECKPOINT_DIR}/) or restore "
                              f"this run's own {by}, then rerun")
 
 
-def in_force(workdir: str) -> dict:
+def in_force(where: RunDir | str) -> dict:
     """What a checkpoint names (``RECORD_KEY`` in its custom metadata): ``{'entry': n, 'files': {name:
     digest}, 'run_id': id}`` of the entry in force (n = 0: config.json and data.json) and the run (no id
     for a run made before ids)."""
-    found = read_record(layout.path(workdir))
+    found = read_record(RunDir.named(where))
     ours = _run_id(found)
     named = {RUN_ID_KEY: ours} if ours is not None else {}
     if found.entries:
@@ -344,16 +345,16 @@ def in_force(workdir: str) -> dict:
                                   if name in found.files}, **named}
 
 
-def has_trained(workdir: str) -> bool:
+def has_trained(where: RunDir | str) -> bool:
     """True once the run has trained a step: it has checkpoints or logged metrics."""
-    return read_record(layout.path(workdir)).trained
+    return read_record(RunDir.named(where)).trained
 
 
-def history(workdir: str) -> list[dict]:
+def history(where: RunDir | str) -> list[dict]:
     """The run's config-history entries in force, oldest first (``[]`` when its config never changed);
     RecordBroken when the record does not hold (``verify_record``)."""
     try:
-        return verify_record(workdir)
+        return verify_record(where)
     except NotARun:
         return []
 
@@ -363,27 +364,26 @@ def _changed_text(entry: dict) -> str:
     return text or "no result field (the same settings)"
 
 
-def history_lines(workdir: str) -> list[str]:
+def history_lines(where: RunDir | str) -> list[str]:
     """One sentence per config change, for ``tieflax analyze`` and the study's report."""
     return [(f"config record restarted at step {e['step']} ({e['restarted']}): " if "restarted" in e else
              f"config changed at step {e['step']} ({e['reason']}): ") + _changed_text(e)
-            for e in history(workdir)]
+            for e in history(where)]
 
 
-def read_data_record(workdir: str) -> dict | None:
+def read_data_record(where: RunDir | str) -> dict | None:
     """The data record in force: the newest history entry's, else ``data.json``'s; None for runs written
     before data records."""
-    return data_record_in_force(workdir)[1]
+    return data_record_in_force(where)[1]
 
 
-def data_record_in_force(workdir: str) -> tuple[str, dict | None]:
+def data_record_in_force(where: RunDir | str) -> tuple[str, dict | None]:
     """``(name, data record)``: the record's file that names what the run trains on now (the newest
     history entry, else data.json, relative to the run) and its data record (None for runs written
     before data records)."""
-    workdir = layout.path(workdir)
-    found = read_record(workdir)
+    found = read_record(RunDir.named(where))
     try:
-        entries = verified(workdir, found)
+        entries = verified(found)
     except NotARun:
         entries = []
     if entries:

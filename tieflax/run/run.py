@@ -8,10 +8,13 @@
         ...train...
     # closed in order on every exit path: profiler, console, metric writer, saves, then the lease
 
-``Run.open`` resolves the workdir once (``run.path``: the canonical local path or URL every writer is
-given), refuses a config that does not validate, an interrupted import and a location that cannot hold a
-run, takes the lease (``tieflax.run.lock``) and checks the run's identity (``tieflax.run.identity``)
-before anything is written. The loop and the commands take the Run, never the string.
+``Run.open`` validates the config (the one check of every section a training command makes: ``run.model``
+is the validated ``ModelConfig``), resolves and checks the workdir once (``run.dir``, a
+``tieflax.run.layout.RunDir``: what every part is handed; ``run.path`` its canonical local path or URL),
+refuses an interrupted import, takes the lease (``tieflax.run.lock``) and checks the run's identity
+(``tieflax.run.identity``) before anything is written. The loop, its hooks and every part it opens
+(identity, checkpoints, lock, metrics, trackers, profiler) take the Run or its ``RunDir``, never the
+string.
 
     run = Run.read(workdir, command="sample")   # evaluate, sample, val-loss, analyze, convert's source
 
@@ -29,11 +32,12 @@ import ml_collections
 
 from tieflax import storage
 from tieflax.config import validate_config
+from tieflax.model.config import ModelConfig
 from tieflax.run import checkpoints as ckpt
 from tieflax.run import identity
 from tieflax.run.console import Console
 from tieflax.run.destinations import check_no_partial_import
-from tieflax.run.layout import TOKENIZER_FILE, check_location
+from tieflax.run.layout import TOKENIZER_FILE, RunDir
 from tieflax.run.lock import Held, hold
 from tieflax.run.metrics import MetricWriter, read_metrics
 from tieflax.run.profiler import ProfileWindow
@@ -44,16 +48,18 @@ from tieflax.run.trackers import check_installed, open_trackers
 class Run:
     """One run directory held for writing. Open with ``Run.open``; attributes appear as their part opens:
 
-    ``path``      the resolved workdir (local path or ``gs://`` URL)
-    ``config``    the config it trains with; ``resume`` what the identity check found
+    ``dir``       where the run lives, resolved and checked once (``RunDir``); ``path`` its local path or URL
+    ``config``    the config it trains with, validated once; ``model`` its ``ModelConfig``
+    ``resume``    what the identity check found
     ``held``      the lease (``held.check()`` raises once another process took it over)
     ``manager``, ``saves``              after ``open_checkpoints``
     ``console``, ``writer``, ``profiler``  after ``open_writers``
     """
 
-    def __init__(self, path: str, config: ml_collections.ConfigDict, held: Held, resume: identity.Resume,
-                 *, is_main: bool):
-        self.path, self.config, self.held, self.resume, self.is_main = path, config, held, resume, is_main
+    def __init__(self, where: RunDir, config: ml_collections.ConfigDict, model: ModelConfig, held: Held,
+                 resume: identity.Resume, *, is_main: bool):
+        self.dir, self.path = where, where.path
+        self.config, self.model, self.held, self.resume, self.is_main = config, model, held, resume, is_main
         self.data: dict | None = None
         self.manager = self.saves = None
         self.console: Console | None = None
@@ -70,17 +76,17 @@ class Run:
         """Opens ``workdir`` for ``command``; closes everything it opened on the way out, in order."""
         import jax  # noqa: PLC0415
 
+        model = validate_config(config)  # the config's one check, before anything is read or written
         # Resolved once (a malformed URL is refused here); a file, or a store orbax cannot write to, too.
-        workdir = check_location(workdir)
-        validate_config(config)
-        check_no_partial_import(workdir)
+        where = RunDir.at(workdir)
+        check_no_partial_import(where)
         is_main = jax.process_index() == 0
-        with hold(workdir, command, enabled=is_main) as held:
+        with hold(where, command, enabled=is_main) as held:
             check_installed(config.train.trackers)  # a missing tracker fails before any work, on every process
             # data_next: refused settings are named together with a change of data by ``adopt_data``
-            resume = identity.check_resume(workdir, config, allow_change=tuple(allow_change), command=command,
+            resume = identity.check_resume(where, config, allow_change=tuple(allow_change), command=command,
                                            data_next=True)
-            run = cls(workdir, config, held, resume, is_main=is_main)
+            run = cls(where, config, model, held, resume, is_main=is_main)
             try:
                 yield run
             finally:
@@ -104,16 +110,16 @@ class Run:
         """Checks the data against the run's record (``identity.check_data``) and keeps the tokenizer the
         ids come from beside the run."""
         self.data = identity.data_record(info, tokenizer_json)
-        identity.check_data(self.path, self.data, self.resume)
-        tokenizer_path = storage.join(self.path, TOKENIZER_FILE)
+        identity.check_data(self.dir, self.data, self.resume)
+        tokenizer_path = self.dir.file(TOKENIZER_FILE)
         if self.is_main and tokenizer_json is not None and not storage.is_file(tokenizer_path):
             storage.write_text(tokenizer_path, tokenizer_json)
 
     def record(self, start: int) -> None:
         """config.json once; a change made on purpose as a numbered config-history entry from ``start``
         (refused when its num_steps is below ``start``: ``identity.check_reached``)."""
-        identity.check_reached(self.path, self.config, self.resume, start)
-        identity.record(self.path, self.config, self.data, self.resume, start)
+        identity.check_reached(self.dir, self.config, self.resume, start)
+        identity.record(self.dir, self.config, self.data, self.resume, start)
         if self.resume.changed and not self.resume.before_first_step:
             self.say(f"changed on purpose from step {start} on ({identity.CONFIG_HISTORY_DIR}/): "
                      + "; ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in self.resume.changed.items()))
@@ -123,7 +129,7 @@ class Run:
         """The checkpoint manager over ``checkpoints/`` and the watch over its background saves."""
         if self.resume.refused and self.data is None:  # held back for adopt_data, which was not called
             raise identity.RunChanged(self.resume.refused)
-        self.manager = ckpt.make_manager(self.path, keep=self.config.train.keep_checkpoints)
+        self.manager = ckpt.make_manager(self.dir, keep=self.config.train.keep_checkpoints)
         self.saves = ckpt.SaveWatch(self.manager)
 
     def open_writers(self, start: int) -> None:
@@ -131,9 +137,9 @@ class Run:
         t = self.config.train
         self.step = start
         self.console = Console(t.console, t.num_steps, start, enabled=self.is_main)
-        trackers = open_trackers(t.trackers, self.path, self.config, enabled=self.is_main, say=self.say)
-        self.writer = MetricWriter(self.path, enabled=self.is_main, trackers=trackers)
-        self.profiler = ProfileWindow(t.profile_steps, self.path, enabled=self.is_main, say=self.say)
+        trackers = open_trackers(t.trackers, self.dir, self.config, enabled=self.is_main, say=self.say)
+        self.writer = MetricWriter(self.dir, enabled=self.is_main, trackers=trackers)
+        self.profiler = ProfileWindow(t.profile_steps, self.dir, enabled=self.is_main, say=self.say)
         if self.is_main and start == 0:
             self.writer.write_text("config", "```\n" + self.config.to_json_best_effort(indent=2) + "\n```")
 

@@ -11,19 +11,18 @@ import ml_collections
 
 from tieflax import storage
 from tieflax.config import default_config
-from tieflax.run import layout
-from tieflax.run.layout import CONFIG_FILE, WorkdirError
+from tieflax.run.layout import CONFIG_FILE, RunDir, WorkdirError
 from tieflax.run.record import Snapshot, broken, entry_name, read_record, verified
 
 
-def save_config(workdir: str, config: ml_collections.ConfigDict, *, claim: bool = False) -> str:
-    """Writes ``<workdir>/config.json`` whole (process 0 only) and returns its path.
+def save_config(where: RunDir | str, config: ml_collections.ConfigDict, *, claim: bool = False) -> str:
+    """Writes the run's ``config.json`` whole (process 0 only) and returns its path.
 
     ``claim=True`` (a run starting in a fresh workdir): written only if no config.json exists yet (a
     create-only precondition), so two runs cannot both claim one prefix; the loser gets WorkdirError.
     An existing config.json (a resume, checked against this config before) is replaced whole.
     """
-    path = layout.path(workdir, CONFIG_FILE)
+    path = RunDir.named(where).file(CONFIG_FILE)
     if jax.process_index() == 0:
         text = config.to_json_best_effort(indent=2, sort_keys=True).encode("utf-8")
         if not claim or storage.is_file(path):
@@ -34,22 +33,21 @@ def save_config(workdir: str, config: ml_collections.ConfigDict, *, claim: bool 
     return path
 
 
-def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config in force in ``workdir`` (the newest history entry's, else config.json's), completed
+def load_workdir_config(where: RunDir | str) -> ml_collections.ConfigDict:
+    """The config in force in the run ``where`` (the newest history entry's, else config.json's), completed
     with today's defaults for fields added since, once the record holds (``verify_record``). Raises
     NotARun (a FileNotFoundError and a UserError) when the folder holds no run, RecordBroken naming the
     file when the record is broken."""
-    workdir = layout.path(workdir)  # as the run layer names it (check_resume takes the Run's resolved path)
-    return config_in_force(workdir, read_record(workdir))
+    return config_in_force(read_record(RunDir.named(where)))
 
 
-def config_in_force(workdir: str, found: Snapshot) -> ml_collections.ConfigDict:
+def config_in_force(found: Snapshot) -> ml_collections.ConfigDict:
     """``load_workdir_config`` of a snapshot (``read_record``): pure, nothing is read."""
-    entries = verified(workdir, found)
+    entries = verified(found)
     if entries:
         saved = entries[-1].get("config")
         if not isinstance(saved, dict):
-            raise broken(workdir, entry_name(entries[-1].get("number", len(entries))), "holds no config")
+            raise broken(found.where, entry_name(entries[-1].get("number", len(entries))), "holds no config")
         return _completed(saved)
     return _completed(json.loads(found.files[CONFIG_FILE]))
 

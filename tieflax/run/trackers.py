@@ -33,8 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from tieflax import storage
 from tieflax.errors import UserError
-from tieflax.run import layout
-from tieflax.run.layout import TENSORBOARD_DIR, WANDB_DIR, WANDB_RUN_FILE
+from tieflax.run.layout import TENSORBOARD_DIR, WANDB_DIR, WANDB_RUN_FILE, RunDir
 
 NAMES = ("tensorboard", "wandb")
 FLUSH_SECONDS = 1.0   # W&B writes its local run file at least this often
@@ -91,12 +90,12 @@ def _summary_writer_class():
 class TensorBoard:
     """tensorboardX event files in ``<workdir>/tensorboard/`` (on a bucket: copied whole at each flush)."""
 
-    def __init__(self, workdir: str):
-        """``workdir``: the run's resolved path (``Run.path``)."""
+    def __init__(self, where: RunDir):
+        """``where``: the run (``Run.dir``)."""
         SummaryWriter = _summary_writer_class()
-        self.workdir = workdir
+        self.folder = where.file(TENSORBOARD_DIR)
         self._local = None
-        tb_dir = storage.join(self.workdir, TENSORBOARD_DIR)
+        tb_dir = self.folder
         if storage.is_remote(tb_dir):  # written here, copied whole to the bucket at each flush
             self._local = tempfile.TemporaryDirectory(prefix="tieflax-tb-")
             tb_dir = self._local.name
@@ -112,7 +111,7 @@ class TensorBoard:
     def flush(self) -> None:
         self._tb.flush()
         if self._local is not None:
-            _copy_tree(self._local.name, storage.join(self.workdir, TENSORBOARD_DIR))
+            _copy_tree(self._local.name, self.folder)
 
     def _writer_died(self) -> bool:
         """True when a tensorboardX writer thread died (an OSError such as a full disk kills it): closing
@@ -138,23 +137,23 @@ class TensorBoard:
 class WandB:
     """One W&B run per tieflax run (module docstring); ``say`` gets the line that names it."""
 
-    def __init__(self, workdir: str, config, *, say: Callable[[str], None] = lambda line: None):
+    def __init__(self, where: RunDir, config, *, say: Callable[[str], None] = lambda line: None):
         try:
             import wandb  # noqa: PLC0415
         except ImportError:
             raise TrackerError("config.train.trackers names 'wandb' but the wandb package is not installed: "
                                "pip install -e '.[wandb]' (or drop 'wandb' from config.train.trackers)") from None
-        self.workdir = workdir  # the run's resolved path (``Run.path``)
+        self.where = where  # the run (``Run.dir``)
         t = config.train
-        record_path = layout.path(self.workdir, WANDB_RUN_FILE)
+        record_path = where.file(WANDB_RUN_FILE)
         saved = json.loads(storage.read_text(record_path)) if storage.is_file(record_path) else None
         run_id = saved["id"] if saved else _new_run_id()
         self._local = None
-        root = self.workdir
+        root = where.path
         if storage.is_remote(root):  # W&B writes its files here; copied whole to <workdir>/wandb/ on close
             self._local = tempfile.TemporaryDirectory(prefix="tieflax-wandb-")
             root = self._local.name
-        name = t.wandb_name or storage.name(self.workdir)
+        name = t.wandb_name or storage.name(where.path)
         settings = dict(silent=True, console="off", save_code=False)
         if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}):
             # wandb 0.31 writes its local run file every 15 s: a run killed with -9 lost up to 15 s of
@@ -179,9 +178,8 @@ class WandB:
         self.run.define_metric("*", step_metric="step")
         self._step: Optional[int] = None
         self._row: dict[str, float] = {}
-        where = self.run.url if self.run.settings.mode == "online" and self.run.url else \
-            storage.join(self.workdir, WANDB_DIR)
-        say(f"W&B run {name} (id {run_id}, {'continued' if saved else 'new'}, {self.run.settings.mode}): {where}")
+        shown = self.run.url if self.run.settings.mode == "online" and self.run.url else where.file(WANDB_DIR)
+        say(f"W&B run {name} (id {run_id}, {'continued' if saved else 'new'}, {self.run.settings.mode}): {shown}")
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         if self._step is not None and int(step) != self._step:
@@ -207,7 +205,7 @@ class WandB:
         finally:
             if self._local is not None:
                 try:
-                    _copy_tree(os.path.join(self._local.name, WANDB_DIR), storage.join(self.workdir, WANDB_DIR))
+                    _copy_tree(os.path.join(self._local.name, WANDB_DIR), self.where.file(WANDB_DIR))
                 finally:
                     self._local.cleanup()
                     self._local = None
@@ -223,7 +221,7 @@ def check_installed(names: Sequence[str]) -> None:
                                f"installed: pip install -e '.[{name}]' (or drop {name!r} from config.train.trackers)")
 
 
-def open_trackers(names: Sequence[str], workdir: str, config, *, enabled: bool = True,
+def open_trackers(names: Sequence[str], where: RunDir, config, *, enabled: bool = True,
                   say: Callable[[str], None] = lambda line: None) -> list:
     """The trackers ``names`` (``config.train.trackers``), opened on the process that logs (``enabled``)."""
     if not enabled:
@@ -232,7 +230,7 @@ def open_trackers(names: Sequence[str], workdir: str, config, *, enabled: bool =
     out = []
     try:
         for name in names:
-            out.append(TensorBoard(workdir) if name == "tensorboard" else WandB(workdir, config, say=say))
+            out.append(TensorBoard(where) if name == "tensorboard" else WandB(where, config, say=say))
     except BaseException:
         for tracker in out:
             tracker.close()

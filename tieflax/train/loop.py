@@ -18,7 +18,6 @@ import ml_collections
 from tieflax.hardware import flops
 from tieflax import distributed
 from tieflax import sharding as shd
-from tieflax.config import model_config
 from tieflax.data.store import StoreChanged
 from tieflax.errors import Interrupted
 from tieflax.model.params import param_report
@@ -64,8 +63,7 @@ def train_run(run: Run) -> dict[str, Any]:
     ``train_and_evaluate``)."""
     from tieflax.data import make_loader, prepare_dataset  # noqa: PLC0415
 
-    config, t = run.config, run.config.train
-    mc = model_config(config)
+    config, t, mc = run.config, run.config.train, run.model
     mesh = setup_mesh(config)
     prepared = prepare_dataset(config.data, run.path, vocab_size=mc.vocab_size)
     run.adopt_data(prepared.info, prepared.tokenizer.to_str() if prepared.tokenizer is not None else None)
@@ -104,18 +102,18 @@ def _tasks(run: Run, mc, prepared, mesh):
 def _starting_state(run: Run, s, loader) -> Progress:
     """The newest readable checkpoint, else the run's initial parameters (imports, surgery) with a fresh
     optimizer, else a fresh state from ``config.seed``."""
-    start, state = ckpt.restore_newest_readable(run.manager, run.path, s.abstract_state, loader, say=run.say)
+    start, state = ckpt.restore_newest_readable(run.manager, run.dir, s.abstract_state, loader, say=run.say)
     if start is not None and start >= run.config.train.num_steps:  # a rerun of a finished run: nothing trains
         run.say(f"finished before, at step {start} ({ckpt.CHECKPOINT_DIR}/{start}): nothing to train")
     elif start is not None:
         run.say(f"resuming from step {start} ({ckpt.CHECKPOINT_DIR}/{start})")
     else:  # no checkpoint finished: one begun and never finished (killed mid-save) is said, not passed over
-        unfinished = ckpt.unfinished_steps(run.path)
+        unfinished = ckpt.unfinished_steps(run.dir)
         why = (f"checkpoint {unfinished[-1]} ({ckpt.CHECKPOINT_DIR}/{unfinished[-1]}) was never finished: the run "
                "was stopped while saving it") if unfinished else ""
         start = 0
-        if ckpt.has_initial_params(run.path):
-            params = ckpt.load_initial_params(run.path, s.abstract_state["params"])
+        if ckpt.has_initial_params(run.dir):
+            params = ckpt.load_initial_params(run.dir, s.abstract_state["params"])
             state = {"step": jax.device_put(jnp.zeros((), jnp.int32), s.state_shardings["step"]),
                      "params": params, "opt_state": s.init_opt_state(params)}
             run.say(f"starting from {ckpt.INITIAL_PARAMS_DIR}/ (imported or converted parameters) at step 0"

@@ -1,5 +1,5 @@
 """Validation: the mean cross-entropy of a run's parameters on the validation split (``run_eval``), of a
-workdir's latest checkpoint (``evaluate_run``), and the final interval's training loss across restarts."""
+run's latest checkpoint (``evaluate_run``), and the final interval's training loss across restarts."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tieflax import distributed
 from tieflax import sharding as shd
 from tieflax.config import model_config
 from tieflax.run import checkpoints as ckpt
+from tieflax.run.layout import RunDir
 from tieflax.train.step import TrainingError, build, make_eval_step, setup_mesh
 
 
@@ -76,19 +77,21 @@ def final_interval_loss(rows: list[dict], step: int, log_every: int, *, fallback
     return total / count if count and at == boundary else fallback
 
 
-def evaluate_run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Validation loss and perplexity of ``workdir``'s latest checkpoint, on ``config``'s mesh.
+def evaluate_run(config: ml_collections.ConfigDict, where: RunDir | str) -> dict[str, Any]:
+    """Validation loss and perplexity of the run's latest checkpoint, on ``config``'s mesh. ``where``: the
+    run (``Run.read(...).dir``), or its path (resolved and checked here).
 
     The mesh may differ from the one the run trained on: parameters restore onto this run's shardings.
     Returns ``{'step', 'loss', 'perplexity', 'accuracy', 'tokens'}``.
     """
     from tieflax.data import prepare_dataset  # noqa: PLC0415
 
+    where = RunDir.of(where)
     mc = model_config(config)
     mesh = setup_mesh(config)
-    prepared = prepare_dataset(config.data, workdir, vocab_size=mc.vocab_size)
+    prepared = prepare_dataset(config.data, where.path, vocab_size=mc.vocab_size)
     with jax.set_mesh(mesh), nn.logical_axis_rules(shd.LOGICAL_AXIS_RULES):
         s = build(config, mesh)
-        params, step = ckpt.restore_latest_params(workdir, s.abstract_state["params"])
+        params, step = ckpt.restore_latest_params(where, s.abstract_state["params"])
         out = run_eval(make_eval_step(config, s), params, prepared, config, mesh)
     return {"step": step, **out}
