@@ -1,13 +1,16 @@
 """tieflax prepare --ray: the store built by Ray tasks is the pool's to the byte (the manifest's digest and
-every array's sha256), also after a Ray worker is killed mid-task and after the driver is killed (whose
-tasks stop: none writes after it), and the plan cuts every source's documents as the pool does; an address
-where nothing answers and a missing ``ray`` are each one line within seconds.
+every array's sha256), also after a Ray worker is killed mid-task, after the driver is killed (whose
+tasks stop: none writes after it) and after a node is lost mid-build, and the plan cuts every source's
+documents as the pool does; an address where nothing answers and a missing ``ray`` are each one line within
+seconds.
 
-One local Ray of 2 CPUs for the module (``prepare_ray.start_local``, as the command starts it); the corpus
-is 40 standard library files in input shards of 16 KiB (about 30 shards: several in flight at once)."""
+One local Ray of 2 CPUs for the module (``prepare_ray.start_local``, as the command starts it; the node test
+adds a second node to it, last); the corpus is 40 standard library files in input shards of 16 KiB (about
+30 shards: several in flight at once)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,9 +57,10 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def pool_store(tmp_path_factory):
-    """The one-machine build (2 pool processes, a BPE trained here): -> (its folder, its manifest)."""
+    """The one-machine build (a pool process; the store does not depend on how many), a BPE trained here:
+    -> (its folder, its manifest)."""
     out = str(tmp_path_factory.mktemp("pool") / "s")
-    return out, build_store(corpus_config(), out, workers=2, shard_bytes=SHARD)
+    return out, build_store(corpus_config(), out, workers=1, shard_bytes=SHARD)
 
 
 def _given_tokenizer(pool: str):
@@ -107,14 +111,17 @@ def test_ray_builds_the_pool_store_to_the_byte(cluster, pool_store, tmp_path):
 
 
 def test_a_ray_worker_killed_mid_task_is_retried_and_the_store_is_the_same(cluster, pool_store, tmp_path):
-    """kill -9 of the first worker seen running a tokenise task: Ray runs the task again, the build
-    finishes, and the store's digest is the pool's."""
+    """kill -9 of the first worker seen running a tokenise task once a shard is in the ledger: Ray runs the
+    task again, the build finishes, and the store's digest is the pool's."""
     pool, pool_manifest = pool_store
     killed: list[int] = []
     stop = threading.Event()
 
     def kill_one():
         while not stop.is_set() and not killed:
+            if not _ledger(tmp_path / "s"):   # mid-build: once a shard is done (a scan of /proc costs CPU)
+                time.sleep(0.005)
+                continue
             for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
                 if _cmdline(pid).startswith(TASK_TITLE):
                     os.kill(pid, signal.SIGKILL)
@@ -193,3 +200,95 @@ def test_an_address_where_nothing_answers_and_a_missing_ray_are_one_line_within_
     lines = absent.stderr.strip().splitlines()
     assert absent.returncode != 0 and len(lines) == 1, absent.stderr
     assert "pip install 'tieflax[ray]'" in lines[0] and not os.path.exists(out)
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it (by their parent ids in /proc), the root first."""
+    children: dict[int, list[int]] = {}
+    for p in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(p)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _worker_node(gcs_address: str):
+    """A second node of the cluster at ``gcs_address`` (1 CPU), its processes started from here: what
+    ``ray.cluster_utils.Cluster.add_node`` starts (a raylet, its agents, no log monitor) and what `ray start
+    --address` starts on another host. -> its ``ray._private.node.Node``."""
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    params = RayParams(gcs_address=gcs_address, num_cpus=1, num_gpus=0, object_store_memory=150 << 20,
+                       min_worker_port=0, max_worker_port=0, node_manager_port=0, include_log_monitor=False)
+    params.dashboard_agent_listen_port = None
+    return Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+
+
+def test_a_node_lost_mid_build_its_tasks_run_again_on_the_head_and_the_store_is_the_same(cluster, pool_store,
+                                                                                       tmp_path):
+    """A second node (1 CPU) joins the module's cluster, and the head's 2 CPUs are held by two tasks, so the
+    build's tasks run on that node. Once a shard is in the ledger and the next task runs there, every process
+    of the node (its raylet, agents and workers) is killed (-9) at once and the head is let go: Ray runs the
+    lost tasks again on the head, the ledger keeps the finished shards, and the store's digest is the pool's."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    pool, pool_manifest = pool_store
+    out, flags = str(tmp_path / "s"), tmp_path / "flags"
+    flags.mkdir()
+
+    def hold(i: int) -> None:   # a task holding one of the head's CPUs until the node is lost
+        (flags / f"held-{i}").touch()
+        while not (flags / "release").exists():
+            time.sleep(0.05)
+
+    head = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    holders = [ray.remote(num_cpus=1, scheduling_strategy=head)(hold).remote(i) for i in range(2)]
+    node = _worker_node(cluster)
+    raylet = node.all_processes["raylet"][0].process
+    killed: list[int] = []
+    at_kill: list[int] = []
+    stop = threading.Event()
+
+    def kill_the_node():
+        while not stop.is_set():
+            # Only the node runs tokenise tasks (the head is held): a shard in the ledger is its, and the next
+            # task runs there; its processes are scanned only from then on (a scan costs CPU).
+            if _ledger(out) and any(_cmdline(p).startswith(TASK_TITLE) for p in _descendants(raylet.pid)[1:]):
+                at_kill.append(len(_ledger(out)))
+                for pid in _descendants(raylet.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                break
+            time.sleep(0.01)
+        (flags / "release").touch()
+
+    killer = threading.Thread(target=kill_the_node, daemon=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (ray.cluster_resources().get("CPU", 0) < 3 or len(list(flags.iterdir())) < 2) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ray.cluster_resources().get("CPU", 0) >= 3, "the second node did not join"
+        assert len(list(flags.iterdir())) == 2, "the head's CPUs were not held"
+        killer.start()
+        manifest = build_store(_given_tokenizer(pool), out, shard_bytes=SHARD, executor=prepare_ray.RayTasks())
+    finally:
+        stop.set()
+        (flags / "release").touch()
+        if killer.is_alive():
+            killer.join(5)
+        node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+        ray.get(holders, timeout=30)
+    assert killed, "no task ran on the second node while the ledger had a shard (the node was not lost mid-build)"
+    assert 1 <= at_kill[0] < pool_manifest["input_shards"], at_kill
+    _same_store(manifest, pool_manifest)
