@@ -134,6 +134,30 @@ def test_remat_none_keeps_the_mlp_activation_inputs_not_its_insides(mlp, capsys)
     jax.tree.map(np.testing.assert_array_equal, grads, plain)
 
 
+def test_remat_none_keeps_no_normalised_copy_of_the_block_input(capsys):
+    """Under remat 'none' a block's backward keeps its input and the attention's residual sum, not the
+    pre-norms' outputs (each norm runs inside the checkpoint of the matmuls it feeds, so the backward
+    normalises again): two bf16 [B, T, d] residuals, where keeping the normalised copies made four (two
+    1 GiB [layers, B, T, d] stacks for Llama-3.2-1B at 8 x 2048). Gradients exactly those of plain
+    autodiff (the block outside any remat, as a 'full' block runs inside its checkpoint)."""
+    c = ModelConfig(family="llama", vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=48,
+                    dtype="bfloat16", remat="none", attention="xla")
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, 16)), jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    def saved_and_gradients(config):
+        block = layers.Block(config, layer=0)
+        params = nn.unbox(block.init(jax.random.key(0), x, positions, None))
+        loss = lambda p, x: block.apply(p, x, positions, None).astype(jnp.float32).sum()  # noqa: E731
+        jax.ad_checkpoint.print_saved_residuals(loss, params, x)
+        return capsys.readouterr().out, jax.grad(loss, argnums=(0, 1))(params, x)
+
+    saved, grads = saved_and_gradients(c)
+    assert saved.count(f"bf16[{B},{T},16]") == 2, saved
+    _, full = saved_and_gradients(c.replace(remat="full"))
+    jax.tree.map(np.testing.assert_array_equal, grads, full)
+
+
 def _grad_compiled(config: ModelConfig, tokens, params, **jit_kwargs):
     """The compiled gradient program; the loss on its XLA path (the MLP's buffers are what is measured,
     and the Pallas loss kernels would add TPU compile time)."""

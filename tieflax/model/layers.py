@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -64,12 +64,17 @@ class Norm(nn.Module):
     for Llama-3.2-1B at 8 x 2048, each zero-filled before the loop), where recomputing needs only the
     input, which the backward holds anyway. The same operations run in both passes, so the values do not
     change. Under any other remat policy the enclosing block's checkpoint already recomputes them.
+    A block's pre-norms are taken further under remat 'none': ``deferred=True`` returns the normalisation
+    as a function that the attention and the MLP apply inside their matmuls' checkpoint, so the
+    normalised output is not kept either (``Block``).
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, deferred: bool = False):
+        """-> the normalised x; with ``deferred``, the normalisation as a function of x (its parameters
+        bound), for a caller that applies it inside its own ``jax.checkpoint`` (``Block`` under remat 'none')."""
         c = self.config
         d = x.shape[-1]
         pdt = dtype_of(c.param_dtype)
@@ -82,6 +87,8 @@ class Norm(nn.Module):
             bias = None
         normalize = functools.partial(_normalize, layernorm=c.norm == "layernorm", eps=c.norm_eps,
                                       unit_offset=c.norm_unit_offset)
+        if deferred:
+            return lambda v: normalize(v, scale, bias)
         if c.remat == "none":
             normalize = jax.checkpoint(normalize)
         return normalize(x, scale, bias)
@@ -176,18 +183,32 @@ class Attention(nn.Module):
     mesh: Optional[Mesh] = None
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, segment_ids: Optional[Array], kv_cache: Optional[tuple] = None):
-        """-> [B, T, d]; with ``kv_cache`` = (this layer's {'k', 'v'}, the cache, see
-        ``tieflax.model.kv_cache``) -> ([B, T, d], the layer's updated {'k', 'v'}) (generation)."""
+    def __call__(self, x: Array, positions: Array, segment_ids: Optional[Array], kv_cache: Optional[tuple] = None,
+                 norm: Optional[Callable[[Array], Array]] = None):
+        """x [B, T, d] -> [B, T, d]; with ``kv_cache`` = (this layer's {'k', 'v'}, the cache, see
+        ``tieflax.model.kv_cache``) -> ([B, T, d], the layer's updated {'k', 'v'}) (generation).
+
+        ``norm``: the block's pre-norm (``Norm(..., deferred=True)``), applied to x here, inside the q/k/v
+        projections' checkpoint (``recast_in_backward``), so that under remat 'none' the backward
+        recomputes the normalised x from x instead of keeping it; None: x is normalised already.
+        """
         c = self.config
         h, kvh, dh = c.n_heads, c.kv_heads, c.dim_per_head
 
-        def proj(name, heads, axis_name):
-            y = Projection((c.d_model, heads, dh), ("embed", axis_name, "head_dim"), "btd,dhk->bthk",
-                           use_bias=c.qkv_bias, config=c, name=name)(x)
-            return checkpoint_name(y, f"{name}_proj")  # named for the remat policies (model/remat.py)
+        dt = dtype_of(c.dtype)
+        heads = {"query": (h, "heads"), "key": (kvh, "kv_heads"), "value": (kvh, "kv_heads")}
+        weights = {name: ProjectionParams((c.d_model, n, dh), ("embed", axis, "head_dim"), "btd,dhk->bthk",
+                                          use_bias=c.qkv_bias, config=c, name=name)()
+                   for name, (n, axis) in heads.items()}
 
-        q, k, v = proj("query", h, "heads"), proj("key", kvh, "kv_heads"), proj("value", kvh, "kv_heads")
+        def project(x, kernels):   # -> [q, k, v] before their biases; the pre-norm first, if given
+            x = x if norm is None else norm(x)
+            return [jnp.einsum("btd,dhk->bthk", x.astype(dt), kernel.astype(dt)) for kernel in kernels]
+
+        # Under remat 'none' one checkpoint: the backward casts the kernels and normalises x again.
+        qkv = recast_in_backward(project, c.remat)(x, [kernel for kernel, _ in weights.values()])
+        q, k, v = (checkpoint_name(y if bias is None else y + bias.astype(dt), f"{name}_proj")  # for the
+                   for y, (name, (_, bias)) in zip(qkv, weights.items()))                      # remat policies
         q = nn.with_logical_constraint(q, BTHD)
         if c.position == "rope":
             inv_freq = rope_frequencies(c)
@@ -209,6 +230,36 @@ class Attention(nn.Module):
         return out if kv_cache is None else (out, layer)
 
 
+def _kernel_and_bias(module: nn.Module, kernel_shape: tuple[int, ...], kernel_axes: tuple[str, ...], equation: str,
+                     use_bias: bool, c: ModelConfig) -> tuple[Array, Optional[Array]]:
+    """The parameters of an einsum projection, created in ``module``: kernel ``kernel_shape`` and, with
+    ``use_bias``, a bias over the output's non-[B, T] dims, in the parameter dtype."""
+    pdt = dtype_of(c.param_dtype)
+    kernel = module.param("kernel", dense_init(c.init_std, kernel_axes), kernel_shape, pdt)
+    if not use_bias:
+        return kernel, None
+    out_rank = len(equation.split("->")[1]) - 2  # the output's non-[B, T] dims
+    axes = kernel_axes[-out_rank:]
+    return kernel, module.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, axes),
+                                kernel_shape[-out_rank:], pdt)
+
+
+class ProjectionParams(nn.Module):
+    """``Projection``'s parameters (``kernel``, ``bias`` or None), uncast, without the einsum: for a caller
+    that runs several projections of one input together (``Attention``'s q, k, v)."""
+
+    kernel_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    equation: str
+    use_bias: bool
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Optional[Array]]:
+        return _kernel_and_bias(self, self.kernel_shape, self.kernel_axes, self.equation, self.use_bias,
+                                self.config)
+
+
 class Projection(nn.Module):
     """An einsum with a kernel of any rank, e.g. [d, heads, head_dim], and an optional bias.
 
@@ -226,16 +277,11 @@ class Projection(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         c = self.config
-        dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
-        kernel = self.param("kernel", dense_init(c.init_std, self.kernel_axes), self.kernel_shape, pdt)
+        dt = dtype_of(c.dtype)
+        kernel, bias = _kernel_and_bias(self, self.kernel_shape, self.kernel_axes, self.equation, self.use_bias, c)
         project = recast_in_backward(lambda v, w: jnp.einsum(self.equation, v.astype(dt), w.astype(dt)), c.remat)
         y = project(x, kernel)
-        if self.use_bias:
-            out_rank = len(self.equation.split("->")[1]) - 2  # the output's non-[B, T] dims
-            shape, axes = self.kernel_shape[-out_rank:], self.kernel_axes[-out_rank:]
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, pdt)
-            y = y + bias.astype(dt)
-        return y
+        return y if bias is None else y + bias.astype(dt)
 
 
 class DenseParams(nn.Module):
@@ -285,7 +331,11 @@ class Mlp(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, norm: Optional[Callable[[Array], Array]] = None) -> Array:
+        """x [B, T, d] -> [B, T, d]. ``norm``: the block's pre-norm (``Norm(..., deferred=True)``), applied
+        to x here, inside the checkpoint of the input matmuls (or of the chunk loop), so that under remat
+        'none' the backward recomputes the normalised x from x instead of keeping it; None: x is
+        normalised already."""
         c = self.config
         dt = dtype_of(c.dtype)
 
@@ -298,8 +348,12 @@ class Mlp(nn.Module):
         if c.mlp != "gelu":
             weights["gate"] = dense("gate", d, c.d_ff, ("embed", "mlp"))
         weights["down"] = dense("down", c.d_ff, c.d_model, ("mlp", "embed"))
+        inputs = [name for name in ("up", "gate") if name in weights]   # the matmuls of x
 
-        x = x.astype(dt)
+        def prenormed(x):   # x, normalised if the norm is applied here, in the compute dtype
+            return (x if norm is None else norm(x)).astype(dt)
+
+        x = x if norm is not None else x.astype(dt)
         b, t = x.shape[:2]
         chunk = c.mlp_chunk
         chunked = bool(chunk) and chunk < t
@@ -316,23 +370,33 @@ class Mlp(nn.Module):
         matmul = recast_in_backward(lambda v, kernel: jnp.einsum("btd,df->btf", v, kernel.astype(dt)),
                                     "none" if c.remat == "none" and not chunked else "")
 
-        def apply(w, h):  # h [B, t, d] -> [B, t, d]
-            def linear(name, v):
-                kernel, bias = w[name]
-                y = matmul(v, kernel)
-                return y if bias is None else y + bias
+        def apply(w, h, first=None):  # h [B, t, d] -> [B, t, d]; first: up (and gate) of h, if made already
+            def biased(name, y):
+                return y if w[name][1] is None else y + w[name][1]
 
-            up = linear("up", h)
-            hidden = activation(up, None if c.mlp == "gelu" else linear("gate", h))
+            if first is None:
+                first = [matmul(h, w[name][0]) for name in inputs]
+            up, *gate = [biased(name, y) for name, y in zip(inputs, first)]
+            hidden = activation(up, gate[0] if gate else None)
             hidden = nn.with_logical_constraint(hidden, BTF)
-            return linear("down", hidden)
+            return biased("down", matmul(hidden, w["down"][0]))
 
         if not chunked:
-            return apply(weights, x)
+            if norm is None:
+                return apply(weights, x)
+            # The norm and the input matmuls in one checkpoint under remat 'none': the backward normalises
+            # x and casts the two kernels again, and keeps neither the normalised x nor the cast kernels.
+            def first_matmuls(v, kernels):   # the norm once, then up (and gate)
+                h = prenormed(v)
+                return [jnp.einsum("btd,df->btf", h, kernel.astype(dt)) for kernel in kernels]
+
+            first = recast_in_backward(first_matmuls, c.remat)(x, [weights[name][0] for name in inputs])
+            return apply(weights, x, first)
 
         def chunk_loop(x, weights):
             # The kernels cast once for all the chunks; their gradients add up over the chunks in the
             # compute dtype.
+            x = prenormed(x)
             w = {k: (kernel.astype(dt), bias) for k, (kernel, bias) in weights.items()}
             step = jax.checkpoint(apply, prevent_cse=False)   # inside a loop: nothing for CSE to merge
             n = t // chunk
@@ -344,7 +408,8 @@ class Mlp(nn.Module):
             return out
 
         # remat 'none': the chunks' checkpoints keep their inputs, the cast kernels among them; around the
-        # whole loop the checkpoint keeps x and the fp32 kernels instead (``recast_in_backward``).
+        # whole loop the checkpoint keeps x (before the norm, when the norm is applied here) and the fp32
+        # kernels instead (``recast_in_backward``).
         return recast_in_backward(chunk_loop, c.remat)(x, weights)
 
 
@@ -360,16 +425,27 @@ class Block(nn.Module):
         """-> x [B, T, d]; with ``kv_cache`` (see ``Attention``) -> (x, the layer's updated {'k', 'v'})."""
         c = self.config
         x = checkpoint_name(x, LAYER_INPUT)  # what every remat policy keeps; may be offloaded (model/remat.py)
-        y = Attention(c, self.layer, mesh=self.mesh, name="attn")(Norm(c, name="attn_norm")(x), positions,
-                                                                  segment_ids, kv_cache)
+        # Under remat 'none' the pre-norms run inside the checkpoints of the matmuls they feed, so the
+        # backward keeps the block input and the attention's residual sum, not the normalised copies of
+        # them (two [B, T, d] stacks); other policies recompute the whole block already.
+        prenorm = c.remat == "none" and kv_cache is None
+        h, norm = _normed(Norm(c, name="attn_norm"), x, prenorm)
+        y = Attention(c, self.layer, mesh=self.mesh, name="attn")(h, positions, segment_ids, kv_cache, norm=norm)
         if kv_cache is not None:
             y, layer = y
         y = checkpoint_name(y, "out_proj")  # the attention's output projection, for the remat policies
         if c.sandwich_norms:
             y = Norm(c, name="attn_post_norm")(y)
         x = nn.with_logical_constraint(x + y, BTD)
-        y = checkpoint_name(Mlp(c, name="mlp")(Norm(c, name="mlp_norm")(x)), "mlpwo")
+        h, norm = _normed(Norm(c, name="mlp_norm"), x, prenorm)
+        y = checkpoint_name(Mlp(c, name="mlp")(h, norm=norm), "mlpwo")
         if c.sandwich_norms:
             y = Norm(c, name="mlp_post_norm")(y)
         x = nn.with_logical_constraint(x + y, BTD)
         return x if kv_cache is None else (x, layer)
+
+
+def _normed(norm: Norm, x: Array, deferred: bool) -> tuple[Array, Optional[Callable[[Array], Array]]]:
+    """A sublayer's (input, norm to apply to it): (x, the norm as a function) when the sublayer is to
+    apply the norm itself (``deferred``), else (norm(x), None)."""
+    return (x, norm(x, deferred=True)) if deferred else (norm(x), None)

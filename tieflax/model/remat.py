@@ -5,8 +5,10 @@
 * ``none``: no rematerialisation of matmuls or attention; their outputs are kept (fastest, most memory).
   The norms and the MLP activation are still recomputed from their inputs, elementwise (``Norm``, ``Mlp``
   in ``tieflax.model.layers``): autodiff would keep fp32 copies of a norm's input and the activation's
-  inner values, more bytes than the recompute saves time; likewise each matmul's kernel is cast to the
-  compute dtype again in the backward rather than kept (``recast_in_backward``). ``mlp_chunk`` > 0
+  inner values, more bytes than the recompute saves time; a pre-norm runs inside the checkpoint of the
+  matmuls it feeds, so its output is not kept either (the block input and the attention's residual sum
+  are); likewise each matmul's kernel is cast to the compute dtype again in the backward rather than
+  kept (``recast_in_backward``). ``mlp_chunk`` > 0
   rematerialises each chunk of the MLP whole (its up and gate matmuls run again in the backward),
   whatever the policy.
 * ``full``: each block keeps only its input and recomputes the rest (least memory, about one extra forward).
