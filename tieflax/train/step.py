@@ -25,7 +25,7 @@ from tieflax.errors import ConfigError, UserError
 from tieflax.model import ModelConfig, TransformerLM
 from tieflax.model.tie import fold_tied_gradient, gradient_twin, untied_view
 from tieflax.optim import make_optimizer
-from tieflax.train_config import validate_train_config
+from tieflax.train_config import train_value
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
@@ -40,10 +40,10 @@ def check_fits_mesh(config: ml_collections.ConfigDict, mc: ModelConfig, mesh_siz
                     process_count: int) -> None:
     """Fails before anything compiles when the config cannot be laid out on the mesh, naming the field.
 
-    The train section's own ranges and choices are ``train_config``'s, checked here first (a notebook may
-    edit a loaded config); what follows depends on the mesh and the processes only."""
+    The train section's ranges and choices were checked once when the command opened its config
+    (``Run.open``, which a notebook's ``train_and_evaluate`` goes through too, or ``load_config`` /
+    ``validate_config`` for plan and val-loss); what follows depends on the mesh and the processes only."""
     t = config.train
-    validate_train_config(t)
     data, fsdp, tensor = (mesh_sizes[a] for a in shd.MESH_AXES)
 
     def need(ok: bool, field: str, message: str):
@@ -199,7 +199,7 @@ def make_train_step(config: ml_collections.ConfigDict, s: Setup) -> Callable:
                      jax.tree.map(jnp.zeros_like, gparams))
             (loss, stats, grads), _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
 
-        grads, metrics = _embedding_gradients(grads, tied, c.get("tied_input_grad_scale", 1.0))
+        grads, metrics = _embedding_gradients(grads, tied, train_value(c, "tied_input_grad_scale"))
         grad_norm = optax.tree.norm(grads)
         # The norm of the parameters the step starts from, finished before they are updated: otherwise
         # XLA fuses this reduction into the update's keep-or-update select, and a fusion that reduces a
