@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from console_support import capture_console, foreign_problems
+from test_train_support import plots_not_rendered
 from tieflax import cli
 from tieflax.study import compare as study
 from tieflax.study.resume import StudyMismatch
@@ -93,7 +94,9 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compare_run(tmp_path_factory, corpus):
-    """A shortened compare: three 1-layer models, 4 steps each, on a small generated corpus."""
+    """A shortened compare: 1-layer models, 4 steps each, on a small generated corpus. The tuned lens takes
+    10 SGD steps, not the study's 250: what is checked here is that it is trained, kept and reported (its
+    recipe against the tuned-lens package is tests/test_literature.py's); each step is a dispatch."""
     root = corpus
     workdir = tmp_path_factory.mktemp("compare")
     overrides = [
@@ -103,7 +106,7 @@ def compare_run(tmp_path_factory, corpus):
         "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.eval_every=4",
         "train.eval_batches=1", "train.log_every=2", "train.analyze_every=2", "compare.analysis_points=2",
         "compare.max_rows=128", "compare.seeds=(0, 1)", "compare.grad_batches=2", "compare.bootstrap=200",
-        "compare.n_bins=4", "compare.variants=('tied', 'untied')",
+        "compare.n_bins=4", "compare.variants=('tied', 'untied')", "compare.lens_steps=10",
     ]
     argv = ["compare", "--config", CONFIG, "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]
     code, console = capture_console(cli.main, argv)
@@ -167,12 +170,14 @@ def test_one_seed_one_document_prints_no_verdict_and_no_nan(tmp_path, corpus):
     """1 seed, 1 held-out document (the runlocal shape): every line says what is missing, none gives a
     verdict, nothing prints nan, and the split is called whole only when it is."""
 
+    # The model, batch, steps and schedule of `compare_run` (the same compiled programs: its step, eval
+    # and analysis programs come from the compilation cache), one kept checkpoint, one seed.
     overrides = [
         "data.source=files", f"data.files.paths={corpus}/*.txt", "data.tokenizer.vocab_size=300",
         "data.val_fraction=0.25", "data.max_val_documents=1", "model.vocab_size=300", "model.d_model=32",
         "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=16", "train.seq_len=16",
-        "train.global_batch_size=8", "train.num_steps=2", "train.warmup_steps=1", "train.eval_every=2",
-        "train.eval_batches=1", "train.log_every=1", "compare.analysis_points=1", "compare.max_rows=64",
+        "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.eval_every=4",
+        "train.eval_batches=1", "train.log_every=2", "compare.analysis_points=1", "compare.max_rows=128",
         "compare.seeds=(0,)", "compare.grad_batches=1", "compare.bootstrap=50", "compare.n_bins=4",
         "compare.val_batches=1", "compare.variants=('tied', 'untied')",
     ]
@@ -206,12 +211,13 @@ def test_compare_prints_no_foreign_warning(compare_run):
     assert foreign_problems(console) == [], console
 
 
-def test_report_only_rewrites_from_the_summary_and_verdicts_follow_the_interval(compare_run, capsys):
+def test_report_only_rewrites_from_the_summary_and_verdicts_follow_the_interval(compare_run, capsys, monkeypatch):
     import copy
 
     from tieflax.study.report import render
 
     workdir = compare_run
+    plots_not_rendered(monkeypatch)   # no plot read here; the bucket test reads --report-only's PNGs
     os.remove(workdir / REPORT)
     assert cli.main(["compare", "--workdir", str(workdir), "--report-only"]) == 0
     assert (workdir / REPORT).exists()
@@ -256,9 +262,10 @@ def test_a_resumed_compare_refuses_runs_trained_with_another_config(compare_run,
     _strict((compare_run / "tied" / "seed_0" / "analysis" / "compare.json").read_text())
 
 
-def test_a_finished_study_rerun_says_each_run_is_finished_and_trains_nothing(compare_run):
+def test_a_finished_study_rerun_says_each_run_is_finished_and_trains_nothing(compare_run, monkeypatch):
     """A rerun of a finished study printed "training tied (seed 0)" and "resuming from step 4" for each
     run although nothing trained."""
+    plots_not_rendered(monkeypatch)   # no plot read here (compare_run's are checked by the first test)
     argv = json.loads((compare_run / "argv.json").read_text())
     steps = sorted(os.listdir(compare_run / "tied" / "seed_0" / "checkpoints"))
     before = load_summary(str(compare_run))
@@ -313,7 +320,7 @@ def test_analyze_command_on_a_compare_run(compare_run, capsys):
     assert "tieflax analyze: " in (err := capsys.readouterr().err) and "no checkpoint at step 3" in err
 
 
-def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):
+def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path, monkeypatch):
     """The sweep's orchestration on a planted loss surface (no training: ``train`` is injected)."""
     import math
 
@@ -349,6 +356,7 @@ def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path):
     text = open(summary["report"]).read()
     assert "Crossing: at about 10^" in text and (tmp_path / "loss_vs_total.png").stat().st_size > 1000
     assert "At the edge of the grid" in text  # a 2-rate grid: every best rate is at an edge
+    plots_not_rendered(monkeypatch)   # the resumes' reports: no plot is read from here on
     with pytest.raises(WorkdirError, match="--resume"):
         sweep.run_sweep(config, str(tmp_path), train=fake_train)
     sweep.run_sweep(config, str(tmp_path), train=fake_train, resume=True, log=lambda _: None)

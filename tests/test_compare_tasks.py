@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed")
 
 from console_support import capture_console, foreign_problems  # noqa: E402
+from test_train_support import plots_not_rendered  # noqa: E402
 from tieflax import cli  # noqa: E402
 from tieflax.analysis import stats as st  # noqa: E402
 from tieflax.study import compare as study  # noqa: E402
@@ -75,12 +76,16 @@ def _small(root) -> list[str]:
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory, corpus):
-    """A 2-variant x 2-seed compare of 1-layer models (4 steps), each run scored on a 16-item local task."""
+    """A 2-variant x 2-seed compare of 1-layer models (4 steps), each run scored on a 16-item local task.
+    The tasks are what is checked: no tuned lens (``lens_fit_tokens=0``) and one kept checkpoint per run
+    (no held-out pass at a middle checkpoint), measures these tests do not read (tests/test_compare.py
+    checks them)."""
     root, tasks = corpus
     workdir = tmp_path_factory.mktemp("compare_tasks")
     overrides = [
         *_small(root), "train.eval_every=4", "train.eval_batches=1", "compare.max_rows=128", "compare.seeds=(0, 1)",
         "compare.grad_batches=1", "compare.val_batches=1", "compare.bootstrap=200", "compare.n_bins=4",
+        "compare.analysis_points=1", "compare.lens_fit_tokens=0",
         "compare.variants=('tied', 'untied')", "compare.tasks=('tf_cmp_mc',)", f"compare.task_include_path={tasks}",
     ]
     argv = ["compare", "--config", CONFIG, "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]
@@ -120,7 +125,8 @@ def test_compare_with_tasks_prints_no_foreign_warning(scored):
     assert foreign_problems(scored["console"]) == [], scored["console"]
 
 
-def test_a_resumed_compare_reuses_the_scores(scored):
+def test_a_resumed_compare_reuses_the_scores(scored, monkeypatch):
+    plots_not_rendered(monkeypatch)   # the report's plots are not what this checks (tests/test_compare.py's)
     workdir = scored["workdir"]
     samples = workdir / "tied" / "seed_0" / "lm_eval" / "samples_tf_cmp_mc.jsonl"
     before = samples.stat().st_mtime_ns
@@ -161,15 +167,18 @@ def test_tasks_are_off_by_default_and_checked():
         study.compare_config(load_config(CONFIG, ["compare.tasks=('arc_easy', '')"]))
 
 
-def test_sweep_takes_the_same_tasks(corpus, tmp_path):
+def test_sweep_takes_the_same_tasks(corpus, tmp_path, monkeypatch):
     """``tieflax sweep`` with ``config.compare.tasks``: the runs at each variant's best rate are scored and
-    the sweep report gains the per-size task table (one size, one seed: intervals over items)."""
+    the sweep report gains the per-size task table (one size, one seed: intervals over items). The size,
+    rate and steps are those of `scored`'s runs (tie_vs_untie.py's rate 3e-3), so their train, eval and
+    scoring programs come from the compilation cache."""
     from tieflax.study import sweep
 
+    plots_not_rendered(monkeypatch)   # the sweep report's plots: tests/test_compare.py's sweep test reads one
     root, tasks = corpus
     scaling = os.path.join(os.path.dirname(CONFIG), "tie_scaling.py")
     config = load_config(scaling + ":smoke", [*_small(root), "sweep.sizes=((32, 1, 64, 2),)", "sweep.seeds=(0,)",
-                                              "sweep.lrs=(1e-2,)", "sweep.variants=('tied', 'untied')",
+                                              "sweep.lrs=(3e-3,)", "sweep.variants=('tied', 'untied')",
                                               "compare.tasks=('tf_cmp_mc',)", f"compare.task_include_path={tasks}"])
     summary = sweep.run_sweep(config, str(tmp_path), log=lambda _: None)
     task = summary["tasks"][0]["tf_cmp_mc"]

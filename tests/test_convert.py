@@ -28,6 +28,16 @@ from tieflax.model import TransformerLM  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_on_one_thread():
+    """torch (the Hugging Face models built, loaded and run here) on one thread: its idle workers spin on a
+    loaded machine (tests/test_train_support.py's torch_one_thread)."""
+    from test_train_support import torch_one_thread
+
+    with torch_one_thread():
+        yield
+
 V, STEPS = 100, 8
 TRAIN = ["--config.data.source=tokens", "--config.data.tokens.vocab_size=100", "--config.data.tokens.eos_id=0",
          "--config.train.seq_len=16", "--config.train.global_batch_size=8", f"--config.train.num_steps={STEPS}",

@@ -79,6 +79,16 @@ TRAIN = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=51
          "--config.train.eval_every=1000", "--config.train.eval_batches=1"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_on_one_thread():
+    """torch (lm-eval's ``hf`` backend, the exports loaded by transformers) on one thread: its idle workers
+    spin on a loaded machine (tests/test_train_support.py's torch_one_thread)."""
+    from test_train_support import torch_one_thread
+
+    with torch_one_thread():
+        yield
+
+
 def write_tasks(folder) -> str:
     """The three task YAMLs and their JSON-lines data files in ``folder``; -> the folder."""
     os.makedirs(folder, exist_ok=True)

@@ -111,18 +111,20 @@ def test_the_tuned_lens_trains_as_the_tuned_lens_package_does_on_a_tiny_hugging_
     lens's KL (training did something)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from test_train_support import torch_one_thread
     from tieflax.analysis import lens
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        out = model(torch.randint(0, 64, (8, 32)), output_hidden_states=True)
-    hidden = [h.reshape(-1, 16) for h in out.hidden_states[:-1]]   # embeddings and block 1: 2 translators
-    final = out.logits.reshape(-1, 64)
-    steps = 250
-    expected, what = _reference_lens(model, hidden, final, steps)
+    with torch_one_thread():   # 0.4 CPU-s, not 15.7 on a loaded machine (test_train_support says why)
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                                         bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config).eval().requires_grad_(False)
+        with torch.no_grad():
+            out = model(torch.randint(0, 64, (8, 32)), output_hidden_states=True)
+        hidden = [h.reshape(-1, 16) for h in out.hidden_states[:-1]]   # embeddings and block 1: 2 translators
+        final = out.logits.reshape(-1, 64)
+        steps = 250
+        expected, what = _reference_lens(model, hidden, final, steps)
 
     ln, head = model.transformer.ln_f, model.lm_head.weight.detach().numpy()
     w, b, eps = ln.weight.detach().numpy(), ln.bias.detach().numpy(), ln.eps

@@ -23,6 +23,7 @@ from console_support import capture_console, foreign_problems
 from test_eval_harness import write_tasks
 from test_train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env, suite_xla_flags
 from tieflax.run import checkpoints as ckpt
+from tieflax.run.layout import METRICS_DIR
 from tieflax.run.metrics import read_metrics
 from tieflax.run.trackers import FLUSH_SECONDS
 
@@ -52,12 +53,19 @@ def _kill9_once_tasks_are_logged_at(step, workdir, proc, log, timeout=300):
     """kill -9 the run once it has logged its tasks at ``step``: stopped first (SIGSTOP: it cannot go
     on), then W&B's service, a separate process, is given its file-writing interval, then SIGKILL."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
+    seen = None   # the metrics files' names and sizes: they are read again only when one changed (a listing
+    while time.time() < deadline:   # every 10 ms costs little; reading and parsing every row each time did)
         try:
-            if any(r["step"] == step for r in read_metrics(workdir, "tasks")):
-                break
+            now = sorted((e.name, e.stat().st_size) for e in os.scandir(os.path.join(workdir, METRICS_DIR)))
         except FileNotFoundError:
-            pass
+            now = None
+        if now and now != seen:
+            seen = now
+            try:
+                if any(r["step"] == step for r in read_metrics(workdir, "tasks")):
+                    break
+            except FileNotFoundError:
+                pass
         assert proc.poll() is None, f"training exited early with {proc.returncode}:\n{open(log).read()[-20000:]}"
         time.sleep(0.01)
     else:
@@ -344,13 +352,14 @@ def test_on_a_bucket_the_profile_and_the_wandb_files_are_copied_and_the_run_id_k
     import wandb
     from tieflax import storage
     from tieflax.config import default_config
+    from tieflax.run.layout import RunDir
     from tieflax.run.profiler import ProfileWindow
     from tieflax.run.trackers import WandB
 
     for k, v in _wandb_env(tmp_path).items():
         monkeypatch.setenv(k, v)
     run = gcs.new_bucket() + "/runs/x"
-    window = ProfileWindow((1, 1), run)
+    window = ProfileWindow((1, 1), RunDir.at(run))
     window.before(1)
     with window.step(1):
         out = jax.jit(lambda x: x @ x)(jnp.ones((8, 8)))
@@ -360,7 +369,7 @@ def test_on_a_bucket_the_profile_and_the_wandb_files_are_copied_and_the_run_id_k
     for step in (1, 2):   # a start and a resume
         if step == 2:  # W&B names a run's folder offline-run-<second>-<id>: a resume in the same second
             time.sleep(1.1)  # would reuse the start's folder name, and there would be one folder to count
-        tracker = WandB(run, default_config())
+        tracker = WandB(RunDir.at(run), default_config())
         tracker.log(step, {"train/loss": 1.0 / step})
         tracker.close()
         ids.append(json.loads(storage.read_text(storage.join(run, "wandb_run.json")))["id"])
@@ -375,8 +384,9 @@ def test_tensorboard_writes_events_without_importing_torch(tmp_path):
     for that import (about 1.9 s of CPU in every training process) and they stay importable afterwards."""
     pytest.importorskip("torch")
     code = ("import sys\n"
+            "from tieflax.run.layout import RunDir\n"
             "from tieflax.run.trackers import TensorBoard\n"
-            "tb = TensorBoard(sys.argv[1]); tb.log(3, {'loss': 2.5}); tb.flush(); tb.close()\n"
+            "tb = TensorBoard(RunDir.at(sys.argv[1])); tb.log(3, {'loss': 2.5}); tb.flush(); tb.close()\n"
             "print('torch imported:', 'torch' in sys.modules, 'boto3' in sys.modules)\n"
             "import torch, boto3; print('then torch', torch.__version__)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,

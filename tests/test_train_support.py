@@ -144,3 +144,53 @@ def full_disk_at(monkeypatch, *patterns: str) -> None:
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "fdopen", fdopen)
     monkeypatch.setattr(np, "save", save)
+
+
+def torch_one_thread():
+    """A context in which torch's CPU ops run on one thread (its previous count restored after). On the
+    suite's loaded 2-core machine torch's intra-op workers spin while they wait for the CPU: the tuned-lens
+    reference of tests/test_literature.py (250 steps of a 2-layer lens) took 15.7 CPU-s on torch's 2
+    threads and 0.4 s on one (one run each, 2026-12-07). What runs is the same; sums over a few hundred
+    numbers may round in another order."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def one():
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    return one()
+
+
+def _placeholder_png() -> bytes:
+    """A 1 x 1 grey PNG: what `plots_not_rendered` leaves where a plot would be."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00\x80")) + chunk(b"IEND", b""))
+
+
+def plots_not_rendered(monkeypatch) -> None:
+    """For a test that reads no plot of the report it makes: every figure is still built from the numbers
+    (tieflax.analysis.plots), but not laid out and rendered to PNG (``_save``: tight_layout and savefig,
+    most of a compare report's time). A PNG already at the path is left as it is; where there is none, a
+    1 x 1 placeholder is written (the report's HTML embeds every PNG it names)."""
+    from tieflax import storage
+    from tieflax.analysis import plots
+
+    def save(fig, path: str) -> str:
+        if not storage.exists(path):
+            storage.write_bytes(path, _placeholder_png())
+        return path
+
+    monkeypatch.setattr(plots, "_save", save)

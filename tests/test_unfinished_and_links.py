@@ -64,7 +64,8 @@ def test_an_overwriting_export_into_a_linked_out_replaces_the_linked_folder_and_
         data_dir, tmp_path, capsys):  # noqa: F811
     """`convert --to-hf --overwrite --out latest`, latest a link to an earlier export: the link is followed
     (the folder it names is replaced whole, the link names the new export), and no lock is left behind."""
-    config = micro_config(data_dir, num_steps=10)
+    config = micro_config(data_dir, num_steps=20)   # the run of the test above: its programs are in the cache
+    config.train.log_every, config.train.checkpoint_every = 5, 10
     run = str(tmp_path / "run")
     train_and_evaluate(config, run)
     v1, latest = tmp_path / "v1", tmp_path / "latest"
