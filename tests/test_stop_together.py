@@ -25,20 +25,34 @@ import pytest
 
 from test_train_support import REPO, free_port, suite_xla_flags
 
+# A constant learning rate (no warmup, no decay): the compiled step does not depend on num_steps, so the runs
+# that end by themselves after 30 steps use the programs the suite's cache holds for the others (a schedule
+# over 30 steps was a program of its own, compiled by each of the 2 processes). One validation batch at the
+# end of those runs: their losses are not what is tested.
 TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32", "--config.model.n_layers=1",
          "--config.model.n_heads=2", "--config.model.d_ff=64", "--config.model.max_seq_len=32",
          "--config.train.seq_len=32", "--config.train.global_batch_size=8", "--config.train.num_steps=5000",
-         "--config.train.log_every=5", "--config.train.checkpoint_every=10", "--config.train.eval_every=100000"]
+         "--config.train.warmup_steps=0", "--config.train.min_lr_ratio=1.0",
+         "--config.train.log_every=5", "--config.train.checkpoint_every=10", "--config.train.eval_every=100000",
+         "--config.train.eval_batches=1"]
+# A 512-token BPE (the one tests/test_eval_harness.py's runs train on the same corpus, in the suite's data
+# cache) instead of tiny.py's 8,192: a step of this model then costs a tenth (the head and the loss over the
+# vocabulary), and how the processes stop does not depend on it. Not for a write refused in the background:
+# tieflax mutes orbax's logging of a failed save only until it abandons the save (tieflax/run/save_watch.py,
+# `SaveWatch.close`), and with steps ten times as fast the refusal was once acted on before orbax's threads had
+# logged it: process 0 printed their tracebacks (1 run in 4 of the step-metadata case).
+SMALL_VOCAB = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=512"]
 # A cap on waiting for progress (a first checkpoint, a process's end), not a measure: on a loaded 2-core
 # machine compiling and training ten steps takes minutes; the cap only ends a hang.
 PROGRESS_CAP_S = 1200
 
 
 def _start(workdir: str, per_process: tuple[dict, ...] = ({}, {}), steps: int | None = None,
-           **env) -> list[subprocess.Popen]:
+           small_vocab: bool = True, **env) -> list[subprocess.Popen]:
     """The 2 processes, started; ``per_process``: each one's own variables beside ``env``; ``steps``: a run
-    that ends by itself after that many steps (else it trains until it is stopped)."""
-    train = TRAIN + ([f"--config.train.num_steps={steps}"] if steps is not None else [])
+    that ends by itself after that many steps (else it trains until it is stopped); ``small_vocab``: with
+    SMALL_VOCAB (else tiny.py's)."""
+    train = TRAIN + (SMALL_VOCAB if small_vocab else []) + ([f"--config.train.num_steps={steps}"] if steps is not None else [])
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags(1),
            "TIEFLAX_COORDINATOR": f"localhost:{free_port()}", "TIEFLAX_NUM_PROCESSES": "2", **env}
     procs = []
@@ -340,7 +354,7 @@ def test_a_stall_inside_one_process_s_save_start_stops_every_process_with_the_sa
 # ----------------------------------------------------------------------------- one host's write is refused
 # Cloud Storage refuses one host's request with 403 (that host's account lacks a permission; the others' does
 # not): the request goes no further than that process's proxy, which answers it itself (its "refuse" mode).
-def _through_refusing_proxy(server, regex: str, steps: int | None = None):
+def _through_refusing_proxy(server, regex: str, steps: int | None = None, small_vocab: bool = True):
     """-> (proxy, bucket, procs, refused): the 2 processes on a new bucket, process 0 through a proxy that
     answers its requests matching ``regex`` with 403; ``refused``: a list that gets the proxy's first word."""
     from tieflax import storage  # noqa: PLC0415
@@ -352,7 +366,8 @@ def _through_refusing_proxy(server, regex: str, steps: int | None = None):
     bucket = server.new_bucket()
     env = {**server.env, storage.DEADLINE_ENV: str(DEADLINE), ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
     procs = _start(bucket + "/run", per_process=({"STORAGE_EMULATOR_HOST": through_proxy,
-                                                  "TENSORSTORE_GCS_HTTP_URL": through_proxy}, {}), steps=steps, **env)
+                                                  "TENSORSTORE_GCS_HTTP_URL": through_proxy}, {}), steps=steps,
+                   small_vocab=small_vocab, **env)
     refused: list[str] = []
     threading.Thread(target=lambda: refused.append(proxy.stdout.readline()), daemon=True).start()
     return proxy, bucket, procs, refused
@@ -380,7 +395,7 @@ def test_a_request_refused_on_process_0_stops_every_process_with_the_same_line_n
     from tieflax import storage  # noqa: PLC0415
 
     server = GcsServer()
-    proxy, bucket, procs, said = _through_refusing_proxy(server, refused)
+    proxy, bucket, procs, said = _through_refusing_proxy(server, refused, small_vocab=False)
     try:
         _wait_for(lambda: said, procs)
         ended = _ends(procs, PROGRESS_CAP_S)

@@ -16,10 +16,11 @@ from test_storage_deadline import DEADLINE, PROGRESS_CAP_S, TRAIN, _committed, _
 from tieflax.lease import RELEASE_SECONDS
 
 
-def _train(server, workdir: str, num_steps: int, processes: int = 2) -> list[subprocess.Popen]:
+def _train(server, workdir: str, num_steps: int, processes: int = 2, *more: str) -> list[subprocess.Popen]:
     """2 processes x 1 CPU device over gloo, each started here (so that each one's exit is timed); or, with
     ``processes=1``, one process x 2 devices: the same mesh and program without the second process (whose
-    compiled programs never come from JAX's persistent cache, which only process 0 writes)."""
+    compiled programs never come from JAX's persistent cache, which only process 0 writes); ``more``: further
+    arguments of the command."""
     from test_train_support import free_port, suite_xla_flags  # noqa: PLC0415
 
     argv = [a if not a.startswith("--config.train.num_steps=") else f"--config.train.num_steps={num_steps}"
@@ -28,7 +29,7 @@ def _train(server, workdir: str, num_steps: int, processes: int = 2) -> list[sub
                XLA_FLAGS=suite_xla_flags(2 // processes))
     if processes > 1:
         env.update(TIEFLAX_COORDINATOR=f"localhost:{free_port()}", TIEFLAX_NUM_PROCESSES=str(processes))
-    return [subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *argv],
+    return [subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *argv, *more],
                              env={**env, "TIEFLAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(processes)]
 
@@ -46,7 +47,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
     return out
 
 
-def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_resumes(own_gcs):
+def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_resumes(own_gcs, tmp_path):
     """Both processes stop within a bounded time of the bucket going quiet, each with one line, exit 1, no
     traceback: whichever write meets the silence first (process 0's metrics segment, a save's start on
     every process, a save's background commit), one collective at the log step or the save makes every
@@ -87,7 +88,10 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     again = _finish(_train(own_gcs, bucket + "/run", 60), PROGRESS_CAP_S)
     # The uninterrupted reference: one process x 2 devices, the same mesh (data=2) and program; a sum of two
     # shards has one order, so its losses are the 2-process run's (measured: equal to every printed digit).
-    ref = _finish(_train(own_gcs, own_gcs.new_bucket() + "/run", 60, processes=1), PROGRESS_CAP_S)
+    # In a local folder, saving only its last step: where a run keeps its files and how often it saves do not
+    # change its losses, and the emulator serves no third run's writes.
+    ref = _finish(_train(own_gcs, str(tmp_path / "run"), 60, 1, "--config.train.checkpoint_every=60"),
+                  PROGRESS_CAP_S)
     for code, _, err in again + ref:
         assert code == 0, err[-3000:]
     resumed, whole = json.loads(again[0][1].strip().splitlines()[-1]), json.loads(ref[0][1].strip().splitlines()[-1])

@@ -408,7 +408,7 @@ def recovered(tied_run, tmp_path_factory):
 # tests/test_event_loops.py): since then neither stack's whole suite reports an unraisable "Event loop is
 # closed" here (it reported 125 during this fixture on three workers before). Not turned into an error
 # here: the CLI's train command, which this fixture runs in-process, installs hooks of its own that drop
-# such reports (tieflax.run.checkpoints `_quiet_abandoned_reads`), so what pytest sees here depends on
+# such reports (tieflax.run.checkpoint_errors `quiet_abandoned_reads`), so what pytest sees here depends on
 # the order of the hooks; tests/test_event_loops.py checks the loops themselves.
 
 
@@ -503,7 +503,9 @@ def test_a_full_disk_in_each_phase_of_train_is_one_line_naming_the_file(data_dir
     from tieflax.cli import main
     from tieflax.commands.train import FULL_DISK_FIX
 
-    config = micro_config(data_dir, num_steps=2)
+    # N steps, as the tied run: the same compiled programs (num_steps is a constant of the learning rate's
+    # schedule, so 2 steps compiled a train step of their own), served from the suite's compilation cache.
+    config = micro_config(data_dir, num_steps=N)
     config.data.tokenizer.path = ""                     # trained and saved in the workdir
     config.data.cache_dir = str(tmp_path / "cache")     # built here
     config.train.update(log_every=1, checkpoint_every=100)
@@ -523,4 +525,4 @@ def test_a_full_disk_in_each_phase_of_train_is_one_line_naming_the_file(data_dir
         assert fnmatch.fnmatch(path, pattern) and last.endswith(f"): {FULL_DISK_FIX}"), last
         assert not glob.glob(str(tmp_path / "cache" / ".*.tmp"))   # the half-written cache is gone
     capsys.readouterr()
-    assert main(argv) == 0 and ckpt.latest_step(str(workdir)) == 2
+    assert main(argv) == 0 and ckpt.latest_step(str(workdir)) == N
