@@ -11,9 +11,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # save. Without them (JAX's `jax_disable_most_optimizations`: backend optimisation level 0, no expensive
 # LLVM passes) the HLO passes (fusion, layout, sharding) still run, so what a test asserts of a compiled
 # program (collectives, temporaries, dtypes, memory) is unchanged; workers and the CLI subprocesses they
-# start inherit it. Measured on the 3.11 suite: 953 -> 818 CPU-s. Long runs set it back where the faster
-# steps repay the compile (tests/test_storage_deadline.py); a value the caller set is kept.
+# start inherit it. Measured on the 3.11 suite: 953 -> 818 CPU-s. A value the caller set is kept.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# OpenMP (torch's intra-op threads, OpenBLAS under numpy) on one thread in every process of the suite: four
+# workers already share 2 cores, and an OpenMP worker that waits for a core spins. The tuned lens's torch
+# reference (tests/test_literature.py) took 15.7 CPU-s on torch's 2 threads on a loaded machine, 0.4 on one
+# (2026-12-07). Each thread computes whole output elements, so a matmul's values do not change; a torch sum
+# may round in another order, within every parity test's tolerance. A value the caller set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # XLA's CPU compiler with its first (LLVM IR) elemental emitters instead of the MLIR fusion emitters, where the
 # jaxlib still has them (0.10; 0.12 has only the new ones and stops at start on a flag it does not know, so
 # the flag is tried once in a child process, by the process that loads this first; the workers and the

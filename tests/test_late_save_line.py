@@ -30,3 +30,19 @@ def test_every_share_written_names_process_0_finishing_the_save():
     line = late_line(None, LATE_SAVE, [STILL_SAVING, STILL_SAVING])
     assert line == f"process 0 (finishing the save: its commit marker, old checkpoints' removal): {LATE_SAVE}"
     assert "cannot finish checkpoint 40 in gs://b/run/checkpoints" in line
+
+
+def test_a_process_whose_own_save_ended_names_the_same_checkpoint(monkeypatch):
+    """A process that is not late builds the line from its own save, which may have ended by the time the
+    processes agree (nothing pending): it names the save it started last, as the late one does. (Before:
+    "cannot finish checkpoint None", seen once under load in tests/test_stop_together.py.)"""
+    from types import SimpleNamespace
+
+    from tieflax import storage
+    from tieflax.run.checkpoints import SAVE_DEADLINE_ENV
+
+    monkeypatch.setenv(SAVE_DEADLINE_ENV, "30")  # LATE_SAVE's deadline (at least the storage deadline)
+    monkeypatch.setenv(storage.DEADLINE_ENV, "30")
+    ended = SimpleNamespace(pending=None, last_started=40, where="gs://b/run/checkpoints")
+    codes = [STILL_SAVING & ~LATE, STILL_SAVING | UNWRITTEN]
+    assert late_line(ended, None, codes) == late_line(None, LATE_SAVE, codes) == f"process 1: {LATE_SAVE}"

@@ -81,6 +81,7 @@ class SaveWatch:
     def __init__(self, manager: ocp.CheckpointManager):
         self.manager = manager
         self.pending: int | None = None
+        self.last_started: int | None = None  # the step of the last save started, pending or not (messages)
         self.starting: save_start.SaveStart | None = None  # the last start (several processes)
         self._started = 0.0  # when the pending save started (monotonic)
         # A bucket that stops answering for less than the checkpoint deadline is ridden out: the save it broke
@@ -113,7 +114,7 @@ class SaveWatch:
                     self._saving = (step, state, loader)
                     return
                 raise self._error(step, e) from e
-        self.pending = step
+        self.pending = self.last_started = step
         self._started = time.monotonic()
         self._saving = (step, state, loader)
 
@@ -237,7 +238,8 @@ class SaveWatch:
     def close(self) -> None:
         """Waits for the last save and closes the manager; a failure is raised after the manager closed."""
         if getattr(self, "_abandoned", False):
-            logging.getLogger("absl").removeFilter(self._quiet)
+            # The filter stays: orbax's threads, still running, may log the failed save's tracebacks until
+            # the process exits (os._exit, ``abandon``); removed, they reached the console once in 4 runs.
             return
         error = None
         try:
@@ -311,6 +313,10 @@ def _os_error_of(e: BaseException) -> str | None:
     return f"[Errno {code}] {text}" + (f": {path}" if path else "")
 
 
+# orbax's CheckpointManager.save, when the wait before it took over a second (orbax 0.11 and 0.12).
+_ORBAX_WAIT_WARNING = "Waiting for previous save to complete took"
+
+
 class _QuietOrbaxSaveErrors(logging.Filter):
     """Drops orbax's own ERROR logs (tracebacks) of a failed background save: ``SaveWatch`` reports the
     failure itself, in one line that ends with the OS error.
@@ -318,13 +324,19 @@ class _QuietOrbaxSaveErrors(logging.Filter):
     It also keeps the first failure orbax's save thread reports (``commit_error``). With several
     processes that report is how a process learns, at once, that its own share of a save failed: orbax
     hands the exception to its finalize thread, which then waits at a barrier for the other processes
-    before anything public (``is_saving_in_progress``, ``check_for_errors``) says so."""
+    before anything public (``is_saving_in_progress``, ``check_for_errors``) says so.
+
+    It drops orbax's "Waiting for previous save to complete took N seconds" too: the wait it times is
+    ``SaveWatch``'s own (``start`` waits for the pending save, to say how it ended, before orbax's save),
+    so on a loaded machine every save after the first printed it, a foreign line in the console."""
 
     commit_error: BaseException | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
             return True
+        if record.levelno < logging.ERROR:
+            return not str(record.msg).startswith(_ORBAX_WAIT_WARNING)
         if record.exc_info and record.exc_info[1] is not None and self.commit_error is None:
             self.commit_error = record.exc_info[1]
         return False

@@ -132,9 +132,14 @@ def late_line(saves: ckpt.SaveWatch, error: "ckpt.SaveDeadlinePassed | None", co
     their share when some are and some are not, or process 0 when every share is written (what is left of
     a save then, its commit marker and the removal of checkpoints past ``keep_checkpoints``, is orbax's
     primary process's alone; the others wait for it). A process not late itself builds the line from its
-    own save: the same step and place, and the deadline every process reads from the same setting."""
-    text = str(error) if error is not None else storage.no_answer(
-        saves.where, f"finish checkpoint {saves.pending} in", ckpt.save_deadline_seconds(), ckpt.SAVE_DEADLINE_ENV)
+    own save: the same step and place, and the deadline every process reads from the same setting. Its save
+    may have ended meanwhile (nothing pending): the step is then the last one it started, the same save."""
+    if error is not None:
+        text = str(error)
+    else:
+        step = saves.pending if saves.pending is not None else saves.last_started
+        text = storage.no_answer(saves.where, f"finish checkpoint {step} in", ckpt.save_deadline_seconds(),
+                                 ckpt.SAVE_DEADLINE_ENV)
     stalled = [i for i, c in enumerate(codes) if c & UNWRITTEN]
     if len(stalled) == len(codes):
         return text
