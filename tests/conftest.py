@@ -87,7 +87,10 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 # would leave one worker running alone at the end. Ordered by the seconds each file took in one whole-suite
 # run (`--durations=0`, summed per file, 2026-12-04: relative figures); the first four re-ranked from one
 # whole 3.11 suite's per-test timeline on 2026-12-05 (setup.cfg keeps xdist from reordering them).
-_LONGEST_FILES_FIRST = ("test_storage_deadline.py", "test_storage_deadline_two_processes.py",
+# test_waits_bounded.py leads: its 2-process jobs mostly wait (on a deadline, for a signal's line), and, last
+# in the alphabet and unlisted, it ran alone at the end of a clean clone's 3.11 suite with both cores ~95%
+# idle for 65 s (2026-12-07); first, its waits overlap the other workers' work.
+_LONGEST_FILES_FIRST = ("test_waits_bounded.py", "test_storage_deadline.py", "test_storage_deadline_two_processes.py",
                         "test_multiprocess_train.py", "test_stop_together.py", "test_memory_options.py",
                         "test_pod_launcher.py", "test_train.py", "test_compare_tasks.py", "test_notebooks.py",
                         "test_eval_harness.py", "test_gpu_step.py", "test_compare.py", "test_decode.py",

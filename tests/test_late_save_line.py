@@ -43,6 +43,8 @@ def test_a_process_whose_own_save_ended_names_the_same_checkpoint(monkeypatch):
 
     monkeypatch.setenv(SAVE_DEADLINE_ENV, "30")  # LATE_SAVE's deadline (at least the storage deadline)
     monkeypatch.setenv(storage.DEADLINE_ENV, "30")
+    # Made here, not at import: the advice a line ends with depends on the credentials the suite has set.
+    late = SaveDeadlinePassed(40, "gs://b/run/checkpoints", 30.0)
     ended = SimpleNamespace(pending=None, last_started=40, where="gs://b/run/checkpoints")
     codes = [STILL_SAVING & ~LATE, STILL_SAVING | UNWRITTEN]
-    assert late_line(ended, None, codes) == late_line(None, LATE_SAVE, codes) == f"process 1: {LATE_SAVE}"
+    assert late_line(ended, None, codes) == late_line(None, late, codes) == f"process 1: {late}"
