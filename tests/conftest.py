@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # XLA's CPU compiler with its first (LLVM IR) elemental emitters instead of the MLIR fusion emitters, where the
 # jaxlib still has them (0.10; 0.12 has only the new ones and stops at start on a flag it does not know, so
 # the flag is tried once in a child process, by the process that loads this first; the workers and the
-# subprocesses they start inherit it, tests/test_train_support.py's `suite_xla_flags`). The HLO passes are
+# subprocesses they start inherit it, tests/train_support.py's `suite_xla_flags`). The HLO passes are
 # those of the new emitters but for what the older ones cannot emit: a scatter becomes a loop (the test of
 # the plan's compiled FLOPs, which a loop hides, compiles with XLA's own emitters). Measured on test_model,
 # test_scan, test_decode and test_model_loss (62 tests, two runs each): 72 -> 50 CPU-s; on the whole 3.11

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # before lm-eval imports dat
 
 import pytest  # noqa: E402
 
-from test_train_support import REPO, micro_config, prepare_shared_data  # noqa: E402
+from train_support import REPO, micro_config, prepare_shared_data  # noqa: E402
 from test_user_errors import COMPARE, SCALING, TINY, _one_line  # noqa: E402
 from tieflax.cli import main  # noqa: E402
 from tieflax.config import load_config  # noqa: E402

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from test_train_support import config_overrides, micro_config, prepare_shared_data, subprocess_env
+from train_support import config_overrides, micro_config, prepare_shared_data, subprocess_env
 from test_user_errors import COMPARE, SCALING, TINY, _one_line
 from tieflax import cli, storage
 from tieflax.hardware import gpu_flags

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from test_train_support import REPO, micro_config, prepare_shared_data, start_train
+from train_support import REPO, micro_config, prepare_shared_data, start_train
 from tieflax.run import checkpoints as ckpt
 from tieflax import storage
 from tieflax import lease

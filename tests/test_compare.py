@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from console_support import capture_console, foreign_problems
-from test_train_support import plots_not_rendered
+from train_support import plots_not_rendered
 from tieflax import cli
 from tieflax.study import compare as study
 from tieflax.study.resume import StudyMismatch

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed")
 
 from console_support import capture_console, foreign_problems  # noqa: E402
-from test_train_support import plots_not_rendered  # noqa: E402
+from train_support import plots_not_rendered  # noqa: E402
 from tieflax import cli  # noqa: E402
 from tieflax.analysis import stats as st  # noqa: E402
 from tieflax.study import compare as study  # noqa: E402

@@ -32,8 +32,8 @@ transformers.logging.set_verbosity_error()
 @pytest.fixture(scope="module", autouse=True)
 def _torch_on_one_thread():
     """torch (the Hugging Face models built, loaded and run here) on one thread: its idle workers spin on a
-    loaded machine (tests/test_train_support.py's torch_one_thread)."""
-    from test_train_support import torch_one_thread
+    loaded machine (tests/train_support.py's torch_one_thread)."""
+    from train_support import torch_one_thread
 
     with torch_one_thread():
         yield
@@ -410,7 +410,7 @@ def test_a_signal_at_any_moment_of_an_export_leaves_the_old_export_or_the_new(ch
     import sys
     import time
 
-    from test_train_support import REPO, subprocess_env
+    from train_support import REPO, subprocess_env
 
     def files(folder):
         return {n: hashlib.sha256(open(os.path.join(folder, n), "rb").read()).hexdigest()

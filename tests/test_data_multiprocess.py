@@ -52,7 +52,7 @@ def test_two_processes_assemble_the_same_global_batch_as_one(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from test_train_support import suite_xla_flags  # noqa: PLC0415
+    from train_support import suite_xla_flags  # noqa: PLC0415
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=suite_xla_flags(2))
     script = tmp_path / "worker.py"

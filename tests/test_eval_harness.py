@@ -82,8 +82,8 @@ TRAIN = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=51
 @pytest.fixture(scope="module", autouse=True)
 def _torch_on_one_thread():
     """torch (lm-eval's ``hf`` backend, the exports loaded by transformers) on one thread: its idle workers
-    spin on a loaded machine (tests/test_train_support.py's torch_one_thread)."""
-    from test_train_support import torch_one_thread
+    spin on a loaded machine (tests/train_support.py's torch_one_thread)."""
+    from train_support import torch_one_thread
 
     with torch_one_thread():
         yield

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from test_train_support import suite_xla_flags
+from train_support import suite_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "experiments", "tiny.py")

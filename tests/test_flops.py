@@ -123,7 +123,7 @@ def test_throughput_and_mfu():
 def test_a_training_log_carries_tflops_per_device(tmp_path):
     """A tiny CPU run: the metrics (read back as one stream) and TensorBoard have tflops_per_device (no
     peak on a CPU: no mfu)."""
-    from test_train_support import micro_config, prepare_shared_data
+    from train_support import micro_config, prepare_shared_data
 
     from tieflax.run.metrics import read_metrics
     from tieflax.train import train_and_evaluate

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_train_support import suite_xla_flags
+from train_support import suite_xla_flags
 from tieflax.hardware.gpu_flags import flags_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +29,7 @@ def _run(args, **env):
 def test_smoke_step_and_profile_table(tmp_path):
     variants = "tieflax-tied,tieflax-tied-xla-flags,tieflax-untied" + (",hf" if HAVE_TORCH else "")
     # OMP_NUM_THREADS=1: the HF peer's torch on one thread (its idle OpenMP workers spin on a loaded machine:
-    # tests/test_train_support.py's torch_one_thread); on a CPU its step time means nothing here.
+    # tests/train_support.py's torch_one_thread); on a CPU its step time means nothing here.
     done = _run(["benchmarks/gpu_step.py", "--variants", variants, "--profile", str(tmp_path)], SMOKE="1",
                 TIEFLAX_GPU_XLA_FLAGS="recommended",  # the parent's choice: each variant's process sets its own
                 OMP_NUM_THREADS="1")

@@ -111,10 +111,10 @@ def test_the_tuned_lens_trains_as_the_tuned_lens_package_does_on_a_tiny_hugging_
     lens's KL (training did something)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from test_train_support import torch_one_thread
+    from train_support import torch_one_thread
     from tieflax.analysis import lens
 
-    with torch_one_thread():   # 0.4 CPU-s, not 15.7 on a loaded machine (test_train_support says why)
+    with torch_one_thread():   # 0.4 CPU-s, not 15.7 on a loaded machine (train_support says why)
         torch.manual_seed(0)
         config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
                                          bos_token_id=0, eos_token_id=0)
@@ -300,7 +300,7 @@ def _step_setup(monkeypatch=None, scale=None, capture=False):
     import flax.linen as nn
     import optax
 
-    from test_train_support import micro_config
+    from train_support import micro_config
     from tieflax import sharding as shd
     from tieflax import train
     from tieflax.train import step as train_step

@@ -17,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from test_train_support import REPO, config_overrides, micro_config, prepare_shared_data, subprocess_env, suite_xla_flags
+from train_support import REPO, config_overrides, micro_config, prepare_shared_data, subprocess_env, suite_xla_flags
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.metrics import read_metrics
 from tieflax.train import train_and_evaluate

@@ -333,7 +333,7 @@ def test_compiled_flops_give_the_recompute_factor_where_xla_counts_the_whole_ste
     """On this machine's CPU, a step without loops or kernels (unscanned, dense loss, einsum attention):
     XLA's count is the model's plus what the model count leaves out (the einsum attention computes the
     whole T x T square, RoPE's permutation matmul, ...); with remat 'full' the forward runs again."""
-    from test_train_support import suite_xla_flags  # noqa: PLC0415
+    from train_support import suite_xla_flags  # noqa: PLC0415
 
     overrides = ["--config.train.loss_impl=dense", "--config.model.attention=xla", "--config.model.n_layers=2"]
     proc = subprocess.run([sys.executable, "-c", _RECOMPUTE_FACTORS, TINY, *overrides], capture_output=True,

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from test_train_support import suite_xla_flags
+from train_support import suite_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "launch", "tpu_pod.sh")
@@ -200,7 +200,7 @@ def test_readme_pod_examples_prepare_each_hosts_share_finalize_then_train_from_t
     the manifest; then the README's train example (`-- --config configs/models/llama3_8b.py ...
     --config.data.source=tokens --config.data.tokens.path=STORE`) runs as one 2-process job."""
     from tieflax.data import store as st
-    from test_train_support import free_port
+    from train_support import free_port
 
     corpus, store = _corpus(tmp_path), tmp_path / "stores" / "corpus"
     env = _fake(tmp_path, 2)
@@ -258,7 +258,7 @@ def test_readme_pod_example_compare_runs_detached_as_one_two_process_job_with_it
     corpus.mkdir()
     for i in range(8):
         (corpus / f"doc{i}.txt").write_text("\n".join(" ".join(rng.choice(WORDS, 10)) + "." for _ in range(8)))
-    from test_train_support import free_port
+    from train_support import free_port
 
     env = {**_fake(tmp_path, 2), "FAKE_COORDINATOR": f"localhost:{free_port()}",
            "XLA_FLAGS": suite_xla_flags(1)}  # a 2-device mesh, one per host

@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from test_train_support import REPO, micro_config
+from train_support import REPO, micro_config
 from tieflax.run import checkpoints as ckpt
 from tieflax.cli import main
 from tieflax.config import load_config

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from test_train_support import micro_config, prepare_shared_data
+from train_support import micro_config, prepare_shared_data
 from tieflax.cli import main
 from tieflax.run import identity, record, saved_config
 from tieflax.run.layout import CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE

@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from test_train_support import (REPO, config_overrides, free_port, micro_config, prepare_shared_data,
+from train_support import (REPO, config_overrides, free_port, micro_config, prepare_shared_data,
                                 subprocess_env)
 
 SCRIPT = os.path.join(REPO, "launch", "slurm_gpu.sbatch")

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from test_train_support import REPO, free_port, suite_xla_flags
+from train_support import REPO, free_port, suite_xla_flags
 
 # A constant learning rate (no warmup, no decay): the compiled step does not depend on num_steps, so the runs
 # that end by themselves after 30 steps use the programs the suite's cache holds for the others (a schedule

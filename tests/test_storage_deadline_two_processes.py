@@ -21,7 +21,7 @@ def _train(server, workdir: str, num_steps: int, processes: int = 2, *more: str)
     ``processes=1``, one process x 2 devices: the same mesh and program without the second process (whose
     compiled programs never come from JAX's persistent cache, which only process 0 writes); ``more``: further
     arguments of the command."""
-    from test_train_support import free_port, suite_xla_flags  # noqa: PLC0415
+    from train_support import free_port, suite_xla_flags  # noqa: PLC0415
 
     argv = [a if not a.startswith("--config.train.num_steps=") else f"--config.train.num_steps={num_steps}"
             for a in TRAIN]

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from test_train_support import REPO
+from train_support import REPO
 
 _PATCHED = os.path.join(REPO, "tests", "every_process_caches")
 

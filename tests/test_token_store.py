@@ -253,7 +253,7 @@ def test_bad_corpora_are_refused_in_one_line(tmp_path):
 
 def test_tiny_trained_from_a_gs_store_and_from_token_files_has_identical_losses(local_store, gcs, tmp_path):
     # the local store gives these batches too (test_store_batches_equal_the_same_tokens_as_a_token_file)
-    from test_train_support import micro_config
+    from train_support import micro_config
     from tieflax.data.token_files import write_token_file
     from tieflax.run.metrics import read_metrics
     from tieflax.train import train_and_evaluate
@@ -519,7 +519,7 @@ def test_a_full_disk_in_each_phase_of_prepare_is_one_line_naming_the_file(tmp_pa
     fix, leaves no truncated file behind, and the rerun on a disk with room finishes the store."""
     import pickle
 
-    from test_train_support import full_disk_at
+    from train_support import full_disk_at
     from tieflax.cli import main, one_line
     from tieflax.commands.prepare import FULL_DISK_FIX
     from tieflax.data import store_build

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_train_support import micro_config, prepare_shared_data, start_train
+from train_support import micro_config, prepare_shared_data, start_train
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.identity import load_workdir_config
 from tieflax.config import model_config
@@ -499,7 +499,7 @@ def test_a_full_disk_in_each_phase_of_train_is_one_line_naming_the_file(data_dir
     traceback; a half-written data cache is not left behind; the rerun with room trains."""
     import fnmatch
 
-    from test_train_support import REPO, config_overrides, full_disk_at
+    from train_support import REPO, config_overrides, full_disk_at
     from tieflax.cli import main
     from tieflax.commands.train import FULL_DISK_FIX
 

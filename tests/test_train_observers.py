@@ -21,7 +21,7 @@ import pytest
 
 from console_support import capture_console, foreign_problems
 from test_eval_harness import write_tasks
-from test_train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env, suite_xla_flags
+from train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env, suite_xla_flags
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.layout import METRICS_DIR
 from tieflax.run.metrics import read_metrics

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from test_train_support import REPO, config_overrides, micro_config
+from train_support import REPO, config_overrides, micro_config
 from test_bucket_run import data_dir  # noqa: F401 (the module's fixture: the prepared token store)
 from tieflax import storage
 from tieflax.cli import main

@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from test_train_support import REPO
+from train_support import REPO
 from tieflax import cli
 from tieflax.cli import main
 from tieflax.commands import flags
@@ -189,7 +189,7 @@ def test_sigterm_during_a_studys_set_up_is_one_line_and_leaves_no_lock(tmp_path,
     import subprocess
     import time
 
-    from test_train_support import subprocess_env
+    from train_support import subprocess_env
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

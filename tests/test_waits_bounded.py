@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from test_train_support import REPO, free_port, suite_xla_flags
+from train_support import REPO, free_port, suite_xla_flags
 
 DEADLINE_S = 20
 TRAIN = ["train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),

@@ -1,4 +1,4 @@
-"""Helpers shared by the training tests (no tests here): a micro config on a small offline corpus."""
+"""Helpers shared by the training tests (a helper module, not a test file): a micro config on a small offline corpus."""
 
 from __future__ import annotations
 
