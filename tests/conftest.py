@@ -157,6 +157,17 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
+def micro_data(tmp_path_factory):
+    """The micro corpus (``tests/train_support.py``'s ``micro_config``) prepared once per worker: its
+    tokenizer.json and token files, for every file that trains the micro model. Read it; never change it."""
+    from train_support import prepare_shared_data  # noqa: PLC0415
+
+    folder = str(tmp_path_factory.mktemp("micro_data"))
+    prepare_shared_data(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def gcs():
     """A Cloud Storage protocol server on 127.0.0.1 for the session (``tests/object_store.py``); the
     standard variables point gcsfs, google-cloud-storage and tensorstore at it, here and in

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from train_support import config_overrides, micro_config, prepare_shared_data, subprocess_env
+from train_support import config_overrides, micro_config, subprocess_env
 from test_user_errors import COMPARE, SCALING, TINY, _one_line
 from tieflax import cli, storage
 from tieflax.hardware import gpu_flags
@@ -120,14 +120,6 @@ def test_a_bad_gpu_flags_choice_adds_nothing_at_import_and_is_refused_at_a_comma
     monkeypatch.setenv(gpu_flags.ENV, "bogus")
     with pytest.raises(cli.BadSetting, match="TIEFLAX_GPU_XLA_FLAGS='bogus' is not a choice"):
         cli.check_settings()
-
-
-@pytest.fixture(scope="module")
-def micro_data(tmp_path_factory):
-    """A micro run's tokenizer and data, ready: what stops the run is the setting, nothing else."""
-    data_dir = str(tmp_path_factory.mktemp("micro_data"))
-    prepare_shared_data(data_dir)
-    return data_dir
 
 
 @pytest.mark.parametrize("variable, value", BAD_SETTINGS)

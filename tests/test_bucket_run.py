@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from train_support import REPO, micro_config, prepare_shared_data, start_train
+from train_support import REPO, micro_config, start_train
 from tieflax.run import checkpoints as ckpt
 from tieflax import storage
 from tieflax import lease
@@ -27,15 +27,8 @@ from tieflax.train import train_and_evaluate
 N = 15
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("bucket_data"))
-    prepare_shared_data(d)
-    return d
-
-
-def _config(data_dir):
-    c = micro_config(data_dir, num_steps=N)
+def _config(micro_data):
+    c = micro_config(micro_data, num_steps=N)
     c.train.log_every, c.train.checkpoint_every = 5, 5
     return c
 
@@ -47,8 +40,8 @@ def _committed_steps(workdir: str) -> list[int]:
                   if n.isdigit() and storage.is_file(storage.join(folder, n, "commit_success.txt")))
 
 
-def test_kill9_on_a_bucket_resumes_to_the_local_result(gcs, data_dir, tmp_path, capsys):
-    config = _config(data_dir)
+def test_kill9_on_a_bucket_resumes_to_the_local_result(gcs, micro_data, tmp_path, capsys):
+    config = _config(micro_data)
     local = train_and_evaluate(config, str(tmp_path / "local"))
 
     run = gcs.new_bucket() + "/runs/tiny"
@@ -137,9 +130,9 @@ def test_bad_remote_paths_are_refused_in_one_line_before_any_work(gcs, tmp_path,
     assert os.listdir(tmp_path) == []  # no folder named gs:, no cache
 
 
-def test_two_runs_cannot_both_claim_a_prefix(gcs, data_dir):
+def test_two_runs_cannot_both_claim_a_prefix(gcs, micro_data):
     run = gcs.new_bucket() + "/run"
-    config = _config(data_dir)
+    config = _config(micro_data)
     assert ckpt.save_config(run, config, claim=True)
     storage.delete(storage.join(run, "config.json"))
     # The claim is create-only: a config.json written between the check and the write is not overwritten.

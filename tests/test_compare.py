@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from console_support import capture_console, foreign_problems
+from task_support import write_word_corpus
 from train_support import plots_not_rendered
 from tieflax import cli
 from tieflax.study import compare as study
@@ -21,9 +22,6 @@ from tieflax.model import ModelConfig
 from tieflax.run.layout import WorkdirError
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
-WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou thy "
-         "was god which my me said but ye their have will thee from as are when this out were upon man by "
-         "you israel king son up there hath then people came had house into her").split()
 PLOTS = ("loss_curves", "loss_differences", "norm_vs_frequency", "movement_by_bin", "anisotropy",
          "gradient_interference", "updated_by_bin", "input_path_ratio", "lens_by_layer", "rare_token_gains",
          "gains_through_training")
@@ -85,10 +83,7 @@ def test_compare_config_errors_name_the_field():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    for i in range(12):
-        text = "\n".join(" ".join(rng.choice(WORDS, rng.integers(5, 15))) + "." for _ in range(8))
-        (root / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
+    write_word_corpus(root, np.random.default_rng(0))
     return root
 
 

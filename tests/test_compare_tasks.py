@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 pytest.importorskip("lm_eval", reason="the test extra (lm-eval) is not installed")
 
 from console_support import capture_console, foreign_problems  # noqa: E402
+from task_support import WORDS, write_task, write_word_corpus  # noqa: E402
 from train_support import plots_not_rendered  # noqa: E402
 from tieflax import cli  # noqa: E402
 from tieflax.analysis import stats as st  # noqa: E402
@@ -23,37 +24,15 @@ from tieflax.study.tasks import compare_tasks, tasks_section  # noqa: E402
 from tieflax.config import load_config  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
-WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou thy "
-         "was god which my me said but ye their have will thee from as are when this out were upon man by "
-         "you israel king son up there hath then people came had house into her").split()
-MC = """task: tf_cmp_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 def _write_task(folder, rng) -> str:
-    os.makedirs(folder, exist_ok=True)
-    data = os.path.join(folder, "mc.jsonl")
-    with open(data, "w") as f:
-        for _ in range(16):
-            words = list(rng.choice(WORDS, 6))
-            f.write(json.dumps({"question": " ".join(words[:4]), "answer": int(rng.integers(0, 3)),
-                                "choices": [" ".join(rng.choice(WORDS, 2)) for _ in range(3)]}) + "\n")
-    with open(os.path.join(folder, "tf_cmp_mc.yaml"), "w") as f:
-        f.write(MC.format(data=data))
-    return str(folder)
+    rows = []
+    for _ in range(16):
+        words = list(rng.choice(WORDS, 6))
+        rows.append({"question": " ".join(words[:4]), "answer": int(rng.integers(0, 3)),
+                     "choices": [" ".join(rng.choice(WORDS, 2)) for _ in range(3)]})
+    return write_task(folder, "tf_cmp_mc", rows, data_name="mc")
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +40,7 @@ def corpus(tmp_path_factory):
     """A small generated corpus and the local task: -> (corpus folder, task folder)."""
     root = tmp_path_factory.mktemp("corpus")
     rng = np.random.default_rng(0)
-    for i in range(12):
-        text = "\n".join(" ".join(rng.choice(WORDS, rng.integers(5, 15))) + "." for _ in range(8))
-        (root / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
+    write_word_corpus(root, rng)
     return root, _write_task(root / "tasks", rng)
 
 

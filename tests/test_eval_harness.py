@@ -27,6 +27,7 @@ pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate 
 
 import flax.linen as nn  # noqa: E402
 
+from task_support import TASKS, write_tasks  # noqa: E402
 from tieflax.run.identity import load_workdir_config  # noqa: E402
 from tieflax.run.checkpoints import save_initial_params  # noqa: E402
 from tieflax.cli import main  # noqa: E402
@@ -34,45 +35,7 @@ from tieflax.config import default_model_config, model_config  # noqa: E402
 from tieflax.eval.tasks import run_tasks, task_manager  # noqa: E402
 from tieflax.model import TransformerLM  # noqa: E402
 
-TASKS = ["tf_mc", "tf_gen", "tf_roll"]
 SEQ = 64
-VERSES = ["In the beginning God created the heaven and the earth.", "And the earth was without form, and void;",
-          "And God said, Let there be light: and there was light.", "And God saw the light, that it was good:",
-          "And God called the light Day, and the darkness he called Night."]
-YAML = {
-    "tf_mc": """output_type: multiple_choice
-doc_to_text: "{{question}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: "{{answer}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""",
-    "tf_gen": """output_type: generate_until
-doc_to_text: "{{prompt}}"
-doc_to_target: "{{target}}"
-generation_kwargs:
-  until: ["\\n", "."]
-  max_gen_toks: 12
-  do_sample: false
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-""",
-    "tf_roll": """output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{text}}"
-metric_list:
-  - metric: word_perplexity
-    aggregation: weighted_perplexity
-    higher_is_better: false
-  - metric: bits_per_byte
-    aggregation: bits_per_byte
-    higher_is_better: false
-""",
-}
 TRAIN = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=512", "--config.model.d_model=32",
          "--config.model.n_layers=2", "--config.model.d_ff=64", f"--config.model.max_seq_len={SEQ}",
          f"--config.train.seq_len={SEQ}", "--config.train.num_steps=20", "--config.train.global_batch_size=8",
@@ -87,27 +50,6 @@ def _torch_on_one_thread():
 
     with torch_one_thread():
         yield
-
-
-def write_tasks(folder) -> str:
-    """The three task YAMLs and their JSON-lines data files in ``folder``; -> the folder."""
-    os.makedirs(folder, exist_ok=True)
-    rows = {
-        "mc": [{"question": " ".join(v.split()[:-2]), "choices": [" ".join(v.split()[-2:]), "the fish", "of the sea",
-                                                                   "and Lord"], "answer": 0} for v in VERSES],
-        "gen": [{"prompt": " ".join(v.split()[:4]), "target": " " + " ".join(v.split()[4:6])} for v in VERSES],
-        # Long enough for several rolling windows of SEQ tokens.
-        "roll": [{"text": " ".join([v] * 6)} for v in VERSES[:3]],
-    }
-    for name, items in rows.items():
-        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(item) + "\n" for item in items)
-    for task, body in YAML.items():
-        data = os.path.join(folder, task[3:] + ".jsonl")
-        with open(os.path.join(folder, f"{task}.yaml"), "w") as f:
-            f.write(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-                    f"test_split: test\n{body}")
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from train_support import REPO, config_overrides, micro_config, prepare_shared_data, subprocess_env, suite_xla_flags
+from train_support import REPO, config_overrides, micro_config, subprocess_env, suite_xla_flags
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.metrics import read_metrics
 from tieflax.train import train_and_evaluate
@@ -25,17 +25,8 @@ from tieflax.train import train_and_evaluate
 LOSS_RTOL = 1e-5  # fp32 all-reduce order across processes vs within one
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """The micro corpus's tokenizer and token files, prepared once for the file's tests (each prepared its
-    own: the same files)."""
-    d = str(tmp_path_factory.mktemp("multiprocess_data"))
-    prepare_shared_data(d)
-    return d
-
-
-def _config(data_dir: str, num_steps: int, checkpoint_every: int = 2):
-    c = micro_config(data_dir, num_steps=num_steps)
+def _config(micro_data: str, num_steps: int, checkpoint_every: int = 2):
+    c = micro_config(micro_data, num_steps=num_steps)
     c.train.warmup_steps, c.train.min_lr_ratio = 0, 1.0
     c.train.log_every, c.train.checkpoint_every = 1, checkpoint_every
     return c
@@ -66,20 +57,20 @@ def _launch(workdir: str, config, logs: str, expect_failure: bool = False, args:
     return proc
 
 
-def test_two_processes_match_one_and_resume(tmp_path, gcs, data_dir):
+def test_two_processes_match_one_and_resume(tmp_path, gcs, micro_data):
     """The two-process run lives in a bucket (a gs:// workdir on the Cloud Storage test server), as on a
     pod: every process reads and writes it directly, process 0 holds the lease for both. A checkpoint every
     4 steps: the resume needs only step 4's, and each save in the bucket is the emulator's work too."""
     multi = gcs.new_bucket() + "/multi"
 
-    _launch(multi, _config(data_dir, 4, checkpoint_every=4), str(tmp_path))
+    _launch(multi, _config(micro_data, 4, checkpoint_every=4), str(tmp_path))
     assert ckpt.latest_step(multi) == 4
-    _launch(multi, _config(data_dir, 8, checkpoint_every=4), str(tmp_path),
+    _launch(multi, _config(micro_data, 8, checkpoint_every=4), str(tmp_path),
             args=("--allow-change", "train.num_steps"))  # from 4
     assert ckpt.latest_step(multi) == 8
 
     single = str(tmp_path / "single")
-    result = train_and_evaluate(_config(data_dir, 8), single)
+    result = train_and_evaluate(_config(micro_data, 8), single)
 
     got = {r["step"]: r["loss"] for r in read_metrics(multi, "train")}
     want = {r["step"]: r["loss"] for r in read_metrics(single, "train")}
@@ -99,12 +90,12 @@ def _keep_only_checkpoint(workdir: str, step: int) -> None:
     assert ckpt.latest_step(workdir) == step
 
 
-def test_checkpoints_of_two_processes_resume_on_one_and_back(tmp_path, capsys, data_dir):
+def test_checkpoints_of_two_processes_resume_on_one_and_back(tmp_path, capsys, micro_data):
     """Checkpoint 4 of 2 processes x 4 devices resumes on 1 process x 8 devices, whose checkpoint 6 then
     resumes on 2 processes again. The data iterator's state is saved one file per process; it counts
     global batches, so each resume reads exactly the batches of an uninterrupted run: every resumed
     step's loss matches the uninterrupted 2-process run's (itself matching one process, test above)."""
-    run, config = str(tmp_path / "run"), _config(data_dir, 8)
+    run, config = str(tmp_path / "run"), _config(micro_data, 8)
 
     _launch(run, config, str(tmp_path))                      # 2 processes, uninterrupted: checkpoints 4, 6, 8
     want = {r["step"]: r["loss"] for r in read_metrics(run, "train")}
@@ -129,7 +120,7 @@ def test_checkpoints_of_two_processes_resume_on_one_and_back(tmp_path, capsys, d
     np.testing.assert_allclose({r["step"]: r["loss"] for r in read_metrics(run, "val")}[8], want_val,
                                rtol=LOSS_RTOL)
 
-def test_a_save_failing_on_process_1_stops_both_by_the_next_save(tmp_path, monkeypatch, data_dir):
+def test_a_save_failing_on_process_1_stops_both_by_the_next_save(tmp_path, monkeypatch, micro_data):
     """Process 1 may not write its share of the step-4 checkpoint (a storage server that answers 403 to
     its objects, as Cloud Storage answers a role that cannot create them); process 0's share succeeds.
     Both processes must stop with the same one line, naming process 1 and the refused write, at the first
@@ -145,7 +136,7 @@ def test_a_save_failing_on_process_1_stops_both_by_the_next_save(tmp_path, monke
         monkeypatch.setenv(name, value)
     try:
         run = server.new_bucket() + "/run"
-        config = _config(data_dir, 8)
+        config = _config(micro_data, 8)
         proc = _launch(run, config, str(tmp_path), expect_failure=True)
         process_1 = open(os.path.join(tmp_path, "process_1.log")).read()
         assert proc.returncode != 0, proc.stdout

@@ -24,6 +24,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from task_support import write_task
 from tieflax import storage
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tieflax")
@@ -225,19 +226,6 @@ def modes(folder) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------- a tiny run, exported
-TASK = """task: tf_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +248,7 @@ def world(tmp_path_factory):
     tasks.mkdir()
     rows = [{"question": "In the beginning God created", "choices": [" the heaven", " the fish"], "answer": 0},
             {"question": "And God said, Let there be", "choices": [" light", " sea"], "answer": 0}]
-    (tasks / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tasks / "tf_mc.yaml").write_text(TASK.format(data=tasks / "mc.jsonl"))
+    write_task(tasks, "tf_mc", rows, data_name="mc")
     return {"root": root, "run": run, "export": export, "tasks": str(tasks)}
 
 

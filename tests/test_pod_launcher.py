@@ -249,7 +249,7 @@ def test_readme_pod_example_compare_runs_detached_as_one_two_process_job_with_it
     each host's log ends with its exit status and is copied to --logs (here a local folder)."""
     import json
 
-    from test_compare import WORDS
+    from task_support import WORDS
     from tieflax.study.report import REPORT, SUMMARY
     import numpy as np
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from train_support import micro_config, prepare_shared_data
+from train_support import micro_config
 from tieflax.cli import main
 from tieflax.run import identity, record, saved_config
 from tieflax.run.layout import CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE
@@ -19,15 +19,8 @@ from tieflax.train import train_and_evaluate
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("identity_data"))
-    prepare_shared_data(d)
-    return d
-
-
-def _config(data_dir, **train):
-    c = micro_config(data_dir, num_steps=STEPS)
+def _config(micro_data, **train):
+    c = micro_config(micro_data, num_steps=STEPS)
     c.train.log_every, c.train.checkpoint_every = 2, 2
     for k, v in train.items():
         c.train[k] = v
@@ -35,10 +28,10 @@ def _config(data_dir, **train):
 
 
 @pytest.fixture(scope="module")
-def finished(data_dir, tmp_path_factory):
+def finished(micro_data, tmp_path_factory):
     """A run trained to the end; each test copies it."""
     workdir = str(tmp_path_factory.mktemp("identity") / "run")
-    result = train_and_evaluate(_config(data_dir), workdir)
+    result = train_and_evaluate(_config(micro_data), workdir)
     assert result["step"] == STEPS
     return workdir
 
@@ -111,11 +104,11 @@ def test_memory_placement_and_cadence_are_free(finished, tmp_path, capsys):
     assert record.history(run) == []
 
 
-def test_data_that_changed_under_the_same_config_is_refused(data_dir, tmp_path, capsys):
+def test_data_that_changed_under_the_same_config_is_refused(micro_data, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"document {i}: " + " ".join(f"w{(i * j) % 97}" for j in range(60))
                                   for i in range(40)))
-    config = _config(data_dir)
+    config = _config(micro_data)
     config.data.source, config.data.files.paths, config.data.files.split_on = "files", [str(corpus)], "\n\n"
     config.data.python_stdlib.max_files = 0  # the files source does not read it
     run = str(tmp_path / "run")
@@ -234,12 +227,12 @@ def test_a_deleted_history_folder_or_config_without_history_is_refused(finished,
         saved_config.load_workdir_config(plain)
 
 
-def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(data_dir, finished, tmp_path, capsys):
+def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(micro_data, finished, tmp_path, capsys):
     """It used to resume with whatever the command line said and write a new config.json claiming those
     as the run's starting settings, with a history entry of no change."""
     run = _copy(finished, tmp_path / "run")
     os.remove(os.path.join(run, CONFIG_FILE))
-    config = _config(data_dir, learning_rate=0.05)
+    config = _config(micro_data, learning_rate=0.05)
     with pytest.raises(record.RecordBroken, match="config.json is missing, yet the run has trained"):
         train_and_evaluate(config, run)
     assert not os.path.exists(os.path.join(run, CONFIG_FILE))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train_support import micro_config, prepare_shared_data, start_train
+from train_support import micro_config, start_train
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.identity import load_workdir_config
 from tieflax.config import model_config
@@ -28,23 +28,16 @@ from tieflax.train import TrainingError, evaluate_run, train_and_evaluate
 N = 20  # steps of the reference run; the interrupted run must reproduce its final parameters
 
 
-@pytest.fixture(scope="session")
-def data_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("train_data"))
-    prepare_shared_data(d)
-    return d
-
-
 @pytest.fixture(scope="module")
-def tied_run(data_dir, tmp_path_factory):
+def tied_run(micro_data, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("tied") / "run")
-    return workdir, train_and_evaluate(micro_config(data_dir, tied=True, num_steps=N), workdir)
+    return workdir, train_and_evaluate(micro_config(micro_data, tied=True, num_steps=N), workdir)
 
 
 @pytest.fixture(scope="module")
-def untied_run(data_dir, tmp_path_factory):
+def untied_run(micro_data, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("untied") / "run")
-    config = micro_config(data_dir, tied=False, num_steps=N)
+    config = micro_config(micro_data, tied=False, num_steps=N)
     config.train.analyze_every = 10  # the embedding diagnostics hook (tieflax.analysis)
     return workdir, train_and_evaluate(config, workdir)
 
@@ -84,9 +77,9 @@ def test_untied_has_exactly_v_times_d_more_parameters(tied_run, untied_run):
     assert untied_run[1]["params"]["total"] - tied_run[1]["params"]["total"] == 512 * 32
 
 
-def test_tied_gradient_is_the_sum_of_the_untied_views_gradients(data_dir):
+def test_tied_gradient_is_the_sum_of_the_untied_views_gradients(micro_data):
     """The train step differentiates a tied model as an untied one with the matrix twice: exact."""
-    mc = model_config(micro_config(data_dir, tied=True))
+    mc = model_config(micro_config(micro_data, tied=True))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 512)
     targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-1)
     params = jax.tree.map(lambda x: getattr(x, "value", x),
@@ -127,8 +120,8 @@ def _wait_for_checkpoint(workdir: str, proc, above: int, timeout: float = 1200.0
     raise AssertionError(f"no checkpoint above step {above} within {timeout}s")
 
 
-def test_sigterm_saves_and_exits_0_then_kill9_and_resume_is_exact(tied_run, data_dir, tmp_path):
-    config = micro_config(data_dir, tied=True, num_steps=N)
+def test_sigterm_saves_and_exits_0_then_kill9_and_resume_is_exact(tied_run, micro_data, tmp_path):
+    config = micro_config(micro_data, tied=True, num_steps=N)
     workdir = str(tmp_path / "run")
 
     # SIGTERM: the step finishes, a checkpoint is written at that step, exit code 0.
@@ -167,11 +160,11 @@ def test_sigterm_saves_and_exits_0_then_kill9_and_resume_is_exact(tied_run, data
     assert "tieflax: resuming from step" in open(str(tmp_path / "run.log")).read()
 
 
-def test_ctrl_c_saves_a_checkpoint_exits_130_and_the_rerun_resumes_there(tied_run, data_dir, tmp_path, capsys):
+def test_ctrl_c_saves_a_checkpoint_exits_130_and_the_rerun_resumes_there(tied_run, micro_data, tmp_path, capsys):
     """Ctrl-C exited 130 saying "finished work is kept" and wrote no checkpoint: the steps since the last
     one were lost. Now the first SIGINT is SIGTERM's twin: the step finishes, a checkpoint is saved at
     it, exit 130 saying so; the rerun resumes from that step and ends where the uninterrupted run does."""
-    config = micro_config(data_dir, tied=True, num_steps=N)
+    config = micro_config(micro_data, tied=True, num_steps=N)
     workdir = str(tmp_path / "run")
     proc = start_train(workdir, config)
     _wait_for_checkpoint(workdir, proc, above=0)
@@ -239,7 +232,7 @@ def test_restore_onto_another_mesh_gives_the_same_loss(tied_run, capsys):
     assert other["loss"] == pytest.approx(same["loss"], rel=1e-5)
 
 
-def test_load_latest_params_and_initial_params_contract(tied_run, data_dir, tmp_path):
+def test_load_latest_params_and_initial_params_contract(tied_run, micro_data, tmp_path):
     """save_initial_params -> a fresh run starts from those parameters (checked after 0 updates)."""
     config, params, step = ckpt.load_latest_params(tied_run[0])
     assert step == N and isinstance(params["embed"]["embedding"], np.ndarray)
@@ -253,12 +246,12 @@ def test_load_latest_params_and_initial_params_contract(tied_run, data_dir, tmp_
 
 # ---------------------------------------------------------------------------------------------- guards
 
-def test_config_that_does_not_fit_the_mesh_fails_before_compiling(data_dir, tmp_path):
-    config = micro_config(data_dir)
+def test_config_that_does_not_fit_the_mesh_fails_before_compiling(micro_data, tmp_path):
+    config = micro_config(micro_data)
     config.train.global_batch_size = 12  # 8 batch shards
     with pytest.raises(ConfigError, match=r"config\.train\.global_batch_size"):
         train_and_evaluate(config, str(tmp_path / "a"))
-    config = micro_config(data_dir)
+    config = micro_config(micro_data)
     config.mesh.data, config.mesh.tensor = 1, 8
     config.model.vocab_size, config.model.vocab_pad_multiple = 500, 100  # V_pad 500 over 8 shards
     with pytest.raises(ConfigError, match=r"config\.model\.vocab_pad_multiple"):
@@ -266,8 +259,8 @@ def test_config_that_does_not_fit_the_mesh_fails_before_compiling(data_dir, tmp_
     assert not os.path.exists(str(tmp_path / "a" / "checkpoints"))
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
-    config = micro_config(data_dir, num_steps=12)
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(micro_data, tmp_path):
+    config = micro_config(micro_data, num_steps=12)
     config.train.learning_rate, config.train.warmup_steps = 1e12, 2  # the parameters explode by step 3
     config.train.log_every = config.train.checkpoint_every = 1
     config.train.grad_clip_norm = 0.0
@@ -285,7 +278,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
 # -------------------------------------------------------------------------------- the step, directly
 
 @pytest.fixture(scope="module")
-def steps_4x2(data_dir):
+def steps_4x2(micro_data):
     """Compiled train steps on a data=4 x tensor=2 mesh, for grad_accum_steps 1 and 2 (compiled once)."""
     import flax.linen as nn
 
@@ -294,7 +287,7 @@ def steps_4x2(data_dir):
 
     out = {}
     for accum in (1, 2):
-        config = micro_config(data_dir)
+        config = micro_config(micro_data)
         config.train.grad_accum_steps = accum
         config.train.warmup_steps = 0  # a non-zero first update, so parameters can be compared
         config.mesh.data, config.mesh.tensor = 4, 2  # micro-batches of 8 rows over 4 batch shards
@@ -473,12 +466,12 @@ def test_val_loss_of_a_damaged_checkpoint_names_the_step(tied_run, tmp_path, cap
 
 # ------------------------------------------------------------------------------------- scanned layers
 
-def test_scanned_run_converts_to_per_layer_with_the_same_loss(data_dir, tmp_path):
+def test_scanned_run_converts_to_per_layer_with_the_same_loss(micro_data, tmp_path):
     """scan_layers=True trains and checkpoints stacked parameters; `convert --unscan-layers` gives a
     per-layer workdir that evaluates to the same loss, and `--scan-layers` stacks it back exactly."""
     from tieflax.cli import main
 
-    config = micro_config(data_dir, num_steps=3)
+    config = micro_config(micro_data, num_steps=3)
     config.model.n_layers, config.model.scan_layers, config.model.remat = 2, True, "full"
     workdir = str(tmp_path / "scanned")
     result = train_and_evaluate(config, workdir)
@@ -493,7 +486,7 @@ def test_scanned_run_converts_to_per_layer_with_the_same_loss(data_dir, tmp_path
     chex.assert_trees_all_equal(ckpt.load_latest_params(str(tmp_path / "again"))[1], params)
 
 
-def test_a_full_disk_in_each_phase_of_train_is_one_line_naming_the_file(data_dir, tmp_path, capsys, monkeypatch):
+def test_a_full_disk_in_each_phase_of_train_is_one_line_naming_the_file(micro_data, tmp_path, capsys, monkeypatch):
     """The tokenizer, the data cache, the run's record and its metrics (checkpoints: `recovered` above),
     each on a full disk (the kernel's ENOSPC through /dev/full): one line naming the file and the fix, no
     traceback; a half-written data cache is not left behind; the rerun with room trains."""
@@ -505,7 +498,7 @@ def test_a_full_disk_in_each_phase_of_train_is_one_line_naming_the_file(data_dir
 
     # N steps, as the tied run: the same compiled programs (num_steps is a constant of the learning rate's
     # schedule, so 2 steps compiled a train step of their own), served from the suite's compilation cache.
-    config = micro_config(data_dir, num_steps=N)
+    config = micro_config(micro_data, num_steps=N)
     config.data.tokenizer.path = ""                     # trained and saved in the workdir
     config.data.cache_dir = str(tmp_path / "cache")     # built here
     config.train.update(log_every=1, checkpoint_every=100)

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from console_support import capture_console, foreign_problems
-from test_eval_harness import write_tasks
+from task_support import TASKS as EVAL_TASKS, write_tasks   # log-likelihood, generation, rolling
 from train_support import REPO, micro_config, prepare_shared_data, start_train, subprocess_env, suite_xla_flags
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.layout import METRICS_DIR
@@ -28,7 +28,6 @@ from tieflax.run.metrics import read_metrics
 from tieflax.run.trackers import FLUSH_SECONDS
 
 N = 20
-EVAL_TASKS = ["tf_mc", "tf_gen", "tf_roll"]   # log-likelihood, generation, rolling log-likelihood
 pytest.importorskip("wandb")
 pytest.importorskip("lm_eval")
 
