@@ -71,6 +71,8 @@ def test_an_override_with_a_space_before_its_value_gets_the_commands_usage(capsy
     (dict(dtype="float8"), "dtype"),
     (dict(logit_scale=0.0), "logit_scale"),
     (dict(final_logit_softcap=-1.0), "final_logit_softcap"),
+    (dict(scan_layers=1), "scan_layers"),         # a switch takes True or False, not 1
+    (dict(d_model=64.5), "d_model"),              # a size is a whole number
 ])
 def test_validation_names_the_field(fields, field):
     with pytest.raises(ConfigError, match=rf"config\.model\.{field}"):

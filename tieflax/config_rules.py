@@ -4,13 +4,14 @@ Each section of the experiment config states its rules as two tables beside its 
 
     RANGES   {field: Range(lo, hi, lo_ok, hi_ok, why)}   a number in [lo, hi] ('(' or ')' where an end is
                                                           not allowed itself); an integer field when lo is
-    CHOICES  {field: (value, ...)}                        one of these values
+    CHOICES  {field: (value, ...)}                        one of these values (and of its type)
 
 ``train_config`` (``config.train``), ``data.config`` (``config.data``, whose fields may be dotted:
-``tokenizer.vocab_size``) and ``config`` (the root's ``seed``) keep theirs; ``check_section`` refuses the
-first value out of its rule in one line naming ``config.<section>.<field>``, the rule, why it has one and
-the override that fixes it. What a table cannot say (a tuple of names, fields that must fit together) is a
-short function beside the tables that raises the same ConfigError.
+``tokenizer.vocab_size``), ``model.config`` (``config.model``) and ``config`` (the root's ``seed``) keep
+theirs; ``check_section`` refuses the first value out of its rule in one line naming
+``config.<section>.<field>``, the rule, why it has one and the override that fixes it. What a table cannot
+say (a tuple of names, fields that must fit together) is a short function beside the tables that raises
+the same ConfigError.
 """
 
 from __future__ import annotations
@@ -67,5 +68,6 @@ def check_section(section: str, c: Any, ranges: Mapping[str, Range] | None = Non
                         f"set --{name} to a value in that range.")
     for field, allowed in (choices or {}).items():
         present, value = _value(c, field)
-        if present and value not in allowed:
+        # Of the same type too: 1 == True, but a switch given 1 is a mistake to name, not True.
+        if present and not any(value == a and type(value) is type(a) for a in allowed):
             raise error(f"{section}.{field} = {value!r} is not one of {allowed}.")

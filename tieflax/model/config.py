@@ -14,6 +14,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from tieflax.config_rules import Range, check_section
 from tieflax.errors import ConfigError
 
 FAMILIES = ("gpt2", "llama", "mistral", "gemma", "gemma2", "qwen2")
@@ -149,41 +150,55 @@ def remat_name(value: Any) -> Any:
     return value
 
 
+# The fields' rules as tables, checked by ``tieflax.config_rules.check_section`` as every section's are
+# (``config.train``, ``config.data``); what a table cannot say, the fields that must fit together, is
+# ``_fits_together`` below.
+_POSITIVE = "a positive size or count"
+RANGES = {
+    **{name: Range(1, why=_POSITIVE) for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
+                                                  "max_seq_len", "vocab_pad_multiple", "rope_original_max_len",
+                                                  "sliding_window_every")},
+    "n_kv_heads": Range(0, why="0 means n_heads"),
+    "head_dim": Range(0, why="0 means d_model // n_heads"),
+    "sliding_window": Range(0, why="0 means full causal attention"),
+    "embed_dim": Range(0, why="0 means embeddings of width d_model"),
+    "mlp_chunk": Range(0, why="tokens the MLP takes at a time; 0 means the whole sequence at once"),
+    **{name: Range(0.0, why="0 means off") for name in ("attn_softcap", "final_logit_softcap",
+                                                        "query_pre_attn_scalar", "rope_scaling_factor",
+                                                        "head_init_std")},
+    "norm_eps": Range(0.0, lo_ok=False, why="the norm's epsilon"),
+    "logit_scale": Range(0.0, lo_ok=False, why="multiplies the logits"),
+    "embed_init_std": Range(0.0, lo_ok=False, why="the embedding's initial standard deviation"),
+}
+CHOICES = {
+    "family": FAMILIES, "norm": NORMS, "mlp": MLPS, "position": POSITIONS, "head_init": HEAD_INITS,
+    "dtype": DTYPES, "param_dtype": DTYPES, "attention": ATTENTIONS,
+    "remat": REMAT_POLICIES,   # True and False read as 'full' and 'none' before this (remat_name)
+    "scan_layers": (True, False), "offload_layer_inputs": (True, False),
+}
+
+
 def _check(ok: bool, field: str, message: str):
     if not ok:
         raise ConfigError(f"config.model.{field}: {message}")
 
 
 def _validate(c: ModelConfig):
-    _check(c.family in FAMILIES, "family", f"unknown family {c.family!r}; choose one of {FAMILIES}")
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len",
-                 "vocab_pad_multiple", "rope_original_max_len", "sliding_window_every"):
-        _check(getattr(c, name) > 0, name, f"must be a positive integer, got {getattr(c, name)}")
-    for name in ("n_kv_heads", "head_dim", "sliding_window"):
-        _check(getattr(c, name) >= 0, name, f"must be >= 0 (0 means derive/off), got {getattr(c, name)}")
+    check_section("config.model", {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, RANGES, CHOICES)
+    _fits_together(c)
+
+
+def _fits_together(c: ModelConfig):
+    """The rules over several fields, each refused in one line naming the field to change."""
     if not c.head_dim:
         _check(c.d_model % c.n_heads == 0, "n_heads",
                f"n_heads={c.n_heads} does not divide d_model={c.d_model}; change one, or set head_dim")
     _check(c.n_heads % c.kv_heads == 0, "n_kv_heads",
            f"n_kv_heads={c.kv_heads} must divide n_heads={c.n_heads}")
-    _check(c.norm in NORMS, "norm", f"unknown norm {c.norm!r}; choose one of {NORMS}")
-    _check(c.mlp in MLPS, "mlp", f"unknown mlp {c.mlp!r}; choose one of {MLPS}")
-    _check(c.position in POSITIONS, "position", f"unknown position {c.position!r}; choose {POSITIONS}")
     _check(c.position == "rope" or not c.rope_scaling_factor, "rope_scaling_factor",
            "rope scaling needs position='rope'")
     _check(c.dim_per_head % 2 == 0 or c.position != "rope", "head_dim",
            f"RoPE needs an even head dimension, got {c.dim_per_head}")
-    _check(c.norm_eps > 0, "norm_eps", f"must be > 0, got {c.norm_eps}")
-    for name in ("attn_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_scaling_factor",
-                 "head_init_std"):
-        _check(getattr(c, name) >= 0, name, f"must be >= 0 (0 means off), got {getattr(c, name)}")
-    _check(c.logit_scale > 0, "logit_scale", f"must be > 0, got {c.logit_scale}")
-    _check(c.embed_dim >= 0, "embed_dim", f"must be >= 0 (0 = embeddings of width d_model), got {c.embed_dim}")
-    _check(c.embed_init_std > 0, "embed_init_std", f"must be > 0, got {c.embed_init_std}")
-    _check(c.head_init in HEAD_INITS, "head_init", f"unknown {c.head_init!r}; choose {HEAD_INITS}")
-    _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose {DTYPES}")
-    _check(c.param_dtype in DTYPES, "param_dtype", f"unknown dtype {c.param_dtype!r}; choose {DTYPES}")
-    _check(c.attention in ATTENTIONS, "attention", f"unknown {c.attention!r}; choose one of {ATTENTIONS}")
     if c.attention == "cudnn":
         from tieflax.ops.cudnn_attention import unsupported_reason  # noqa: PLC0415 (imports jax)
 
@@ -192,15 +207,9 @@ def _validate(c: ModelConfig):
             field, why = reason
             raise ConfigError(f"config.model.attention: 'cudnn' cannot run this model: {why} "
                               f"(config.model.{field}); use 'auto' (picks cuDNN where it can) or 'xla'")
-    _check(c.remat in REMAT_POLICIES, "remat",
-           f"unknown policy {c.remat!r}; choose one of {REMAT_POLICIES} (True means 'full', False 'none')")
-    _check(isinstance(c.scan_layers, bool), "scan_layers", f"must be True or False, got {c.scan_layers!r}")
-    _check(isinstance(c.offload_layer_inputs, bool), "offload_layer_inputs",
-           f"must be True or False, got {c.offload_layer_inputs!r}")
     _check(not c.offload_layer_inputs or c.remat != "none", "offload_layer_inputs",
            "offloads what the backward pass saves of each block, so it needs rematerialisation: set "
            "config.model.remat (e.g. 'full') or drop offload_layer_inputs")
-    _check(c.mlp_chunk >= 0, "mlp_chunk", f"must be >= 0 (0 = the whole sequence at once), got {c.mlp_chunk}")
     if c.scan_layers:
         _check(c.n_layers % c.layers_per_scan_step == 0, "n_layers",
                f"{c.n_layers} layers cannot be scanned in steps of {c.layers_per_scan_step} (the local/global "
