@@ -1,4 +1,7 @@
 """Experiment configuration: loading ``get_config()`` files and applying ``--config.a.b=value`` overrides.
+One concern, the experiment config, in three modules named alike: this one (the whole config, its
+loading and overrides), ``tieflax.data.config`` (``config.data``) and ``tieflax.model.config``
+(``config.model``), each section beside the code that reads it.
 
 A config file is Python with a ``get_config(arg=None)`` that returns an ``ml_collections.ConfigDict``
 built on ``default_config()``, where every default lives. ``arg`` (``--config path.py:ARG``) lets a

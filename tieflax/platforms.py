@@ -24,7 +24,7 @@ import os
 import sys
 
 
-def _hardware_utils():
+def jax_hardware_probe():
     """``jax._src.hardware_utils`` (the probe JAX itself runs; it imports only the standard library), read
     from its file when JAX is not imported yet: importing the package costs a second or more, and this
     runs on every ``import tieflax``."""
@@ -44,7 +44,7 @@ def _hardware_utils():
 
 
 def _accelerator_present() -> bool:
-    hardware_utils = _hardware_utils()
+    hardware_utils = jax_hardware_probe()
     if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
         return True
     if hardware_utils.has_visible_nvidia_gpu():

@@ -1,4 +1,6 @@
 """Pure measures for the 2026 claims the study answers (``tieflax compare``'s "From the literature" table).
+One concern's two sides: the measures here (arrays in, numbers out); their table, intervals and verdicts in
+``tieflax.study.literature``.
 
 - **Unembedding bias** (Lopardo et al., arXiv 2603.26663): how alike a tied matrix is to an untied
   model's input embedding and to its head: linear CKA over the vocabulary rows

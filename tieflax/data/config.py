@@ -1,7 +1,8 @@
 """Every default of the data pipeline, in one place, and the checks that run before any work.
 
-The experiment config holds this as ``config.data``. Sequence length, batch size and the shuffle seed
-belong to the training config and are passed to :func:`tieflax.data.make_loader` directly.
+The experiment config holds this as ``config.data`` (one section of the experiment config, whose loading
+is ``tieflax.config``; the model's section is ``tieflax.model.config``). Sequence length, batch size and
+the shuffle seed belong to the training config and are passed to :func:`tieflax.data.make_loader` directly.
 """
 
 from __future__ import annotations

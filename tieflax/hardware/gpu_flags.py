@@ -133,9 +133,9 @@ def jax_uses_a_gpu(environ=os.environ) -> bool:
     if environ.get("CUDA_VISIBLE_DEVICES", "").strip() in ("-1",):
         return False
     try:
-        from tieflax.platforms import _hardware_utils  # noqa: PLC0415 (only when the flags are asked for)
+        from tieflax.platforms import jax_hardware_probe  # noqa: PLC0415 (only when the flags are asked for)
 
-        return bool(_hardware_utils().has_visible_nvidia_gpu())
+        return bool(jax_hardware_probe().has_visible_nvidia_gpu())
     except Exception:  # noqa: BLE001 (no jax, or a probe that cannot read /dev: not a GPU run we can see)
         return False
 

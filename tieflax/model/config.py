@@ -4,8 +4,10 @@ Every field is an explicit switch. ``family`` is a label that validation checks 
 changes behaviour behind the user's back, so a config file states every knob its family needs. The
 tie switch is ``tie_embeddings`` and nothing else reads it except the LM head and parameter accounting.
 
-Configs are written as ``ml_collections.ConfigDict`` (see ``configs/models/``); ``ModelConfig.from_dict``
-turns ``config.model`` into this hashable dataclass, validating every field with an error that names it.
+One section of the experiment config (loaded by ``tieflax.config``; the data's section is
+``tieflax.data.config``). Configs are written as ``ml_collections.ConfigDict`` (see ``configs/models/``);
+``ModelConfig.from_dict`` turns ``config.model`` into this hashable dataclass, validating every field with
+an error that names it.
 """
 
 from __future__ import annotations

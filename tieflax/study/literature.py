@@ -1,4 +1,6 @@
 """The study's answer to this year's papers: the "From the literature" table at the top of the report.
+One concern's two sides: the table, intervals and verdicts here; the measures they are drawn from in
+``tieflax.analysis.literature``.
 
 Each row is a claim, its source (arXiv id), the paired measure it is judged on, the value with its 95%
 interval and a verdict drawn from the interval alone:

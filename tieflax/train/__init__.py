@@ -23,7 +23,7 @@ from tieflax.train.loop import train_and_evaluate, train_run
 from tieflax.train.step import (BATCH_KEYS, Setup, TrainingError, build, check_fits_mesh, loss_options,
                                 make_eval_step, make_train_step, setup_mesh)
 from tieflax.train.stop import ProcessesStopped
-from tieflax.train.validation import evaluate_run, final_interval_loss, perplexity, run_eval
+from tieflax.train.val_loss import evaluate_run, final_interval_loss, perplexity, run_eval
 
 evaluate = evaluate_run  # the name before train/ (a run's validation loss; lm-eval is tieflax.eval)
 

@@ -30,7 +30,7 @@ from tieflax.run.console import device_memory
 from tieflax.run.run import Run
 from tieflax.train.step import TrainingError
 from tieflax.train.stop import agree_on_saves, agree_on_start, raise_if_any_failed, settle_saves
-from tieflax.train.validation import perplexity
+from tieflax.train.val_loss import perplexity
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from tieflax.run.run import Run
 from tieflax.train.hooks import At, Checkpoints, Evaluation, Hooks, IntervalLog, make_hooks
 from tieflax.train.step import build, make_eval_step, make_train_step, setup_mesh
 from tieflax.train.stop import StopSignal, settle_saves, stop_everywhere
-from tieflax.train.validation import final_interval_loss, perplexity, run_eval
+from tieflax.train.val_loss import final_interval_loss, perplexity, run_eval
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,

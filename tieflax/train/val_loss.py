@@ -1,5 +1,6 @@
-"""Validation: the mean cross-entropy of a run's parameters on the validation split (``run_eval``), of a
-run's latest checkpoint (``evaluate_run``), and the final interval's training loss across restarts."""
+"""The validation loss (what ``tieflax val-loss`` prints; "validate" elsewhere means checking a config):
+the mean cross-entropy of a run's parameters on the validation split (``run_eval``), of a run's latest
+checkpoint (``evaluate_run``), and the final interval's training loss across restarts."""
 
 from __future__ import annotations
 
