@@ -372,7 +372,7 @@ def test_sweep_picks_rates_finds_a_planted_crossover_and_resumes(tmp_path, monke
 def test_embedding_sgd_ablation_steps_embeddings_by_their_gradient():
     import jax.numpy as jnp
 
-    from tieflax.optim import make_optimizer
+    from tieflax.train.optim import make_optimizer
     from tieflax.train_config import default_train_config
 
     c = default_train_config()

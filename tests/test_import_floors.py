@@ -23,7 +23,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tieflax"
 # on its live parameters (config.train.eval_tasks), and eval/ never needed train.
 FLOORS = [
     {"errors"},
-    {"storage", "platforms", "strict_json", "sharding", "optim", "config_rules"},
+    {"storage", "platforms", "strict_json", "sharding", "config_rules"},
     {"lease", "distributed", "ops/"},   # distributed reads its deadline setting through storage
     {"data/", "model/"},
     {"train_config", "analysis/", "hardware/"},

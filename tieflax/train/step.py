@@ -24,7 +24,7 @@ from tieflax.config import model_config
 from tieflax.errors import ConfigError, UserError
 from tieflax.model import ModelConfig, TransformerLM
 from tieflax.model.tie import fold_tied_gradient, gradient_twin, untied_view
-from tieflax.optim import make_optimizer
+from tieflax.train.optim import make_optimizer
 from tieflax.train_config import train_value
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
