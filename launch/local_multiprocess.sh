@@ -9,7 +9,7 @@
 #
 # Every process runs the same command; process i gets TIEFLAX_PROCESS_ID=i, all share
 # TIEFLAX_COORDINATOR=localhost:PORT (a free port; set TIEFLAX_PORT to choose it) and
-# TIEFLAX_NUM_PROCESSES, which `tieflax train` hands to jax.distributed.initialize (tieflax/distributed.py).
+# TIEFLAX_NUM_PROCESSES, which `tieflax train` hands to jax.distributed.initialize (tieflax/hardware/distributed.py).
 # Logs: process 0 prints to this terminal; the others to $WORKDIR_LOGS/process_<i>.log (default /tmp).
 # Exit status: the first non-zero exit status of any process, else 0. Ctrl-C / SIGTERM is forwarded to
 # every process (training saves a checkpoint and exits 0).

@@ -17,7 +17,7 @@ WORKER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     import numpy as np
-    from tieflax import distributed
+    from tieflax.hardware import distributed
     distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), cpu=True)
     import jax
     from jax.experimental import multihost_utils

@@ -273,7 +273,7 @@ def test_two_processes_sample_as_one_does_and_process_0_alone_prints(watched, tm
     other = open(tmp_path / "process_1.log").read() if (tmp_path / "process_1.log").exists() else ""
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n--- process 1 ---\n{other[-3000:]}"
     # stdout holds the command's lines alone: gloo's "[Gloo] Rank ..." lines, which its threads print cut
-    # into each other, go to stderr (tieflax.distributed)
+    # into each other, go to stderr (tieflax.hardware.distributed)
     assert proc.stdout.splitlines() == want.splitlines(), (proc.stdout, want)
     assert want.strip() not in other, other[-3000:]
 

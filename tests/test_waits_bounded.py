@@ -2,7 +2,7 @@
 
 * each process imports tieflax from its own copy of the code (as each host of a pod does, under its own
   home): the job finishes (on jax 0.12 it hung in its first cross-process collective, before
-  ``tieflax.distributed`` took the source paths out of the compiled programs);
+  ``tieflax.hardware.distributed`` took the source paths out of the compiled programs);
 * one process frozen inside the stop check: every process ends within ``TIEFLAX_COLLECTIVE_DEADLINE_S``
   with the same one line naming the step;
 * one process stopped (SIGSTOP) before a stop check: the other says it waits (at half the deadline), answers a

@@ -4,8 +4,8 @@ __version__ = "0.1.0"
 
 # On a machine without a TPU or GPU, keep JAX from starting libtpu (whose C++ start-up prints "Failed to
 # find host bounds" and INVALID_ARGUMENT lines no Python code can filter): JAX_PLATFORMS=cpu unless the user
-# chose a platform. Cheap: JAX is not imported here (tieflax/platforms.py).
-from tieflax.platforms import skip_absent_tpu as _skip_absent_tpu
+# chose a platform. Cheap: JAX is not imported here (tieflax/hardware/platforms.py).
+from tieflax.hardware.platforms import skip_absent_tpu as _skip_absent_tpu
 
 _skip_absent_tpu()
 

@@ -59,7 +59,7 @@ DEFAULT_DEADLINE_S = 180.0
 # name as tieflax.run.checkpoints.SAVE_DEADLINE_ENV, which reads it through checkpoint_deadline_seconds.
 CHECKPOINT_DEADLINE_ENV = "TIEFLAX_CHECKPOINT_DEADLINE_S"
 DEFAULT_CHECKPOINT_DEADLINE_S = 1800.0
-# How long a process of a multi-process job waits for the others at one point (tieflax.distributed), read
+# How long a process of a multi-process job waits for the others at one point (tieflax.hardware.distributed), read
 # here beside the other deadlines so that the console checks all three at a command's start without
 # importing JAX (a bad argument or setting is refused in a fraction of a second).
 COLLECTIVE_DEADLINE_ENV = "TIEFLAX_COLLECTIVE_DEADLINE_S"
@@ -587,7 +587,7 @@ def checkpoint_deadline_seconds() -> float:
 
 def collective_deadline_seconds() -> float:
     """How long a process waits for the others at one point: ``TIEFLAX_COLLECTIVE_DEADLINE_S``, else 900
-    (``tieflax.distributed.waiting_for_others`` applies it)."""
+    (``tieflax.hardware.distributed.waiting_for_others`` applies it)."""
     return seconds_setting(COLLECTIVE_DEADLINE_ENV, DEFAULT_COLLECTIVE_DEADLINE_S,
                            "how long a process may wait for the others at one step")
 

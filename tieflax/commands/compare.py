@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         path = write_report(load_summary(args.workdir), args.workdir)
     else:
-        from tieflax import distributed  # noqa: PLC0415
+        from tieflax.hardware import distributed  # noqa: PLC0415
         from tieflax.study.compare import run_compare  # noqa: PLC0415
         from tieflax.config import load_config  # noqa: PLC0415
 

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     refuse_overrides(args, "evaluate", "it scores the run with the run's own config")
 

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     refuse_overrides(args, "sample", "it generates with the run's own config")
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     # Before any device is touched: a launcher's processes join one job (each alone would load the run on
     # its own devices and every one would print).

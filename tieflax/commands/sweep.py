@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.study.sweep import run_sweep  # noqa: PLC0415
     from tieflax.study.compilation_cache import compilation_cache  # noqa: PLC0415
     from tieflax.config import load_config  # noqa: PLC0415
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     distributed.initialize()  # a multi-process launch joins one job (as compare and train do)
     config = load_config(args.config, args.overrides)

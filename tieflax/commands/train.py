@@ -84,7 +84,7 @@ def second_stop_line(where, at_step: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     distributed.initialize()
 

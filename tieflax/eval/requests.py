@@ -3,7 +3,7 @@
 lm-eval runs on process 0 only (it reads the tasks, builds the requests, scores the answers and writes
 the files). Every batch it computes is a program on the run's whole mesh, which every process must run
 with the same inputs, in the same order. So before each one process 0 sends it, numbered, through the
-coordinator's key-value store (``jax.distributed``'s client, the store ``tieflax.distributed`` already
+coordinator's key-value store (``jax.distributed``'s client, the store ``tieflax.hardware.distributed`` already
 uses to agree on failures); the others wait for it, run the same program on their own devices' share,
 and discard the (replicated) result. An evaluation ends with ``done`` (or ``failed`` and process 0's
 error, which every process then raises). A message is a ``.npz`` of the batch's arrays (no pickle).

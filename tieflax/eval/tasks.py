@@ -124,7 +124,7 @@ def checked_request(tasks: Sequence[str], *, include_path: Optional[str] = None,
     unreachable = offline_when_unreachable()   # before lm-eval imports huggingface_hub and datasets
     import jax  # noqa: PLC0415
 
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     error = None
     try:
@@ -369,7 +369,7 @@ class TrainingTasks:
     def __init__(self, config, model_config, tokenizer, mesh, workdir: str, *, write: bool = True):
         import jax  # noqa: PLC0415
 
-        from tieflax import distributed  # noqa: PLC0415
+        from tieflax.hardware import distributed  # noqa: PLC0415
 
         t = config.train
         self.tasks = [str(x).strip() for x in t.eval_tasks]

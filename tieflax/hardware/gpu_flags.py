@@ -13,7 +13,7 @@ can change the step.
 
 A flag the user already named in ``XLA_FLAGS`` is kept as the user set it, whatever its value. Nothing is
 added on a CPU or TPU run: ``JAX_PLATFORMS`` without ``cuda``/``gpu``, ``CUDA_VISIBLE_DEVICES=-1`` or no
-NVIDIA device node (JAX's own probe, read without importing JAX: :mod:`tieflax.platforms`). XLA stops the
+NVIDIA device node (JAX's own probe, read without importing JAX: :mod:`tieflax.hardware.platforms`). XLA stops the
 process at start ("Unknown flag in XLA_FLAGS") for a flag its version does not know, so the set is added
 only for the jaxlib versions it was checked against (:data:`CHECKED_JAXLIB`); with another jaxlib one
 warning says so and nothing is added.
@@ -133,7 +133,7 @@ def jax_uses_a_gpu(environ=os.environ) -> bool:
     if environ.get("CUDA_VISIBLE_DEVICES", "").strip() in ("-1",):
         return False
     try:
-        from tieflax.platforms import jax_hardware_probe  # noqa: PLC0415 (only when the flags are asked for)
+        from tieflax.hardware.platforms import jax_hardware_probe  # noqa: PLC0415 (only when the flags are asked for)
 
         return bool(jax_hardware_probe().has_visible_nvidia_gpu())
     except Exception:  # noqa: BLE001 (no jax, or a probe that cannot read /dev: not a GPU run we can see)

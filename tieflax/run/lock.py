@@ -52,7 +52,7 @@ def hold(where: RunDir, command: str, *, enabled: bool = True):
     """``workdir_lock`` for a run already resolved and checked (``tieflax.run.run.Run.open`` does both
     once). Process 0 (``enabled``) tries the lock; every process learns the outcome before any of them
     writes (``distributed.first_failure``; a job of one process just takes it)."""
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:
         error = None

@@ -36,7 +36,8 @@ from typing import Callable
 
 import jax
 
-from tieflax import distributed, storage
+from tieflax import storage
+from tieflax.hardware import distributed
 
 OK, FAILED, STALLED, WAITING = "ok", "failed", "stalled", "waiting"
 UNDECIDED = object()  # ``verdict``: not every word needed is there yet

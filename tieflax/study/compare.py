@@ -549,7 +549,7 @@ def _planned_runs(workdir: str, cc, variants: dict, tokenizer: str | None) -> li
 def _check_existing_runs(planned: list[tuple], is_main: bool, *, retrain_changed: bool, log) -> None:
     """Before training anything: every run already in the workdir must match the config it would get now.
     Process 0 checks (and removes, when asked); one collective gives every process its verdict."""
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
     from tieflax.study.resume import StudyMismatch, check_run_matches  # noqa: PLC0415
 
     error = None

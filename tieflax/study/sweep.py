@@ -181,7 +181,7 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
                tasks=None) -> dict:
     import jax  # noqa: PLC0415
 
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
     from tieflax.study.resume import StudyMismatch, check_run_matches, result_fields  # noqa: PLC0415
     from tieflax.study.compare import param_counts, shared_tokenizer  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from tieflax.hardware import flops
-from tieflax import distributed
+from tieflax.hardware import distributed
 from tieflax import sharding as shd
 from tieflax.data.store import StoreChanged
 from tieflax.errors import Interrupted

@@ -69,12 +69,12 @@ _SIGNALS = (None, signal.SIGTERM, signal.SIGINT)   # agreed by index: a SIGINT a
 def stop_everywhere(stop: StopSignal, step: int | None = None) -> bool:
     """True on every process if any process saw SIGTERM or SIGINT: all stop at this step, and all take
     the signal as theirs (a SIGINT reaching one process ends every one with 130, as there). The wait for
-    the others is bounded (``tieflax.distributed.waiting_for_others``)."""
+    the others is bounded (``tieflax.hardware.distributed.waiting_for_others``)."""
     if jax.process_count() == 1:
         return stop.requested
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     local = _SIGNALS.index(stop.signum if stop.requested and stop.signum in _SIGNALS else None)
     with distributed.waiting_for_others("the stop check", step):
@@ -114,7 +114,7 @@ def agree_on_saves(saves: ckpt.SaveWatch) -> bool:
     late = isinstance(error, ckpt.SaveDeadlinePassed)
     code = ((PENDING if saves.pending is not None else 0) | (UNWRITTEN if unwritten else 0)
             | (LATE if late else 0) | (FAILED if error is not None and not late else 0))
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     with distributed.waiting_for_others(f"the check of checkpoint {saves.pending}"
                                         if saves.pending is not None else "the check of the last save"):
@@ -150,7 +150,7 @@ def late_line(saves: ckpt.SaveWatch, error: "ckpt.SaveDeadlinePassed | None", co
 
 def raise_if_any_failed(error: Exception | None, saves: ckpt.SaveWatch) -> None:
     """Every process calls this at the same step: all raise the first failing process's error, or none."""
-    from tieflax import distributed  # noqa: PLC0415
+    from tieflax.hardware import distributed  # noqa: PLC0415
 
     message = distributed.first_failure(str(error) if error is not None else None, "save", name_process_0=True)
     if message is not None:

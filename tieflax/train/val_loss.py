@@ -12,7 +12,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from tieflax import distributed
+from tieflax.hardware import distributed
 from tieflax import sharding as shd
 from tieflax.config import model_config
 from tieflax.run import checkpoints as ckpt
