@@ -142,7 +142,7 @@ def test_no_modules_import_each_other_in_a_loop():
     assert not cycles, "import loops:\n" + "\n".join(cycles)
 
 
-def _private_names_imported(path: pathlib.Path, module: str):
+def _private_names_imported(path: pathlib.Path):
     """``(imported module, name)`` for each ``from tieflax... import _name`` in the file at ``path``."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("tieflax"):
@@ -157,7 +157,7 @@ def test_no_private_name_is_imported_from_another_room():
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = _module_name(path)
-        for source, name in _private_names_imported(path, module):
+        for source, name in _private_names_imported(path):
             if _room(source) != _room(module):
                 wrong.append(f"{module}: from {source} import {name}")
     assert not wrong, "private names imported across rooms:\n" + "\n".join(wrong)
