@@ -88,7 +88,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from tieflax.ops.cross_entropy import mosaic_gpu, pallas_driver, pallas_tpu, tiles, xla
-from tieflax.ops.cross_entropy.config import IMPLS, MODES, Cfg, acc_dtype
+from tieflax.ops.cross_entropy.loss_config import IMPLS, MODES, Cfg, acc_dtype
 from tieflax.ops.cross_entropy.sharding import batch_size
 from tieflax.ops.cross_entropy.tiles import DEFAULT_FUSED_TOKEN_BLOCK, DEFAULT_TOKEN_BLOCK, DEFAULT_VOCAB_BLOCK
 

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tieflax.ops.cross_entropy import tiles
-from tieflax.ops.cross_entropy.config import MASK, Cfg, Semantics, block_start
+from tieflax.ops.cross_entropy.loss_config import MASK, Cfg, Semantics, block_start
 
 try:  # the API (jax >= 0.7 has it; jaxlib ships Mosaic GPU's lowering on every platform)
     import jax.experimental.pallas as pl

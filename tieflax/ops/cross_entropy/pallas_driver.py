@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tieflax.ops.cross_entropy import tiles
-from tieflax.ops.cross_entropy.config import MASK, Cfg, acc_dtype, block_start, split_blocks
+from tieflax.ops.cross_entropy.loss_config import MASK, Cfg, acc_dtype, block_start, split_blocks
 from tieflax.ops.cross_entropy.sharding import (
     batch_size,
     combine_vocab,

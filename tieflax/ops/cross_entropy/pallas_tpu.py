@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tieflax.ops.cross_entropy.config import MASK, Cfg, Semantics
+from tieflax.ops.cross_entropy.loss_config import MASK, Cfg, Semantics
 
 
 def _fit(block: int, n: int, align: int, interpret: bool) -> int:

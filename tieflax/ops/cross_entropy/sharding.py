@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tieflax.ops.cross_entropy.config import Cfg
+from tieflax.ops.cross_entropy.loss_config import Cfg
 
 
 def slice_rows(w, v0, bv):

@@ -9,7 +9,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from tieflax.ops.cross_entropy.config import MASK, Cfg, acc_dtype, block_start, fresh_rows, split_blocks
+from tieflax.ops.cross_entropy.loss_config import MASK, Cfg, acc_dtype, block_start, fresh_rows, split_blocks
 from tieflax.ops.cross_entropy.sharding import (
     add_block,
     combine_local,
