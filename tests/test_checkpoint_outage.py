@@ -177,3 +177,35 @@ def test_a_lease_renewal_that_timed_out_but_landed_is_still_this_process_lease(t
     monkeypatch.setattr(storage, "compare_and_set", real)
     held.release()
     assert not os.path.exists(path)
+
+
+def test_releasing_a_lease_on_a_store_that_stopped_answering_takes_release_seconds_in_all(tmp_path, monkeypatch):
+    """A prepare whose bucket froze ended 27 s after the freeze where 25 were promised (its deadline 15, the
+    release 5, 5 to spare; at load ~12): the release waited ``RELEASE_SECONDS`` for the heartbeat's renewal
+    in flight, then as long again for the removal."""
+    import threading
+
+    from tieflax import lease as lease_module
+
+    path = str(tmp_path / "tieflax.lock")
+    held = lease_module.Lease(path, lease_module.holder_record(command="prepare"), owner=str(tmp_path),
+                              refuse=lambda holder, age: RuntimeError("held"), heartbeat_seconds=0.05)
+    assert held.acquire()
+    thawed, calls = threading.Event(), []
+
+    def frozen(p, data, expected):  # a store that does not answer: each call ends at its deadline
+        calls.append(p)
+        at = getattr(storage._DEADLINE, "at", None)
+        thawed.wait(30 if at is None else max(0.0, at - time.monotonic()))
+        raise storage.StorageError(f"cannot write {p}: no answer")
+
+    monkeypatch.setattr(storage, "compare_and_set", frozen)
+    t0 = time.monotonic()
+    while not calls and time.monotonic() - t0 < 30:  # a renewal is in flight
+        time.sleep(0.01)
+    assert calls
+    t0 = time.monotonic()
+    held.release()
+    took = time.monotonic() - t0
+    thawed.set()
+    assert took < lease_module.RELEASE_SECONDS + 1, took

@@ -140,14 +140,20 @@ class Lease:
             self.stamp = stamp
 
     def release(self) -> None:
-        """Stops the heartbeat and removes the lease, in bounded time: a heartbeat stuck on a bucket that
-        stopped answering is not waited for, and the removal gets ``RELEASE_SECONDS`` (a lease left
-        behind goes stale, and the next command takes it over with a message)."""
+        """Stops the heartbeat and removes the lease within ``RELEASE_SECONDS`` in all. The heartbeat's
+        renewal in flight is waited for within that time, and the removal gets what is left; a renewal
+        still in flight then means the store is not answering, so no removal is tried (a lease left behind
+        goes stale, and the next command takes it over with a message). Both waits had the whole time each
+        before, twice the bound a stopped command promised (seen: 27 s instead of 25 on a loaded machine)."""
         self._stop.set()
+        ends = time.monotonic() + RELEASE_SECONDS
         if self._thread is not None:
             self._thread.join(timeout=RELEASE_SECONDS)
-        if self.lost is None and self.stamp is not None:
-            with contextlib.suppress(storage.StorageError), storage.deadline_within(RELEASE_SECONDS):
+            if self._thread.is_alive():
+                return
+        left = ends - time.monotonic()
+        if self.lost is None and self.stamp is not None and left > 0:
+            with contextlib.suppress(storage.StorageError), storage.deadline_within(left):
                 storage.compare_and_set(self.path, None, self.stamp)
 
     def __enter__(self) -> "Lease":
