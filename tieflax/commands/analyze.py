@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     # training command that mends it); the study's measures then read the resolved run folder.
     run = Run.read(args.workdir, command="analyze")
     run.verify()
-    result = analyze_workdir(run.path, step=args.step, n_val_batches=args.val_batches,
+    result = analyze_workdir(run.dir, step=args.step, n_val_batches=args.val_batches,
                              n_buckets=args.buckets, max_rows=args.max_rows or None, out_dir=args.out,
                              plots=not args.no_plots)
     print(jsonable.dumps(summary_lines(without_arrays(result)), indent=1))

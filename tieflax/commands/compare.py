@@ -41,11 +41,13 @@ def run(args: argparse.Namespace) -> int:
         # joins one job, as `tieflax train` does; without this every host ran its own single-process study.
         distributed.initialize()
         from tieflax.study.compilation_cache import compilation_cache  # noqa: PLC0415
+        from tieflax.run.layout import RunDir  # noqa: PLC0415
 
         config = load_config(args.config, args.overrides)
-        compilation_cache(args.workdir)
+        study = RunDir.at(args.workdir)  # the compare's folder, resolved and checked once: what every part takes
+        compilation_cache(study)
         command = " ".join(["tieflax compare --config", args.config, "--workdir", args.workdir, *args.overrides])
-        summary = run_compare(config, args.workdir, log=lambda line: print(line, flush=True),
+        summary = run_compare(config, study, log=lambda line: print(line, flush=True),
                               retrain_changed=args.retrain_changed, command=command)
         path = summary["report"]
         if path is None:  # not process 0 of a multi-process run: process 0 writes the report

@@ -26,11 +26,13 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.study.compilation_cache import compilation_cache  # noqa: PLC0415
     from tieflax.config import load_config  # noqa: PLC0415
     from tieflax.hardware import distributed  # noqa: PLC0415
+    from tieflax.run.layout import RunDir  # noqa: PLC0415
 
     distributed.initialize()  # a multi-process launch joins one job (as compare and train do)
     config = load_config(args.config, args.overrides)
-    compilation_cache(args.workdir)
-    summary = run_sweep(config, args.workdir, resume=args.resume, retrain_changed=args.retrain_changed,
+    study = RunDir.at(args.workdir)  # the sweep's folder, resolved and checked once: what every part takes
+    compilation_cache(study)
+    summary = run_sweep(config, study, resume=args.resume, retrain_changed=args.retrain_changed,
                         log=lambda line: print(line, flush=True))
     if summary["report"] is None:  # not process 0 of a multi-process run: process 0 writes the report
         return 0

@@ -12,6 +12,7 @@ import os
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from tieflax import storage
 from tieflax.config_rules import INF, Range, check_section
 from tieflax.errors import ConfigError, UserError
 
@@ -76,6 +77,13 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.read_threads = 2
     c.prefetch_buffer_size = 256
     return c
+
+
+def data_location(path: str | os.PathLike) -> str:
+    """A folder or URL the data layer reads or writes (a run's folder, the shared cache, a token store),
+    canonical (``storage.resolve``: an absolute local path, or a URL without a trailing slash): the data
+    layer's one resolution, where a path enters it. A malformed URL raises ``storage.StorageError``."""
+    return storage.resolve(path)
 
 
 def shared_cache_dir(c: ml_collections.ConfigDict) -> str:

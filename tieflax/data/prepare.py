@@ -21,12 +21,11 @@ import ml_collections
 import numpy as np
 from tokenizers import Tokenizer
 
-from tieflax import storage
 from tieflax.data import tokenizer as tokenizer_lib
 from tieflax.data.cache import (FORMAT_VERSION, SPLITS, PreparedDataset, count_tokens,  # noqa: F401
                                 cache_path, is_committed, join_documents, loader_settings, open_cache,
                                 split_indices, token_dtype, write_cache)
-from tieflax.data.config import DataError, shared_cache_dir, validate_data_config  # noqa: F401
+from tieflax.data.config import DataError, data_location, shared_cache_dir, validate_data_config  # noqa: F401
 from tieflax.data.sources import Document, load_documents
 from tieflax.data.token_files import prepare_token_files
 from tieflax.data.tokenizer import resolve_tokenizer  # noqa: F401 (re-exported)
@@ -54,9 +53,9 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, workdir: str | os.Pa
 
         return open_store_dataset(c, str(workdir), vocab_size=vocab_size)
     # a local workdir/cache stays a Path (memmapped files); a bucket one is a URL (see cache.cache_path)
-    workdir = cache_path(storage.resolve(str(workdir)))
+    workdir = cache_path(data_location(str(workdir)))
     shared = shared_cache_dir(c)
-    cache_root = cache_path(storage.resolve(shared) if shared else cache_path(workdir, "data_cache"))
+    cache_root = cache_path(data_location(shared) if shared else cache_path(workdir, "data_cache"))
     if c.source == "tokens":
         return prepare_token_files(c, workdir, cache_root, vocab_size=vocab_size)
 

@@ -41,7 +41,7 @@ import re
 import numpy as np
 
 from tieflax import lease, storage
-from tieflax.data.config import DataError
+from tieflax.data.config import DataError, data_location
 
 FORMAT = "tieflax-token-store/1"
 SHARD_TOKENS = 1 << 24   # 32 MiB of uint16 per shard object: few objects, one writer each
@@ -448,11 +448,11 @@ _STORE_TEMPORARY = re.compile(r"lock-\d+-of-\d+\.json|\..+\.tmp|\.tieflax-write-
 
 
 def check_store_folder(out: str) -> str:
-    """Before any work: ``out`` canonical (``storage.resolve``: the name every part of a build writes
+    """Before any work: ``out`` canonical (``data_location``: the name every part of a build writes
     under), new, empty or a token store (finished or not); a malformed URL, a file, or a folder holding
     anything a store does not (a run, a corpus, other files), is refused naming it."""
     try:
-        out = storage.resolve(out)
+        out = data_location(out)
     except storage.StorageError as e:
         raise DataError(str(e)) from None
     if not storage.is_remote(out) and storage.exists(out) and not storage.is_dir(out):
@@ -467,7 +467,7 @@ def check_store_folder(out: str) -> str:
 def open_store(path: str) -> TokenStore:
     """The committed store at ``path`` (see :func:`read_manifest` for the refusals)."""
     try:
-        path = storage.resolve(path)
+        path = data_location(path)
     except storage.StorageError as e:
         raise DataError(str(e)) from None
     return TokenStore(path, read_manifest(path))

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 from tieflax import storage
 from tieflax.eval.decode import EvalError
 from tieflax.run.destinations import check_output_folder
-from tieflax.run.layout import WorkdirError
+from tieflax.run.layout import LM_EVAL_DIR, LM_EVAL_STEP_DIR, RunDir, WorkdirError
 
 
 def check_task_files(include_path: str, tasks: Optional[Sequence[str]] = None) -> None:
@@ -366,7 +366,9 @@ class TrainingTasks:
     hours of training. ``score(params, step)`` -> the scalars; process 0 also writes the run's copy.
     """
 
-    def __init__(self, config, model_config, tokenizer, mesh, workdir: str, *, write: bool = True):
+    def __init__(self, config, model_config, tokenizer, mesh, run_dir: RunDir, *, write: bool = True):
+        """``run_dir``: the training run's ``RunDir`` (``Run.open``'s), where ``score`` writes lm-eval's files
+        (``write``: process 0)."""
         import jax  # noqa: PLC0415
 
         from tieflax.hardware import distributed  # noqa: PLC0415
@@ -397,7 +399,7 @@ class TrainingTasks:
             raise EvalError(error)
         self.limit = float(t.eval_tasks_limit) or None
         self.num_fewshot = None if t.eval_tasks_num_fewshot < 0 else int(t.eval_tasks_num_fewshot)
-        self.workdir, self.write = workdir, write  # the Run's resolved path
+        self.run_dir, self.write = run_dir, write
         max_length = int(t.seq_len)
         if model_config.position == "learned":
             max_length = min(max_length, model_config.max_seq_len)
@@ -408,8 +410,6 @@ class TrainingTasks:
                             token_budget=int(t.eval_tasks_token_budget), mesh=mesh, progress=False)
 
     def score(self, params: Any, step: int) -> dict[str, float]:
-        from tieflax.run import layout  # noqa: PLC0415
-
         self.lm.params = params
         self.lm.seed = 0   # as `tieflax evaluate` starts: the same generations for the same parameters
         try:
@@ -422,6 +422,5 @@ class TrainingTasks:
         finally:
             self.lm.params = None   # the training step donates these buffers
         if self.write:
-            write_scores(results, layout.path(self.workdir, layout.LM_EVAL_DIR,
-                                              layout.LM_EVAL_STEP_DIR.format(step=int(step))))
+            write_scores(results, self.run_dir.file(LM_EVAL_DIR, LM_EVAL_STEP_DIR.format(step=int(step))))
         return scalars(results)

@@ -37,7 +37,7 @@ from tieflax.run.destinations import check_destination as check_safe_destination
 from tieflax.run.destinations import (check_empty_or_replaceable, copy_file, copy_tree, inside, real,
                                       writing_new_workdir)
 from tieflax.run.layout import (HF_FILES_DIR, IMPORT_SOURCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, TOKENIZER_FILE,
-                                WorkdirError, is_run)
+                                RunDir, WorkdirError, is_run)
 from tieflax.run.layout import SURGERY_FILE as SURGERY_REPORT
 from tieflax.run.read_only import ReadOnlyRun
 
@@ -47,14 +47,15 @@ RESET_BY_SURGERY = ("the step (training restarts at 0), the optimizer state (mom
                     "learning-rate schedule (warmup again) and the data position (the first batch again)")
 
 
-def import_hf(hf_dir: str, workdir: str, overrides: Sequence[str] = (), *, overwrite: bool = False
+def import_hf(hf_dir: str, dest: str, overrides: Sequence[str] = (), *, overwrite: bool = False
               ) -> dict[str, Any]:
-    """HF folder -> a workdir with ``config.json`` and ``initial_params/``; returns a report.
+    """HF folder -> a new run folder ``dest`` (``--workdir``: a path, checked here) with ``config.json``
+    and ``initial_params/``; returns a report.
 
-    The workdir appears complete or not at all (written beside it, then renamed); one that holds
+    The run appears complete or not at all (written beside it, then renamed); a folder that holds
     anything is refused unless ``overwrite``."""
     # The destination's checks return it canonical: the tokenizer path recorded in its config names it so.
-    workdir = check_safe_destination(workdir, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
+    workdir = check_safe_destination(dest, sources=[("--from-hf", hf_dir)], overwrite=overwrite, flag="--workdir")
     check_empty_or_replaceable(workdir, overwrite=overwrite, flag="--workdir")
     imported = config_from_hf(read_hf_config(hf_dir))
     config = default_config()
@@ -85,7 +86,7 @@ def export_hf(run: ReadOnlyRun, out: str, *, dtype: str | None = None, max_shard
     Hugging Face folder the run was imported from (``imported_from.json``), even with ``overwrite``.
     Every file goes through ``tieflax.storage``, inside ``writing_hf_folder``."""
     workdir = run.path
-    out = check_export_destination(workdir, out, overwrite=overwrite)  # before anything of the run is read
+    out = check_export_destination(run.dir, out, overwrite=overwrite)  # before anything of the run is read
     config = run.config
     params, step = run.params()
     mc = model_config(config)
@@ -99,9 +100,9 @@ def export_hf(run: ReadOnlyRun, out: str, *, dtype: str | None = None, max_shard
                 family=mc.family, tied=mc.tie_embeddings, files=[storage.name(p) for p in written] + carried)
 
 
-def import_source(workdir: str) -> str | None:
-    """The Hugging Face folder ``workdir`` was imported from (``imported_from.json``), or None."""
-    record = storage.join(workdir, IMPORT_SOURCE_FILE)
+def import_source(run_dir: RunDir) -> str | None:
+    """The Hugging Face folder the run ``run_dir`` was imported from (``imported_from.json``), or None."""
+    record = run_dir.file(IMPORT_SOURCE_FILE)
     if not storage.is_file(record):
         return None
     try:
@@ -112,12 +113,13 @@ def import_source(workdir: str) -> str | None:
                            "it if that folder no longer matters") from None
 
 
-def check_export_destination(workdir: str, out: str, *, overwrite: bool) -> str:
-    """Before anything is read: ``out`` is not, does not hold and does not lie inside the run or the
+def check_export_destination(run_dir: RunDir, out: str, *, overwrite: bool) -> str:
+    """Before anything is read: ``out`` is not, does not hold and does not lie inside the run ``run_dir`` or the
     Hugging Face folder the run was imported from (even with ``overwrite``); without ``overwrite`` it is
     new or empty; on a bucket it holds nothing but an earlier export (an interrupted one, behind its
     incomplete marker, is cleared without ``overwrite``). Returns ``out`` canonical, a local link resolved."""
-    source = import_source(workdir)
+    workdir = run_dir.path
+    source = import_source(run_dir)
     if source:
         src, dest = real(source), real(out)
         what = ("is" if dest == src else "holds" if inside(src, dest) else "lies inside" if inside(dest, src)
@@ -199,14 +201,14 @@ def _surgery(run: ReadOnlyRun, out: str, action: str, change, overrides: Sequenc
     check_empty_or_replaceable(out, overwrite=overwrite)
     config = run.config  # the run verified here, once
     if needs_tied is not None:
-        _check_tie(workdir, config, needs_tied)
+        _check_tie(run.dir, config, needs_tied)
     params, step = run.params()
     params, report = change(config, params)
     # The parameters exist already: overrides may change training and data settings, not their shapes.
     _apply_overrides(config, overrides, model_config(config), "--untie/--tie",
                      also_fixed=("vocab_pad_multiple", "scan_layers"))
     validate_config(config)
-    _repoint_tokenizer(config, workdir, out)
+    _repoint_tokenizer(config, run.dir, out)
     report.setdefault("reset", RESET_BY_SURGERY)
     report = dict(action=action, workdir=workdir, step=step, out=out, **report)
     with writing_new_workdir(out, overwrite=overwrite) as partial:
@@ -221,30 +223,30 @@ def _surgery(run: ReadOnlyRun, out: str, action: str, change, overrides: Sequenc
     return report
 
 
-def _check_tie(workdir: str, config, needs_tied: bool) -> None:
-    """One line when the run is already what the surgery would make it (``model.tie_embeddings``)."""
+def _check_tie(run_dir: RunDir, config, needs_tied: bool) -> None:
+    """One line when the run ``run_dir`` is already what the surgery would make it (``model.tie_embeddings``)."""
     tied = bool(config.model.tie_embeddings)
     if tied != needs_tied:
         state, flag, other = ("tied", "--tie", "--untie") if tied else ("untied", "--untie", "--tie input|output|mean")
-        raise WorkdirError(f"--workdir {workdir} is already {state} (model.tie_embeddings={tied}): {flag} has "
+        raise WorkdirError(f"--workdir {run_dir.path} is already {state} (model.tie_embeddings={tied}): {flag} has "
                            f"nothing to do; give it a run that is not {state}, or use {other}")
 
 
-def _repoint_tokenizer(config, workdir: str, out: str) -> None:
-    """A tokenizer path inside the source workdir becomes the copy in the new one."""
+def _repoint_tokenizer(config, run_dir: RunDir, out: str) -> None:
+    """A tokenizer path inside the source run ``run_dir`` becomes the copy in the new one, ``out``."""
     path = config.data.tokenizer.path
-    if path and real(path) == real(storage.join(workdir, TOKENIZER_FILE)):  # the same file, however named
+    if path and real(path) == real(run_dir.file(TOKENIZER_FILE)):  # the same file, however named
         config.data.tokenizer.path = storage.join(out, TOKENIZER_FILE)
 
 
 # ------------------------------------------------------------------------------------------------------
-def _use_hf_tokenizer(config, hf_dir: str, workdir: str) -> str | None:
-    """Points the data pipeline at the checkpoint's own tokenizer as it will be copied into ``workdir``, if
-    it has one; returns the file to copy (or None)."""
+def _use_hf_tokenizer(config, hf_dir: str, dest: str) -> str | None:
+    """Points the data pipeline at the checkpoint's own tokenizer as it will be copied into the new run
+    folder ``dest`` (canonical), if it has one; returns the file to copy (or None)."""
     src = storage.join(hf_dir, "tokenizer.json")
     if not storage.is_file(src):
         return None
-    config.data.tokenizer.path = storage.join(workdir, TOKENIZER_FILE)  # canonical: import_hf's destination
+    config.data.tokenizer.path = storage.join(dest, TOKENIZER_FILE)  # canonical: import_hf's destination
     tok_config = storage.join(hf_dir, "tokenizer_config.json")
     if storage.is_file(tok_config):
         eos = json.loads(storage.read_text(tok_config)).get("eos_token")

@@ -179,15 +179,16 @@ def _read_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any
     return out.state["params"]
 
 
-def load_latest_params(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, Any, int]:
-    """``(config, params, step)`` of the latest checkpoint in ``workdir`` (or of checkpoint ``step``);
-    params are host NumPy arrays. Only the parameters are read, never the optimizer state.
+def load_latest_params(where: RunDir | str, step: int | None = None) -> tuple[ml_collections.ConfigDict, Any, int]:
+    """``(config, params, step)`` of the latest checkpoint in the run ``where`` (or of checkpoint ``step``);
+    params are host NumPy arrays. Only the parameters are read, never the optimizer state. ``where``: a
+    ``RunDir``, or a path (a notebook's, a test's) resolved and checked here, once (``RunDir.of``).
 
     With no checkpoint yet, returns the ``initial_params/`` at step 0. Raises FileNotFoundError when the
-    workdir has neither, or has no checkpoint at the ``step`` asked for.
+    run has neither, or has no checkpoint at the ``step`` asked for.
     """
-    config = load_workdir_config(workdir)  # first: a folder that is no run, or a broken record, says so
-    return (config, *read_host_params(RunDir.at(workdir), step))
+    config = load_workdir_config(where)  # first: a folder that is no run, or a broken record, says so
+    return (config, *read_host_params(RunDir.of(where), step))
 
 
 def read_host_params(where: RunDir, step: int | None = None) -> tuple[Any, int]:

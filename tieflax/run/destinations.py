@@ -22,13 +22,14 @@ from typing import Iterator, Sequence
 
 from tieflax import storage
 from tieflax.run.layout import (CONFIG_FILE, INCOMPLETE_MARKER, INITIAL_PARAMS_DIR, LOCK_FILE, PARTIAL_TAG,
-                                RUN_CONTENT, RunDir, WorkdirError, check_location, holds_a_run, is_run)
+                                RUN_CONTENT, RunDir, WorkdirError, canonical, check_location, holds_a_run,
+                                is_run)
 from tieflax.run.lock import workdir_lock
 
 
 def real(path: str) -> str:
     """The canonical path: links resolved locally, the URL's canonical form remotely."""
-    path = storage.resolve(path)
+    path = canonical(path)
     return path if storage.is_remote(path) else os.path.realpath(path)
 
 
@@ -44,11 +45,11 @@ inside = _inside
 def check_destination(out: str, *, sources: Sequence[tuple[str, str]] = (), overwrite: bool,
                       flag: str = "--out") -> str:
     """Refuses ``out`` when writing or replacing it could destroy what this command did not create; returns
-    it canonical (``storage.resolve``: links are followed to compare, not in the name returned).
+    it canonical (``canonical``: links are followed to compare, not in the name returned).
     ``sources``: ``(flag, path)`` of what the command reads, e.g. ``[("--workdir", run)]``. Raises
     WorkdirError naming both paths and the fix."""
     dest = real(out)
-    shown = storage.resolve(out)
+    shown = canonical(out)
     link = f" (a link to {dest})" if dest != shown else ""
     for source_flag, source in sources:
         src = real(source)
@@ -113,7 +114,7 @@ def check_output_folder(output: str | None, flag: str = "--output") -> str | Non
     folder must be a writable folder. None stays None."""
     if output is None:
         return None
-    output = storage.resolve(output)
+    output = canonical(output)
     storage.check_writable(output)
     if not storage.is_remote(output):
         there = output
@@ -134,7 +135,7 @@ def check_empty_or_replaceable(dest: str, *, overwrite: bool, flag: str = "--out
     whole by a rename); a gs:// / s3:// prefix must be empty, since there is no rename to replace it
     whole, except for what an interrupted convert left behind its incomplete marker. Returns ``dest``
     canonical."""
-    dest = storage.resolve(dest)
+    dest = canonical(dest)
     if not storage.is_remote(dest):
         _check_local_destination(dest, overwrite=overwrite)
         return dest
@@ -157,7 +158,7 @@ def writing_new_workdir(dest: str, *, overwrite: bool, command: str = "convert")
     interrupted (SIGTERM/SIGINT arrive as exceptions, see tieflax.cli) removes what it wrote; only a
     kill -9 leaves a partial folder or a marked prefix behind, and rerunning the command clears it.
     """
-    dest = storage.resolve(dest)
+    dest = canonical(dest)
     with workdir_lock(dest, command):
         if not storage.is_remote(dest):
             partial = fresh_partial_folder(dest)
@@ -193,7 +194,7 @@ def copy_file(src: str, dst: str) -> None:
 
 def copy_tree(src: str, dst: str) -> list[str]:
     """Every file under ``src`` to the same place under ``dst``; returns the relative names copied."""
-    src = storage.resolve(src)
+    src = canonical(src)
     names = []
     for path in storage.walk_files(src):
         rel = path[len(src):].lstrip("/" if storage.is_remote(src) else os.sep)
@@ -203,32 +204,35 @@ def copy_tree(src: str, dst: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- local: a partial folder, then a rename
-def partial_folder(workdir: str) -> str:
-    """Where an import or surgery into ``workdir`` is written before the rename that completes it."""
-    workdir = os.path.abspath(workdir)
-    return os.path.join(os.path.dirname(workdir), f".{os.path.basename(workdir)}{PARTIAL_TAG}{os.getpid()}")
+def partial_folder(dest: str) -> str:
+    """Where an import or surgery into the new run folder ``dest`` is written before the rename that
+    completes it."""
+    dest = os.path.abspath(dest)
+    return os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}{PARTIAL_TAG}{os.getpid()}")
 
 
-def fresh_partial_folder(workdir: str) -> str:
-    """An empty ``partial_folder``, after removing what interrupted imports into ``workdir`` left (call it
-    holding the workdir's lock, so no other import is writing one)."""
-    for leftover in partial_imports(workdir):
+def fresh_partial_folder(dest: str) -> str:
+    """An empty ``partial_folder``, after removing what interrupted imports into ``dest`` left (call it
+    holding ``dest``'s lock, so no other import is writing one)."""
+    for leftover in partial_imports(dest):
         if PARTIAL_TAG in os.path.basename(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
-    path = partial_folder(workdir)
+    path = partial_folder(dest)
     os.makedirs(path)
     return path
 
 
-def partial_imports(workdir: str) -> list[str]:
-    workdir = storage.resolve(workdir)
-    if storage.is_remote(workdir):  # no rename there: convert writes in place behind a marker object
-        marker = storage.join(workdir, INCOMPLETE_MARKER)
+def partial_imports(dest: str) -> list[str]:
+    """What interrupted imports or surgeries into the run folder ``dest`` left: partial folders beside it,
+    orbax's temporary ``initial_params`` inside it, or (gs://, s3://) its incomplete marker."""
+    dest = canonical(dest)
+    if storage.is_remote(dest):  # no rename there: convert writes in place behind a marker object
+        marker = storage.join(dest, INCOMPLETE_MARKER)
         return [marker] if storage.is_file(marker) else []
-    pattern = os.path.join(os.path.dirname(workdir), f".{glob.escape(os.path.basename(workdir))}{PARTIAL_TAG}*")
+    pattern = os.path.join(os.path.dirname(dest), f".{glob.escape(os.path.basename(dest))}{PARTIAL_TAG}*")
     found = glob.glob(pattern)
     # orbax writes initial_params/ under a temporary name first: a kill during that write leaves it
-    found += [p for p in glob.glob(os.path.join(glob.escape(workdir), INITIAL_PARAMS_DIR + "*"))
+    found += [p for p in glob.glob(os.path.join(glob.escape(dest), INITIAL_PARAMS_DIR + "*"))
               if os.path.basename(p) != INITIAL_PARAMS_DIR]
     return sorted(found)
 
@@ -243,34 +247,34 @@ def check_no_partial_import(where: RunDir | str) -> None:
                            f"{found[0]} to train without it")
 
 
-def publish(partial: str, workdir: str, *, overwrite: bool) -> None:
-    """Renames a complete ``partial`` folder to ``workdir``. An existing ``workdir`` must be empty (this
-    process's lock aside), or be replaced because ``overwrite`` was given.
+def publish(partial: str, dest: str, *, overwrite: bool) -> None:
+    """Renames a complete ``partial`` folder to the new run folder ``dest``. An existing ``dest`` must be
+    empty (this process's lock aside), or be replaced because ``overwrite`` was given.
 
-    An existing ``workdir`` is swapped with ``partial`` in one step where the kernel can (Linux
-    ``renameat2(RENAME_EXCHANGE)``), so at every instant, a kill -9 included, ``workdir`` is the old
+    An existing ``dest`` is swapped with ``partial`` in one step where the kernel can (Linux
+    ``renameat2(RENAME_EXCHANGE)``), so at every instant, a kill -9 included, ``dest`` is the old
     folder or the new one. Elsewhere it is moved aside first; a signal between the two renames puts the
     old one back before it goes on."""
-    workdir = os.path.abspath(workdir)
-    if os.path.isdir(workdir) and set(os.listdir(workdir)) - {LOCK_FILE}:
+    dest = os.path.abspath(dest)
+    if os.path.isdir(dest) and set(os.listdir(dest)) - {LOCK_FILE}:
         if not overwrite:
-            raise WorkdirError(f"{workdir} is not empty{' and holds a run' if holds_a_run(workdir) else ''}: "
+            raise WorkdirError(f"{dest} is not empty{' and holds a run' if holds_a_run(dest) else ''}: "
                                "pass --overwrite to replace it, or write to a new folder")
-    if os.path.isdir(workdir):
-        if _exchange(partial, workdir):
+    if os.path.isdir(dest):
+        if _exchange(partial, dest):
             shutil.rmtree(partial, ignore_errors=True)   # now the old folder (and our lock in it)
             return
         old = partial.replace(PARTIAL_TAG, ".replaced-")
         try:
-            os.replace(workdir, old)
-            os.replace(partial, workdir)
-        except BaseException:   # SIGTERM/SIGINT arrive as exceptions: never leave workdir missing
-            if os.path.isdir(old) and not os.path.exists(workdir):
-                os.replace(old, workdir)
+            os.replace(dest, old)
+            os.replace(partial, dest)
+        except BaseException:   # SIGTERM/SIGINT arrive as exceptions: never leave dest missing
+            if os.path.isdir(old) and not os.path.exists(dest):
+                os.replace(old, dest)
             raise
         shutil.rmtree(old, ignore_errors=True)
         return
-    os.replace(partial, workdir)
+    os.replace(partial, dest)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -293,10 +297,10 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def _check_local_destination(workdir: str, *, overwrite: bool) -> None:
+def _check_local_destination(dest: str, *, overwrite: bool) -> None:
     """Before any work: refuse a destination that is a file, or holds something, unless ``overwrite``."""
-    check_location(workdir)
-    if not overwrite and os.path.isdir(workdir) and set(os.listdir(workdir)) - {LOCK_FILE}:
-        what = "holds a run" if holds_a_run(workdir) else "is not empty"
-        raise WorkdirError(f"{os.path.abspath(workdir)} {what}: pass --overwrite to replace it, or write to a "
+    check_location(dest)
+    if not overwrite and os.path.isdir(dest) and set(os.listdir(dest)) - {LOCK_FILE}:
+        what = "holds a run" if holds_a_run(dest) else "is not empty"
+        raise WorkdirError(f"{os.path.abspath(dest)} {what}: pass --overwrite to replace it, or write to a "
                            "new folder")

@@ -73,15 +73,23 @@ class WorkdirError(UserError, RuntimeError):
     """The workdir cannot be used as asked; the message names it and what to do."""
 
 
+def canonical(folder: str) -> str:
+    """``folder`` as the run layer names a folder it reads or writes (a run, a destination, an output):
+    an absolute local path or a URL without a trailing slash (``storage.resolve``; a malformed URL is
+    refused in one line). The run layer's one resolution: ``RunDir`` and ``tieflax.run.destinations`` go
+    through it."""
+    return storage.resolve(folder)
+
+
 def check_location(workdir: str) -> str:
-    """The workdir resolved (``storage.resolve``); refuses, before any work, one that is a file or that
+    """The workdir resolved (``canonical``); refuses, before any work, one that is a file or that
     cannot hold checkpoints.
 
     orbax-checkpoint (0.12.8, the newest release) sends checkpoint arrays to TensorStore's gcs driver for
     ``gs://`` and its file driver for everything else: ``s3://b/run`` becomes the relative path
     ``s3:/b/run`` ("Checkpoint path should be absolute"). Token stores and data files on s3:// are
     read and written by tieflax itself and work there."""
-    workdir = storage.resolve(workdir)
+    workdir = canonical(workdir)
     if storage.is_remote(workdir):
         if storage.bucket_and_key(workdir)[0] == "s3":
             raise WorkdirError(
@@ -91,11 +99,6 @@ def check_location(workdir: str) -> str:
     elif storage.exists(workdir) and not storage.is_dir(workdir):
         raise WorkdirError(f"--workdir {workdir} is a file, not a folder: choose another path")
     return workdir
-
-
-def path(workdir: str, *names: str) -> str:
-    """``<workdir>/<names...>`` for a local path or a URL (the workdir resolved once here)."""
-    return storage.join(storage.resolve(workdir), *names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +125,9 @@ class RunDir:
 
     @classmethod
     def named(cls, workdir: "RunDir | str") -> "RunDir":
-        """A RunDir as given, or a string resolved as the run layer names it (``storage.resolve``): for the
+        """A RunDir as given, or a string resolved as the run layer names it (``canonical``): for the
         readers a notebook, a test or a study calls with a path; the run handle passes its own."""
-        return workdir if isinstance(workdir, RunDir) else cls(storage.resolve(workdir))
+        return workdir if isinstance(workdir, RunDir) else cls(canonical(workdir))
 
     def file(self, *names: str) -> str:
         """``<path>/<names...>``: a name of this module inside the run."""

@@ -31,8 +31,10 @@ class Held:
 
 
 @contextlib.contextmanager
-def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
-    """Holds the workdir's lock for the block; yields a ``Held``. Re-entrant within a process.
+def workdir_lock(where: RunDir | str, command: str, *, enabled: bool = True):
+    """Holds the lock of the run folder ``where`` for the block; yields a ``Held``. Re-entrant within a
+    process. ``where``: a ``RunDir``, or a path (a destination's, a test's) resolved and checked here, once
+    (``RunDir.of``): a file, or a store orbax cannot write to, is refused before any work.
 
     A local workdir: ``<workdir>/tieflax.lock`` created with ``O_EXCL`` (host, PID, command, start time);
     a holder whose process is gone is taken over. A gs:// or s3:// workdir: a lease object written with a
@@ -42,8 +44,7 @@ def workdir_lock(workdir: str, command: str, *, enabled: bool = True):
     a multi-process job): process 0 takes the lock for the job, and in a multi-process job its decision
     reaches every process (all raise the same WorkdirError, or all go on).
     """
-    where = RunDir.at(workdir)  # before any work: a file, or a store orbax cannot write to, is refused
-    with hold(where, command, enabled=enabled) as held:
+    with hold(RunDir.of(where), command, enabled=enabled) as held:
         yield held
 
 
@@ -70,13 +71,13 @@ def hold(where: RunDir, command: str, *, enabled: bool = True):
         yield held
 
 
-def workdir_lock_single(workdir: str, command: str):
-    """The lock as one process takes it (no agreement with other processes). ``workdir`` canonical
-    (``storage.resolve``); a local one that is a file is refused (a remote destination here need not hold
-    checkpoints, so s3:// is fine)."""
-    if not storage.is_remote(workdir):
-        check_location(workdir)
-    return _take(RunDir(workdir), command)
+def workdir_lock_single(folder: str, command: str):
+    """The lock as one process takes it (no agreement with other processes). ``folder``: a destination,
+    canonical (``storage.resolve``); a local one that is a file is refused (a remote destination here need
+    not hold checkpoints, so s3:// is fine)."""
+    if not storage.is_remote(folder):
+        check_location(folder)
+    return _take(RunDir(folder), command)
 
 
 @contextlib.contextmanager

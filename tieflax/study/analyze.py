@@ -1,6 +1,6 @@
 """Diagnostics of a trained run: any checkpoint of a workdir, with its data's token counts and batches.
 
-``analyze_workdir(workdir)`` is what ``tieflax analyze`` runs: it reads the latest (or a given)
+``analyze_workdir(run_dir)`` is what ``tieflax analyze`` runs: it reads the latest (or a given)
 checkpoint's parameters, the unigram counts of the run's train split, one train batch (for the gradient
 split) and a few validation batches (for the softmax statistics), and returns every diagnostic.
 Everything runs on the host's default device without a mesh: analysis models are small enough, and for
@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from tieflax import storage
-from tieflax.run import identity, layout
-from tieflax.run.layout import ANALYSIS_DIR
+from tieflax.run import identity
+from tieflax.run.layout import ANALYSIS_DIR, RunDir
 from tieflax import strict_json as jsonable
 from tieflax.errors import UserError
 from tieflax.analysis.diagnostics import embedding_diagnostics
@@ -28,36 +28,41 @@ from tieflax.analysis.softmax import softmax_diagnostics
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-def checkpoint_steps(workdir: str) -> list[int]:
-    """Steps with a complete checkpoint in ``workdir`` (ascending; empty when none)."""
+def checkpoint_steps(run_dir: RunDir | str) -> list[int]:
+    """Steps with a complete checkpoint in ``run_dir`` (ascending; empty when none): a ``RunDir``, or the
+    path of a study's run (resolved and checked here, once)."""
     from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
 
-    if not storage.is_dir(ckpt.checkpoint_dir(workdir)):
+    run_dir = RunDir.of(run_dir)
+    if not storage.is_dir(ckpt.checkpoint_dir(run_dir)):
         return []
     # This process's own reader: compare analyses on process 0 alone (a manager of every process would
     # wait at orbax's barrier for the others, which are training the next run).
-    with ckpt.read_manager(workdir, this_process_only=True) as manager:
+    with ckpt.read_manager(run_dir, this_process_only=True) as manager:
         return sorted(manager.all_steps())
 
 
-def load_params_at(workdir: str, step: int | None = None) -> tuple[Any, dict, int]:
-    """``(config, params, step)`` of checkpoint ``step`` (latest when None); params as host NumPy arrays.
+def load_params_at(run_dir: RunDir | str, step: int | None = None) -> tuple[Any, dict, int]:
+    """``(config, params, step)`` of ``run_dir``'s checkpoint ``step`` (latest when None); params as host
+    NumPy arrays. ``run_dir``: a ``RunDir``, or the path of a study's run (resolved and checked here, once).
 
     Only the parameters are read (a partial restore of the ``state`` item), never the optimizer state.
     """
     from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
 
-    steps = checkpoint_steps(workdir)
+    run_dir = RunDir.of(run_dir)
+    steps = checkpoint_steps(run_dir)
     if not steps:
-        raise FileNotFoundError(f"{workdir!r} has no checkpoint; train first (tieflax train --workdir ...)")
+        raise FileNotFoundError(f"{run_dir.path!r} has no checkpoint; train first (tieflax train --workdir ...)")
     if step is not None and step not in steps:
-        raise FileNotFoundError(f"{workdir!r} has no checkpoint at step {step}; it has steps {steps}")
-    return ckpt.load_latest_params(workdir, step)
+        raise FileNotFoundError(f"{run_dir.path!r} has no checkpoint at step {step}; it has steps {steps}")
+    return ckpt.load_latest_params(run_dir, step)
 
 
 # --------------------------------------------------------------------------------------------- batches
-def analysis_data(config, workdir: str, n_val_batches: int = 2, max_sequences: int = 0) -> dict:
-    """``{'token_counts' [V] int64, 'train_batch', 'val_batches'}`` for the run's data, as host NumPy.
+def analysis_data(config, run_dir: RunDir | str, n_val_batches: int = 2, max_sequences: int = 0) -> dict:
+    """``{'token_counts' [V] int64, 'train_batch', 'val_batches'}`` for the data of the run in ``run_dir``
+    (its tokenizer and token cache; a ``RunDir`` or a path), as host NumPy.
 
     The train batch is the first of the run's own shuffle (seed ``config.seed``): the same batch for every
     checkpoint and every variant of a comparison, so their gradients are comparable. ``max_sequences``
@@ -67,7 +72,7 @@ def analysis_data(config, workdir: str, n_val_batches: int = 2, max_sequences: i
     from tieflax.data import make_loader, prepare_dataset  # noqa: PLC0415
 
     t = config.train
-    prepared = prepare_dataset(config.data, workdir, vocab_size=config.model.vocab_size)
+    prepared = prepare_dataset(config.data, str(run_dir), vocab_size=config.model.vocab_size)
     train = make_loader(prepared, "train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                         seed=config.seed)
     train_batch = dict(next(iter(train)))
@@ -176,30 +181,33 @@ def analyze_params(model_config, params: dict, token_counts, *, train_batch: dic
     return out
 
 
-def analyze_workdir(workdir: str, *, step: int | None = None, n_val_batches: int = 2, n_buckets: int = 4,
+def analyze_workdir(run_dir: RunDir | str, *, step: int | None = None, n_val_batches: int = 2, n_buckets: int = 4,
                     max_rows: int | None = 2048, out_dir: str | None = None, plots: bool = True) -> dict:
-    """Diagnostics of ``workdir``'s checkpoint ``step`` (latest when None), written as JSON (and PNGs).
+    """Diagnostics of ``run_dir``'s checkpoint ``step`` (latest when None), written as JSON (and PNGs).
+    ``run_dir``: the command's ``RunDir`` (``Run.read``'s), or a path (a notebook's), resolved and checked
+    here, once.
 
-    Writes ``<out_dir or workdir/analysis>/step_<step>.json`` (without the per-row arrays) and, with
+    Writes ``<out_dir or run_dir/analysis>/step_<step>.json`` (without the per-row arrays) and, with
     ``plots``, ``step_<step>_norm_vs_frequency.png`` and ``step_<step>_cosines.png``. Returns the
     dict, with arrays, and ``paths``.
     """
     from tieflax.config import model_config as to_model_config  # noqa: PLC0415
 
-    workdir = layout.check_location(workdir)  # the run folder canonical, once: the result names it so
-    vocab = identity.load_workdir_config(workdir).model.vocab_size
+    run_dir = RunDir.of(run_dir)  # the run folder canonical, once: the result names it so
+    workdir = run_dir.path
+    vocab = identity.load_workdir_config(run_dir).model.vocab_size
     if n_buckets > vocab:  # before the checkpoint and the data are read
         raise UserError(f"--buckets {n_buckets}: more frequency buckets than the {vocab} tokens of the run's "
                         f"vocabulary ({workdir}); use at most {vocab} (default 4)")
-    config, params, step = load_params_at(workdir, step)
+    config, params, step = load_params_at(run_dir, step)
     mc = to_model_config(config)
-    data = analysis_data(config, workdir, n_val_batches)
+    data = analysis_data(config, run_dir, n_val_batches)
     result = analyze_params(mc, params, data["token_counts"], train_batch=data["train_batch"],
                             val_batches=data["val_batches"], loss_options=analysis_loss_options(config),
                             n_buckets=n_buckets, max_rows=max_rows, with_arrays=True)
     result.update(step=int(step), workdir=workdir, data_dir=data["data_dir"],
-                  config_history=identity.history_lines(workdir))  # when and how its config changed
-    out_dir = out_dir or storage.join(workdir, ANALYSIS_DIR)
+                  config_history=identity.history_lines(run_dir))  # when and how its config changed
+    out_dir = out_dir or run_dir.file(ANALYSIS_DIR)
     storage.makedirs(out_dir)
     paths = {"json": storage.join(out_dir, f"step_{step}.json")}
     storage.write_text(paths["json"], jsonable.dumps(without_arrays(result), indent=1))

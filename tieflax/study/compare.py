@@ -35,8 +35,7 @@ import time
 import ml_collections
 
 from tieflax import storage
-from tieflax.run import layout
-from tieflax.run.layout import ANALYSIS_DIR
+from tieflax.run.layout import ANALYSIS_DIR, RunDir
 from tieflax import strict_json as jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigError
@@ -347,7 +346,7 @@ def analyze_run(config: ml_collections.ConfigDict, run_dir: str, cc: ml_collecti
     from tieflax.study.analyze import analysis_loss_options, checkpoint_steps, load_params_at  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415
 
-    path = layout.path(run_dir, ANALYSIS_DIR, "compare.json")
+    path = RunDir.named(run_dir).file(ANALYSIS_DIR, "compare.json")
     steps = checkpoint_steps(run_dir)
     if storage.is_file(path):
         saved = jsonable.loads(storage.read_text(path))
@@ -482,11 +481,12 @@ def alignment_study(planned: list, cc, counts, kept: dict, log=print) -> dict:
     return out
 
 
-def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> str:
-    """Prepares the data once in ``workdir/data`` and returns the tokenizer every variant will use."""
+def shared_tokenizer(config: ml_collections.ConfigDict, study: RunDir) -> str:
+    """Prepares the data once in ``<study>/data`` (``study``: the compare's or sweep's folder) and returns
+    the tokenizer every variant will use."""
     from tieflax.data import prepare_dataset  # noqa: PLC0415
 
-    data_dir = storage.join(workdir, "data")
+    data_dir = study.file("data")
     if config.data.tokenizer.path:
         return config.data.tokenizer.path
     if config.data.source == "tokens":
@@ -495,23 +495,24 @@ def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> str:
     return storage.join(data_dir, "tokenizer.json")
 
 
-def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
+def run_compare(config: ml_collections.ConfigDict, study: RunDir | str, *, log=print,
                 retrain_changed: bool = False, command: str = "tieflax compare") -> dict:
-    """Trains every variant and seed, analyses them and writes ``workdir/report.md``; returns the summary.
+    """Trains every variant and seed, analyses them and writes ``<study>/report.md``; returns the summary.
 
-    Layout: ``workdir/<variant>/seed_<s>/`` (a normal tieflax workdir each: rerunning resumes),
-    ``workdir/data/`` (the shared tokenizer and token cache), ``workdir/summary.json``, ``report.md``,
-    ``report.html`` (when markdown-it-py is installed) and the PNGs. ``log`` receives progress lines.
-    ``workdir`` may be a ``gs://`` / ``s3://`` prefix. A rerun reuses a run only if it was trained with
+    ``study``: the compare's folder (``--workdir``): the command's ``RunDir``, or a path (a notebook's),
+    resolved and checked here, once (``RunDir.of``); it may be a ``gs://`` prefix.
+    Layout: ``<study>/<variant>/seed_<s>/`` (a normal tieflax workdir each: rerunning resumes),
+    ``<study>/data/`` (the shared tokenizer and token cache), ``<study>/summary.json``, ``report.md``,
+    ``report.html`` (when markdown-it-py is installed) and the PNGs. ``log`` receives progress lines. A rerun reuses a run only if it was trained with
     the config it would be trained with now (``tieflax.study.resume``); ``retrain_changed`` trains
     the ones that differ again instead of refusing. ``command``: the command line, for the provenance
     (``tieflax.study.provenance``: kept as it was when a rerun trains nothing).
     """
     import jax  # noqa: PLC0415
 
-    from tieflax.run.lock import workdir_lock  # noqa: PLC0415
+    from tieflax.run.lock import hold  # noqa: PLC0415
 
-    workdir = layout.check_location(workdir)  # canonical, once: every run, report and lock below takes it so
+    study = RunDir.of(study)  # canonical, once: every run, report and lock below takes it so
     cc = compare_config(config)  # every config error before anything is written
     if cc.tasks:
         from tieflax.study.tasks import check_settings  # noqa: PLC0415
@@ -519,13 +520,13 @@ def run_compare(config: ml_collections.ConfigDict, workdir: str, *, log=print,
         check_settings(cc, lookup=True)  # an unknown task fails now, not after hours of training
     variants, match = variant_configs(config)
     # One compare at a time in a workdir (each run's trainer locks its own folder as well).
-    with workdir_lock(workdir, "compare", enabled=jax.process_index() == 0):
-        return _run_compare(config, workdir, cc, variants, match, log=log, retrain_changed=retrain_changed,
+    with hold(study, "compare", enabled=jax.process_index() == 0):
+        return _run_compare(config, study, cc, variants, match, log=log, retrain_changed=retrain_changed,
                             command=command)
 
 
-def _planned_runs(workdir: str, cc, variants: dict, tokenizer: str | None) -> list[tuple]:
-    """``[(seed, variant, config, run_dir), ...]``, seed-major: an interrupted study has every variant at
+def _planned_runs(study: RunDir, cc, variants: dict, tokenizer: str | None) -> list[tuple]:
+    """``[(seed, variant, config, run_dir), ...]`` in the compare's folder ``study``, seed-major: an interrupted study has every variant at
     the first seeds (paired)."""
     from tieflax.run.console import for_study  # noqa: PLC0415
 
@@ -537,12 +538,12 @@ def _planned_runs(workdir: str, cc, variants: dict, tokenizer: str | None) -> li
             if tokenizer:
                 cfg.data.tokenizer.path = tokenizer
             if not cfg.data.cache_dir:
-                cfg.data.cache_dir = storage.join(workdir, "data", "data_cache")
+                cfg.data.cache_dir = study.file("data", "data_cache")
             t = cfg.train
             t.checkpoint_every = max(1, t.num_steps // cc.analysis_points)
             t.keep_checkpoints = cc.analysis_points + 1
             t.console = for_study(t.console)  # the study prints one line per run (README): no interval lines
-            planned.append((seed, name, cfg, storage.join(workdir, name, f"seed_{seed}")))
+            planned.append((seed, name, cfg, study.file(name, f"seed_{seed}")))
     return planned
 
 
@@ -570,16 +571,16 @@ def _measured_now(analysis: dict | None, since: float) -> bool:
     return bool(analysis) and analysis.get("measured_at", 0.0) >= since - 1.0
 
 
-def _previous_summary(workdir: str) -> dict | None:
-    """The summary.json a previous invocation wrote here (None: none, or unreadable)."""
-    path = storage.join(workdir, "summary.json")
+def _previous_summary(study: RunDir) -> dict | None:
+    """The summary.json a previous invocation wrote in ``study`` (None: none, or unreadable)."""
+    path = study.file("summary.json")
     try:
         return jsonable.loads(storage.read_text(path)) if storage.is_file(path) else None
     except (ValueError, OSError):
         return None
 
 
-def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, retrain_changed: bool,
+def _run_compare(config, study: RunDir, cc, variants: dict, match: dict, *, log, retrain_changed: bool,
                  command: str = "tieflax compare") -> dict:
     from tieflax.study.report import write_report  # noqa: PLC0415
     from tieflax.config import model_config  # noqa: PLC0415
@@ -590,16 +591,16 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
     import jax  # noqa: PLC0415
 
     is_main = jax.process_index() == 0
-    storage.makedirs(workdir)
-    tokenizer = shared_tokenizer(config, workdir)
+    storage.makedirs(study.path)
+    tokenizer = shared_tokenizer(config, study)
     runs, data = [], None
     kept: dict = {}  # (variant, seed) -> embedding matrices, for the unembedding-bias comparison
     total = len(variants) * len(cc.seeds)
     t_start = time.perf_counter()
     since = time.time()  # what an analysis's measured_at is compared with (wall clock)
-    planned = _planned_runs(workdir, cc, variants, tokenizer)
+    planned = _planned_runs(study, cc, variants, tokenizer)
     _check_existing_runs(planned, is_main, retrain_changed=retrain_changed, log=log)
-    previous = _previous_summary(workdir) if is_main else None
+    previous = _previous_summary(study) if is_main else None
     trained = 0
     for seed, name, cfg, run_dir in planned:
         # A run trained to its end before (a rerun of a finished or stopped study) is evaluated, not trained;
@@ -649,5 +650,5 @@ def _run_compare(config, workdir: str, cc, variants: dict, match: dict, *, log, 
                    data=dict(train_tokens=data["train_tokens"], n_docs=data["n_docs"],
                              val_tokens=int(sum(sum(r["analysis"]["val"]["doc_tokens"]) for r in runs[:1])),
                              data_dir=data["data_dir"], whole_split=data["whole_split"]) if data else {})
-    summary["report"] = write_report(summary, workdir) if is_main else None
+    summary["report"] = write_report(summary, study.path) if is_main else None
     return summary

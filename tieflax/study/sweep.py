@@ -37,7 +37,7 @@ from tieflax.analysis import stats as st
 from tieflax.strict_json import to_jsonable
 from tieflax.config import section_with_defaults
 from tieflax.errors import ConfigError
-from tieflax.run.layout import WorkdirError, check_location
+from tieflax.run.layout import RunDir, WorkdirError
 
 SWEEP_VARIANTS = ("tied", "untied", "untied_matched", "untied_width", "untied_depth")
 RESULT = SWEEP_RESULT_FILE
@@ -121,8 +121,9 @@ def plan(config, sc) -> list[dict]:
     return runs
 
 
-def _run_dir(workdir, r, lr) -> str:
-    return storage.join(workdir, "runs", r["variant"], f"size_{r['size']}", f"lr_{lr:g}", f"seed_{r['seed']}")
+def _run_dir(study: RunDir, r, lr) -> str:
+    """The run folder of plan entry ``r`` at learning rate ``lr`` inside the sweep's folder ``study``."""
+    return study.file("runs", r["variant"], f"size_{r['size']}", f"lr_{lr:g}", f"seed_{r['seed']}")
 
 
 def _train(cfg, run_dir) -> dict:
@@ -133,23 +134,25 @@ def _train(cfg, run_dir) -> dict:
     return train_and_evaluate(cfg, run_dir)
 
 
-def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool = False, log=print,
+def run_sweep(config: ml_collections.ConfigDict, study: RunDir | str, *, resume: bool = False, log=print,
               train: Callable[[ml_collections.ConfigDict, str], dict] = _train,
               retrain_changed: bool = False) -> dict:
     """Runs (or resumes) the sweep and writes its report; returns the summary. ``train(config, run_dir)``
     must return a dict with ``final_val_loss`` (the trainer's, on the whole split: ``eval_batches=0``).
 
-    On ``resume``, a run found in the workdir is reused only if it was trained with the config it would
-    get now (``tieflax.study.resume``); otherwise the sweep refuses naming the fields, or with
-    ``retrain_changed`` trains it again. ``workdir`` may be a ``gs://`` / ``s3://`` prefix."""
+    ``study``: the sweep's folder (``--workdir``): the command's ``RunDir``, or a path (a notebook's),
+    resolved and checked here, once (``RunDir.of``); it may be a ``gs://`` prefix. On ``resume``, a run
+    found in it is reused only if it was trained with the config it would get now
+    (``tieflax.study.resume``); otherwise the sweep refuses naming the fields, or with ``retrain_changed``
+    trains it again."""
     import jax  # noqa: PLC0415
 
-    from tieflax.run.lock import workdir_lock  # noqa: PLC0415
+    from tieflax.run.lock import hold  # noqa: PLC0415
 
     sc = sweep_config(config)
-    workdir = check_location(workdir)  # canonical, once: every run and lock below takes it so
-    if storage.is_dir(storage.join(workdir, "runs")) and not resume:
-        raise WorkdirError(f"{workdir} already holds a sweep; pass --resume to continue it, or use a new "
+    study = RunDir.of(study)  # canonical, once: every run and lock below takes it so
+    if storage.is_dir(study.file("runs")) and not resume:
+        raise WorkdirError(f"{study} already holds a sweep; pass --resume to continue it, or use a new "
                            "--workdir")
     runs = plan(config, sc)  # every variant validated at every size before anything is written
     from tieflax.study.compare import task_section  # noqa: PLC0415
@@ -158,12 +161,14 @@ def run_sweep(config: ml_collections.ConfigDict, workdir: str, *, resume: bool =
     tc = task_section(config)   # config.compare.tasks: the same benchmark tasks a compare scores
     if tc.tasks:
         check_settings(tc, lookup=True)
-    with workdir_lock(workdir, "sweep", enabled=jax.process_index() == 0):
-        return _run_sweep(config, workdir, sc, runs, log=log, train=train, retrain_changed=retrain_changed,
+    with hold(study, "sweep", enabled=jax.process_index() == 0):
+        return _run_sweep(config, study, sc, runs, log=log, train=train, retrain_changed=retrain_changed,
                           tasks=tc if tc.tasks else None)
 
 
-def _run_config(r: dict, lr: float, workdir: str, tokenizer: str) -> ml_collections.ConfigDict:
+def _run_config(r: dict, lr: float, study: RunDir, tokenizer: str) -> ml_collections.ConfigDict:
+    """Plan entry ``r``'s config at ``lr``: the whole split scored once, at the end; the shared tokenizer
+    and ``<study>/data/data_cache`` unless the config names its own."""
     cfg = copy.deepcopy(r["config"])
     cfg.seed = r["seed"]
     cfg.train.learning_rate = float(lr)
@@ -173,11 +178,11 @@ def _run_config(r: dict, lr: float, workdir: str, tokenizer: str) -> ml_collecti
     if tokenizer:
         cfg.data.tokenizer.path = tokenizer
     if not cfg.data.cache_dir:
-        cfg.data.cache_dir = storage.join(workdir, "data", "data_cache")
+        cfg.data.cache_dir = study.file("data", "data_cache")
     return cfg
 
 
-def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrain_changed: bool,
+def _run_sweep(config, study: RunDir, sc, runs: list[dict], *, log, train, retrain_changed: bool,
                tasks=None) -> dict:
     import jax  # noqa: PLC0415
 
@@ -188,8 +193,8 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
 
     is_main = jax.process_index() == 0
 
-    storage.makedirs(workdir)
-    tokenizer = shared_tokenizer(config, workdir)
+    storage.makedirs(study.path)
+    tokenizer = shared_tokenizer(config, study)
     best: dict[str, float] = {}
     done, t0 = [], time.perf_counter()
     for k, r in enumerate(runs):
@@ -197,9 +202,9 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
             best = best_learning_rates(done)
             log("best learning rates: " + ", ".join(f"{v} {lr:g}" for v, lr in best.items()))
         lr = r["lr"] if r["lr"] is not None else best[r["variant"]]
-        run_dir = _run_dir(workdir, r, lr)
+        run_dir = _run_dir(study, r, lr)
         path = storage.join(run_dir, RESULT)
-        cfg = _run_config(r, lr, workdir, tokenizer)
+        cfg = _run_config(r, lr, study, tokenizer)
         counts = param_counts(model_config(cfg))
         if any(d["run_dir"] == run_dir for d in done):  # the lr phase's seed at lr_size: reused
             continue
@@ -249,8 +254,8 @@ def _run_sweep(config, workdir: str, sc, runs: list[dict], *, log, train, retrai
                             for i in range(len(sc.sizes))}
     summary = to_jsonable(summary)
     if is_main:
-        storage.write_text(storage.join(workdir, "sweep.json"), jsonable.dumps(summary))
-    summary["report"] = write_sweep_report(summary, workdir) if is_main else None
+        storage.write_text(study.file("sweep.json"), jsonable.dumps(summary))
+    summary["report"] = write_sweep_report(summary, study.path) if is_main else None
     return summary
 
 

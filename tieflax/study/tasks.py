@@ -23,8 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from tieflax import storage
-from tieflax.run import layout
-from tieflax.run.layout import ANALYSIS_DIR, LM_EVAL_DIR
+from tieflax.run.layout import ANALYSIS_DIR, LM_EVAL_DIR, RunDir
 from tieflax import strict_json as jsonable
 from tieflax.analysis import stats as st
 from tieflax.errors import ConfigError, UserError
@@ -102,10 +101,12 @@ def items_of(results: dict, name: str) -> dict:
 
 def score_run(run_dir: str, cc, *, log: Callable[[str], None] = print) -> dict:
     """Scores ``run_dir``'s latest checkpoint on ``cc.tasks`` (or reuses ``analysis/tasks.json`` when it
-    holds the same step and settings); -> ``{'step', 'settings', 'tasks': {name: items_of(...)}}``."""
+    holds the same step and settings); -> ``{'step', 'settings', 'tasks': {name: items_of(...)}}``.
+    ``run_dir``: one run of a study, a path inside the study's canonical folder."""
     from tieflax.study.analyze import checkpoint_steps  # noqa: PLC0415
 
-    path = layout.path(run_dir, ANALYSIS_DIR, TASKS_FILE)
+    where = RunDir.named(run_dir)
+    path = where.file(ANALYSIS_DIR, TASKS_FILE)
     step, want = int(checkpoint_steps(run_dir)[-1]), settings(cc)
     if storage.is_file(path):
         saved = jsonable.loads(storage.read_text(path))
@@ -124,7 +125,7 @@ def score_run(run_dir: str, cc, *, log: Callable[[str], None] = print) -> dict:
                         model_args={"pretrained": run_dir},
                         num_fewshot=None if want["num_fewshot"] < 0 else want["num_fewshot"],
                         limit=want["limit"] or None, log_samples=True)
-    write_scores(results, layout.path(run_dir, LM_EVAL_DIR))
+    write_scores(results, where.file(LM_EVAL_DIR))
     scored = dict(step=step, settings=want, tasks={t: items_of(results, t) for t in want["tasks"]})
     storage.write_text(path, jsonable.dumps(scored))
     return scored

@@ -96,7 +96,7 @@ def _tasks(run: Run, mc, prepared, mesh):
         return None
     from tieflax.eval.tasks import TrainingTasks  # noqa: PLC0415
 
-    return TrainingTasks(run.config, mc, prepared.tokenizer, mesh, run.path, write=run.is_main)
+    return TrainingTasks(run.config, mc, prepared.tokenizer, mesh, run.dir, write=run.is_main)
 
 
 def _starting_state(run: Run, s, loader) -> Progress:
