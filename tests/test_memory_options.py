@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
 
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model import layers
@@ -42,11 +43,12 @@ def _loss_fn(c: ModelConfig):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_chunked_mlp_and_offloaded_inputs_keep_loss_and_gradients(family):
-    """Chunks of 4 (T = 12: three), of 5 (a shorter last chunk), offloading, both; scanned and unrolled."""
+    """Chunks of 4 positions (T = 12: three), of 5 (a shorter last chunk), offloading, both; scanned and
+    unrolled; ``mlp_chunk`` counts the tokens of all B rows (``mlp_chunk_length``), 4 positions = 4 * B."""
     base = FAMILIES[family]
     params = nn.unbox(TransformerLM(base).init(jax.random.key(0), TOKENS)["params"])
-    variants = [dict(mlp_chunk=4), dict(mlp_chunk=5), dict(offload_layer_inputs=True),
-                dict(mlp_chunk=4, offload_layer_inputs=True, scan_layers=True), dict(mlp_chunk=T)]
+    variants = [dict(mlp_chunk=4 * B), dict(mlp_chunk=5 * B), dict(offload_layer_inputs=True),
+                dict(mlp_chunk=4 * B, offload_layer_inputs=True, scan_layers=True), dict(mlp_chunk=T * B)]
     configs = [base] + [base.replace(**v) for v in variants]
     everything = jax.jit(
         lambda p: [jax.value_and_grad(_loss_fn(c))(to_layout(p, c)) for c in configs],
@@ -74,6 +76,40 @@ def test_offloaded_layer_input_goes_to_host_memory():
     # device_put to MemorySpace.Host in the forward pass; the saved [B, T, d] values typed f32<host>.
     assert "MemorySpace.Host" in offloaded and f"f32<host>[{B},{T},16]" in offloaded
     assert "MemorySpace.Host" not in program(c)
+
+
+def test_mlp_chunk_counts_tokens_per_device():
+    """``mlp_chunk`` tokens per device: positions per row = tokens / the rows a device holds (the batch
+    over the mesh's 'data' and 'fsdp' axes when they divide it, else whole on each device)."""
+    assert layers.mlp_chunk_length(0, 8, None) == 0
+    assert layers.mlp_chunk_length(1024, 8, None) == 128      # one device, 8 rows (one H100, 8 x 2048)
+    assert layers.mlp_chunk_length(1024, 1, None) == 1024
+    assert layers.mlp_chunk_length(4, 8, None) == 1
+    mesh = AbstractMesh((2, 4, 1), ("data", "fsdp", "tensor"))
+    assert layers.mlp_chunk_length(1024, 8, mesh) == 1024     # one row per device: the pod configs
+    assert layers.mlp_chunk_length(1024, 16, mesh) == 512
+    assert layers.mlp_chunk_length(1024, 12, mesh) == 85      # 12 rows do not shard 8 ways: all on each
+
+
+def test_kernel_cast_is_astype_bit_for_bit():
+    """``cast_kernel`` (fp32 -> bf16 by integer operations, so that XLA:TPU keeps it in the layer loop)
+    rounds as ``astype`` does for every kind of fp32 value, and its gradient is ``astype``'s."""
+    rng = np.random.default_rng(5)
+    values = np.concatenate([
+        (rng.normal(size=4096) * np.exp(rng.normal(size=4096) * 20)).astype(np.float32),   # every exponent
+        rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32).view(np.float32),  # any bits
+        np.array([np.inf, -np.inf, 0.0, -0.0, 1e-45, 3.4e38, 1.00390625, 1.01171875], np.float32)])  # ties
+    x = jnp.asarray(values)
+    want, got = x.astype(jnp.bfloat16), layers.cast_kernel(x, jnp.bfloat16)
+    nan = np.isnan(values)
+    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))  # noqa: E731
+    np.testing.assert_array_equal(bits(got)[~nan], bits(want)[~nan])
+    assert nan.any() and np.isnan(np.asarray(got, np.float32)[nan]).all()
+    w = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+    loss = lambda cast: lambda w: (cast(w).astype(jnp.float32) ** 3).sum()  # noqa: E731
+    np.testing.assert_array_equal(jax.grad(loss(lambda w: layers.cast_kernel(w, jnp.bfloat16)))(w),
+                                  jax.grad(loss(lambda w: w.astype(jnp.bfloat16)))(w))
+    assert layers.cast_kernel(w, jnp.float32) is w
 
 
 def test_memory_options_are_validated_by_name():

@@ -91,7 +91,7 @@ class ModelConfig:
     remat: str = "none"                   # what the backward pass recomputes: REMAT_POLICIES (True = 'full')
     scan_layers: bool = False             # nn.scan over the blocks: stacked params, one compiled layer
     offload_layer_inputs: bool = False    # keep each block's saved input in host memory (needs remat)
-    mlp_chunk: int = 0                    # >0: the MLP runs over this many tokens at a time (less memory)
+    mlp_chunk: int = 0                    # >0: the MLP runs over this many tokens per device at a time
 
     # ----------------------------------------------------------------------------------------------
     @classmethod

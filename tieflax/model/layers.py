@@ -54,6 +54,39 @@ def recast_in_backward(fn, remat: str):
     return jax.checkpoint(fn) if remat == "none" else fn
 
 
+def cast_kernel(kernel: Array, dtype) -> Array:
+    """``kernel.astype(dtype)``, the same values, in a form XLA:TPU leaves inside a layer loop (fp32 to bf16;
+    any other cast is ``astype``). Any shape.
+
+    XLA:TPU moves the narrowing ``convert`` of a scanned layer's kernel shard up across the loop's
+    ``dynamic_slice`` and out of the loop: a bf16 copy of every layer's MLP shards, made before the forward
+    loop and held through both loops (216 MiB of Gemma-2B's peak on v5e:4x4, 168 MiB of Llama-3-8B's on
+    v5p:4x4x4; an ``optimization_barrier`` before the cast did not stop it; benchmarks/README.md). Here the
+    rounding (to nearest, ties to even, as ``convert``) is integer arithmetic, which it does not move;
+    a NaN stays a NaN, a subnormal stays subnormal (a TPU's ``convert`` may flush it to zero). The
+    gradient is the cotangent cast back to fp32, as ``astype``'s.
+    """
+    if kernel.dtype != jnp.float32 or jnp.dtype(dtype) != jnp.bfloat16:
+        return kernel.astype(dtype)
+    return _fp32_to_bf16(kernel)
+
+
+def _round_to_bf16(x: Array) -> Array:
+    """fp32 -> bf16 by integer operations on the bits: round to nearest even, the high 16 bits kept."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1)))   # ties to the even neighbour
+    y = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return jnp.where(jnp.isnan(x), jnp.asarray(jnp.nan, jnp.bfloat16), y)   # a NaN's rounding could carry
+
+
+@jax.custom_vjp
+def _fp32_to_bf16(x: Array) -> Array:
+    return _round_to_bf16(x)
+
+
+_fp32_to_bf16.defvjp(lambda x: (_round_to_bf16(x), None), lambda _, g: (g.astype(jnp.float32),))
+
+
 class Norm(nn.Module):
     """LayerNorm (GPT-2) or RMSNorm (Llama), the latter optionally scaled by (1 + w) (Gemma).
 
@@ -321,14 +354,16 @@ def _activation(kind: str, up: Array, gate: Optional[Array]) -> Array:
 class Mlp(nn.Module):
     """GELU MLP (GPT-2) or gated SwiGLU (Llama) / GeGLU (Gemma). x: [B, T, d] -> [B, T, d].
 
-    With ``config.mlp_chunk = t`` (0 < t < T) the tokens go through t at a time (the last chunk may be
-    shorter), one chunk after another, each rematerialised: the backward pass then holds the [B, t, d_ff]
-    activations of one chunk instead of [B, T, d_ff], which at long sequences are the widest tensors of a
-    block. The weights are cast once, outside the chunk loop; their gradients add up over the chunks in the
-    compute dtype.
+    With ``config.mlp_chunk = n`` > 0 the tokens go through n per device at a time: each of a device's
+    r rows t = n // r positions at a time (``mlp_chunk_length``; the last chunk may be shorter), one chunk
+    after another, each rematerialised: the backward pass then holds the [B, t, d_ff] activations of one
+    chunk instead of [B, T, d_ff], which at long sequences are the widest tensors of a block. The weights
+    are cast once, outside the chunk loop; their gradients add up over the chunks in the compute dtype.
+    ``mesh``: the mesh the program is compiled for, if any (how many rows a device holds).
     """
 
     config: ModelConfig
+    mesh: Optional[Mesh] = None
 
     @nn.compact
     def __call__(self, x: Array, norm: Optional[Callable[[Array], Array]] = None) -> Array:
@@ -355,7 +390,7 @@ class Mlp(nn.Module):
 
         x = x if norm is not None else x.astype(dt)
         b, t = x.shape[:2]
-        chunk = c.mlp_chunk
+        chunk = mlp_chunk_length(c.mlp_chunk, b, self.mesh)
         chunked = bool(chunk) and chunk < t
         activation = functools.partial(_activation, c.mlp)
         if c.remat == "none" and not chunked:
@@ -394,10 +429,10 @@ class Mlp(nn.Module):
             return apply(weights, x, first)
 
         def chunk_loop(x, weights):
-            # The kernels cast once for all the chunks; their gradients add up over the chunks in the
-            # compute dtype.
+            # The kernels cast once for all the chunks (``cast_kernel``: kept in the layer loop); their
+            # gradients add up over the chunks in the compute dtype.
             x = prenormed(x)
-            w = {k: (kernel.astype(dt), bias) for k, (kernel, bias) in weights.items()}
+            w = {k: (cast_kernel(kernel, dt), bias) for k, (kernel, bias) in weights.items()}
             step = jax.checkpoint(apply, prevent_cse=False)   # inside a loop: nothing for CSE to merge
             n = t // chunk
             chunks = x[:, :n * chunk].reshape(b, n, chunk, d).swapaxes(0, 1)   # [n, B, chunk, d]
@@ -411,6 +446,24 @@ class Mlp(nn.Module):
         # whole loop the checkpoint keeps x (before the norm, when the norm is applied here) and the fp32
         # kernels instead (``recast_in_backward``).
         return recast_in_backward(chunk_loop, c.remat)(x, weights)
+
+
+def mlp_chunk_length(tokens: int, rows: int, mesh: Optional[Mesh]) -> int:
+    """Positions per row of one MLP chunk for ``tokens`` (``config.mlp_chunk``) tokens per device at a
+    time, of a [rows, T] batch; 0 (no chunks) when ``tokens`` is 0.
+
+    The batch is sharded over the mesh's ('data', 'fsdp') axes when they divide it (the 'batch' rule of
+    ``tieflax.sharding``), so a device holds rows / shards rows, all of them in each chunk: a chunk of n
+    positions per row is n * rows / shards tokens per device. Pod configs hold one row per device, and n =
+    ``tokens``; one GPU with a batch of 8 rows takes ``tokens`` // 8 positions per row, so that a chunk's
+    [8, n, d_ff] activations are those of ``tokens`` tokens (they were 8 times that: Llama-3.2-1B's 1 GiB
+    of one chunk's backward at 8 x 2048 under remat 'none', benchmarks/README.md).
+    """
+    if not tokens:
+        return 0
+    shards = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    local_rows = rows // shards if rows % shards == 0 else rows
+    return max(1, tokens // local_rows)
 
 
 class Block(nn.Module):
@@ -438,7 +491,7 @@ class Block(nn.Module):
             y = Norm(c, name="attn_post_norm")(y)
         x = nn.with_logical_constraint(x + y, BTD)
         h, norm = _normed(Norm(c, name="mlp_norm"), x, prenorm)
-        y = checkpoint_name(Mlp(c, name="mlp")(h, norm=norm), "mlpwo")
+        y = checkpoint_name(Mlp(c, mesh=self.mesh, name="mlp")(h, norm=norm), "mlpwo")
         if c.sandwich_norms:
             y = Norm(c, name="mlp_post_norm")(y)
         x = nn.with_logical_constraint(x + y, BTD)
