@@ -53,9 +53,10 @@ sys.path.insert(0, ROOT)
 # variant's process starts from this and chooses its own flags.
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 
-from tieflax.hardware.flops import step_flops  # noqa: E402 (after the path: this checkout's tieflax)
-from tieflax.hardware.gpu_flags import ENV as GPU_FLAGS_ENV  # noqa: E402
-from tieflax.hardware.targets import device_peak  # noqa: E402
+# ``import tieflax`` (JAX not imported: tieflax/__init__.py) here; the FLOP count and the peaks, which import
+# JAX and Flax (1.1 CPU-s), in ``result``: the parent process that starts the variants, a --budget-s that
+# starts none and --help need neither.
+from tieflax.hardware.gpu_flags import ENV as GPU_FLAGS_ENV  # noqa: E402 (after the path: this checkout's tieflax)
 
 CONFIG = os.path.join(ROOT, "configs", "models", "llama3_2_1b.py")
 # The flags variant second: with --budget-s, a variant late in the list is the one left out.
@@ -87,6 +88,9 @@ def load(tied: bool, batch: int, seq_len: int, remat: str = "none"):
 def result(name: str, step_times: list[float], tokens: int, peak_bytes, extra: dict, device_kind: str,
            model) -> dict:
     """One row: median step, tokens/s, model TFLOP/s and MFU (tieflax's count and peaks)."""
+    from tieflax.hardware.flops import step_flops  # noqa: PLC0415 (the module's comment says why)
+    from tieflax.hardware.targets import device_peak  # noqa: PLC0415
+
     median = statistics.median(step_times)
     flops = step_flops(model, extra["batch"], extra["seq_len"]).train
     peak = device_peak(device_kind)

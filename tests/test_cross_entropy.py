@@ -477,6 +477,43 @@ def _lowered_for(platform, impl, w_dtype, n=256, d=64, v=1024):
     return f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
+@pytest.mark.parametrize("kernel", ["auto_bf16", "fused"])
+def test_a_mesh_of_cpus_takes_the_cpu_branch_bit_for_bit(kernel, monkeypatch):
+    """On a mesh of CPUs the loss calls its CPU branch when tracing instead of ``lax.platform_dependent``
+    (which traced the TPU and Mosaic GPU kernels for the lowering to drop): loss, aux and gradients must
+    be the same bits as through ``platform_dependent``."""
+    import sys  # noqa: PLC0415
+
+    ce_module = sys.modules["tieflax.ops.cross_entropy"]
+    mesh = _mesh("8dev_2x4")
+    rng = np.random.default_rng(0)
+    dtype = jnp.bfloat16 if kernel == "auto_bf16" else jnp.float32
+    h, w = jnp.asarray(rng.normal(size=(64, 64)), dtype), jnp.asarray(rng.normal(size=(256, 64)) * 0.3, dtype)
+    y = jnp.asarray(rng.integers(-1, 250, 64), jnp.int32)
+    options = dict(valid_vocab=250, mesh=mesh, z_loss=1e-4, label_smoothing=0.1,
+                   mode="fused" if kernel == "fused" else "recompute")
+
+    def total(h, w):
+        loss, aux = cross_entropy(h, w, y, **options)
+        return loss.sum(), aux
+
+    def loss_and_grads():
+        return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(total, (0, 1), has_aux=True))(h, w))
+
+    def every_platform(cfg, args, branches):
+        return lax.platform_dependent(*args, **branches)
+
+    shortcut = loss_and_grads()
+    monkeypatch.setattr(ce_module, "_by_platform", every_platform)
+    ce_module._build.cache_clear()  # the custom VJPs built with the shortcut
+    try:
+        traced_for_every_platform = loss_and_grads()
+    finally:
+        ce_module._build.cache_clear()
+    for a, b in zip(jax.tree.leaves(shortcut), jax.tree.leaves(traced_for_every_platform)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
 def test_auto_lowers_to_the_gpu_kernels_for_cuda_and_to_xla_for_a_cpu():
     """Both stacks lower Mosaic GPU kernels without a GPU (the Triton ones needed one on jax 0.12)."""
     assert "mosaic_gpu_v2" not in _lowered_for("cpu", "auto", jnp.bfloat16)

@@ -4,10 +4,13 @@ import glob
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tieflax import cli
-from tieflax.model.params import param_report
+from tieflax.model import TransformerLM
+from tieflax.model.params import count_params, param_report
 from tieflax.config import load_config, model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +43,21 @@ def test_counts_equal_published_totals(name):
     # Tying removes exactly one V x d matrix (published V: padding rows are not parameters).
     assert report.total_untied - report.total_tied == config.vocab_size * config.d_model
     assert config.padded_vocab % 128 == 0 and config.padded_vocab >= config.vocab_size
+
+
+@pytest.mark.parametrize("name,change", [(name, {}) for name in sorted(PUBLISHED)]
+                         + [("gpt2", dict(embed_dim=96)), ("llama3_2_1b", dict(head_bias=True, embed_dim=64))])
+def test_the_tied_total_is_the_tied_models_own_tree(name, change):
+    """param_report counts the untied tree alone and takes the head's matrix off for the tied total: the
+    tied model's own tree must count the same, for every published family (and a decoupled width, whose
+    out_proj moves between embed and lm_head, and a logit bias)."""
+    config = model_config(load_config(os.path.join(REPO, f"configs/models/{name}.py"))).replace(**change)
+    report = param_report(config)
+    for tie, total in ((True, report.total_tied), (False, report.total_untied)):
+        # The model as configured (its attention too: abstract_params traces the einsum one).
+        model = TransformerLM(config.replace(tie_embeddings=tie, head_init_std=0.0, head_init="normal"))
+        tree = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))["params"]
+        assert total == count_params(tree, config), tie
 
 
 def test_published_configs_default_to_scanned_layers_with_remat():

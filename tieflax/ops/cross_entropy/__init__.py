@@ -60,9 +60,9 @@ Implementations (``impl``), one file each
     needs jax >= 0.12). ``'auto'`` (default): the TPU kernels when the program is lowered for a TPU, the
     Mosaic GPU kernels when lowered for a CUDA GPU of Hopper or newer (bf16 hidden states, d a multiple
     of 64), XLA elsewhere (``lax.platform_dependent``: decided at lowering, so a deviceless compile for
-    a TPU topology or a GPU target from a CPU picks them). The Pallas Triton kernels (``'pallas_gpu'``,
-    5 matmuls) were removed: JAX deprecated that backend, jax 0.12 cannot lower it without a GPU, and no
-    GPU measurement ever showed them ahead of XLA.
+    a TPU topology or a GPU target from a CPU picks them; on a mesh of CPUs, when tracing). The Pallas
+    Triton kernels (``'pallas_gpu'``, 5 matmuls) were removed: JAX deprecated that backend, jax 0.12
+    cannot lower it without a GPU, and no GPU measurement ever showed them ahead of XLA.
 
 Semantics (global valid vocabulary ``V = valid_vocab``; ``j`` runs over rows ``< V``)::
 
@@ -152,6 +152,19 @@ def _on_platform(cfg: Cfg, kind: str, *args):
         branches["tpu"] = functools.partial(tpu_fn, cfg.on("tpu"), False)
         if not cfg.mosaic_ok:
             branches["cuda"] = functools.partial(gpu_fn, cfg.on("gpu"), False)
+    return _by_platform(cfg, args, branches)
+
+
+def _by_platform(cfg: Cfg, args: tuple, branches: dict):
+    """``lax.platform_dependent(*args, **branches)``, or the default branch alone when the mesh's every
+    device is a CPU: the program is then compiled for CPUs (a compile-only TPU topology or GPU target has
+    that platform's devices; the attention also picks its kernel by the mesh's platform when tracing), and
+    ``platform_dependent`` would trace the TPU and Mosaic GPU kernels only for the lowering to drop them
+    (0.27 CPU-s on a first trace at d=64 bf16). The CPU branch is the same function either way: the loss
+    and its gradients are bit-identical (tests/test_cross_entropy.py compares them on a mesh of CPUs).
+    Without a mesh the platform is known only when lowering."""
+    if cfg.mesh is not None and all(d.platform == "cpu" for d in cfg.mesh.devices.flat):
+        return branches["default"](*args)
     return lax.platform_dependent(*args, **branches)
 
 
@@ -167,7 +180,7 @@ def _grads(cfg: Cfg, h, w, b, y, lse, coef):
 
 def _fused(cfg: Cfg, h, w, b, y, aw):
     """Gradient-in-forward (XLA on every platform, with the platform's tiles)."""
-    return lax.platform_dependent(h, w, b, y, aw, **_xla_on(cfg, xla.fused))
+    return _by_platform(cfg, (h, w, b, y, aw), _xla_on(cfg, xla.fused))
 
 
 # ---------------------------------------------------------------------------------- custom VJP
