@@ -13,6 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # program (collectives, temporaries, dtypes, memory) is unchanged; workers and the CLI subprocesses they
 # start inherit it. Measured on the 3.11 suite: 953 -> 818 CPU-s. A value the caller set is kept.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# libtpu's lock on this machine's (absent) TPU off: the suite only compiles for TPU topologies from the CPU,
+# and two workers doing so at once (or any other process holding libtpu) failed the second with "Internal
+# error when accessing libtpu multi-process lockfile" (a clean clone's test_memory_options, 2026-12-07).
+# tieflax's own compile path sets the same (tieflax/hardware/targets.py). A value the caller set is kept.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # OpenMP (torch's intra-op threads, OpenBLAS under numpy) on one thread in every process of the suite: four
 # workers already share 2 cores, and an OpenMP worker that waits for a core spins. The tuned lens's torch
 # reference (tests/test_literature.py) took 15.7 CPU-s on torch's 2 threads on a loaded machine, 0.4 on one

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from test_run_identity import STEPS, _config, _copy, _one_line, data_dir, finished  # noqa: F401 (fixtures)
+from test_run_identity import STEPS, _config, _copy, _one_line, finished  # noqa: F401 (fixtures)
 from tieflax.cli import main
 from tieflax.run import identity, record, saved_config
 from tieflax.run.layout import CHECKPOINT_DIR, CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE
@@ -94,15 +94,15 @@ def _previous_version_digests_still_read(run: str) -> None:
 # ------------------------------------------------------------------------ what belongs to the run
 
 @pytest.fixture(scope="module")
-def other(data_dir, tmp_path_factory):  # noqa: F811
+def other(micro_data, tmp_path_factory):
     """Another run: another learning rate, 6 steps (checkpoints 2, 4, 6)."""
     workdir = str(tmp_path_factory.mktemp("other") / "run")
-    assert train_and_evaluate(_config(data_dir, learning_rate=0.001, num_steps=6), workdir)["step"] == 6
+    assert train_and_evaluate(_config(micro_data, learning_rate=0.001, num_steps=6), workdir)["step"] == 6
     return workdir
 
 
 @pytest.mark.parametrize("how", ["other settings", "same settings", "saved before run ids"])
-def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, data_dir, tmp_path, capsys,  # noqa: F811
+def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, micro_data, tmp_path, capsys,  # noqa: F811
                                                                how):
     """It was blamed on config.json, whose printed fix (--allow-change) resumed on the other run's
     parameters; one from a run with the same settings was taken for the run's own. A checkpoint that names
@@ -111,7 +111,7 @@ def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, 
     step = STEPS if same_settings else 6
     if same_settings:  # another run of the same config: its checkpoint replaces the run's own
         other = str(tmp_path / "twin")
-        train_and_evaluate(_config(data_dir), other)
+        train_and_evaluate(_config(micro_data), other)
     run = _copy(finished, tmp_path / "run")
     foreign = os.path.join(run, CHECKPOINT_DIR, str(step))
     shutil.rmtree(foreign, ignore_errors=True)
@@ -136,7 +136,7 @@ def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, 
 
 # ------------------------------------------------------------------- num_steps below the step reached
 
-def test_num_steps_below_the_step_the_run_reached_is_refused_in_one_line(changed, data_dir, tmp_path, capsys):  # noqa: F811
+def test_num_steps_below_the_step_the_run_reached_is_refused_in_one_line(changed, micro_data, tmp_path, capsys):
     """``--allow-change train.num_steps`` to 5 at step 6 was recorded as 6 -> 5 without a word."""
     run = _copy(changed, tmp_path / "run")
     listing = sorted(os.listdir(os.path.join(run, CONFIG_HISTORY_DIR)))
@@ -147,5 +147,5 @@ def test_num_steps_below_the_step_the_run_reached_is_refused_in_one_line(changed
     # The same after a restart of a broken record (config.json lost) from step 6
     os.remove(os.path.join(run, CONFIG_FILE))
     with pytest.raises(identity.RunChanged, match="train.num_steps 5 is below step 6"):
-        train_and_evaluate(_config(data_dir, num_steps=5), run, allow_change=("train.num_steps",))
+        train_and_evaluate(_config(micro_data, num_steps=5), run, allow_change=("train.num_steps",))
     assert sorted(os.listdir(os.path.join(run, CONFIG_HISTORY_DIR))) == listing

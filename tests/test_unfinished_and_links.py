@@ -12,7 +12,6 @@ import os
 import pytest
 
 from train_support import REPO, config_overrides, micro_config
-from test_bucket_run import data_dir  # noqa: F401 (the module's fixture: the prepared token store)
 from tieflax import storage
 from tieflax.cli import main
 from tieflax.run import checkpoints as ckpt
@@ -38,8 +37,8 @@ def _as_killed_while_writing(run: str, step: int) -> None:
 
 @pytest.mark.parametrize("where", ["gs", "local"])
 def test_an_unfinished_first_checkpoint_is_not_legacy_and_the_rerun_says_it_starts_over(
-        where, gcs, data_dir, tmp_path, capsys, caplog):  # noqa: F811
-    config = micro_config(data_dir, num_steps=20)
+        where, gcs, micro_data, tmp_path, capsys, caplog):
+    config = micro_config(micro_data, num_steps=20)
     config.train.log_every, config.train.checkpoint_every = 5, 10
     run = gcs.new_bucket() + "/runs/unfinished" if where == "gs" else str(tmp_path / "unfinished")
     assert main(["train", "--config", f"{REPO}/configs/experiments/tiny.py", "--workdir", run,
@@ -61,10 +60,10 @@ def test_an_unfinished_first_checkpoint_is_not_legacy_and_the_rerun_says_it_star
 
 
 def test_an_overwriting_export_into_a_linked_out_replaces_the_linked_folder_and_leaves_no_lock(
-        data_dir, tmp_path, capsys):  # noqa: F811
+        micro_data, tmp_path, capsys):
     """`convert --to-hf --overwrite --out latest`, latest a link to an earlier export: the link is followed
     (the folder it names is replaced whole, the link names the new export), and no lock is left behind."""
-    config = micro_config(data_dir, num_steps=20)   # the run of the test above: its programs are in the cache
+    config = micro_config(micro_data, num_steps=20)   # the run of the test above: its programs are in the cache
     config.train.log_every, config.train.checkpoint_every = 5, 10
     run = str(tmp_path / "run")
     train_and_evaluate(config, run)
