@@ -164,7 +164,7 @@ RANGES = {
     "head_dim": Range(0, why="0 means d_model // n_heads"),
     "sliding_window": Range(0, why="0 means full causal attention"),
     "embed_dim": Range(0, why="0 means embeddings of width d_model"),
-    "mlp_chunk": Range(0, why="tokens the MLP takes at a time; 0 means the whole sequence at once"),
+    "mlp_chunk": Range(0, why="tokens per device the MLP takes at a time; 0 means the whole sequence at once"),
     **{name: Range(0.0, why="0 means off") for name in ("attn_softcap", "final_logit_softcap",
                                                         "query_pre_attn_scalar", "rope_scaling_factor",
                                                         "head_init_std")},
