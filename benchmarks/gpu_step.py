@@ -49,11 +49,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# XLA_FLAGS as the user started this process, before ``import tieflax`` may add the GPU flags to it: each
-# variant's process starts from this and chooses its own flags.
+# XLA_FLAGS as the user started this process: each variant's process starts from this and chooses its own
+# flags (``prepare_process`` in ``main`` adds the GPU flags where TIEFLAX_GPU_XLA_FLAGS asks).
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 
-# ``import tieflax`` (JAX not imported: tieflax/__init__.py) here; the FLOP count and the peaks, which import
+# ``tieflax.hardware`` (JAX not imported) here; the FLOP count and the peaks, which import
 # JAX and Flax (1.1 CPU-s), in ``result``: the parent process that starts the variants, a --budget-s that
 # starts none and --help need neither.
 from tieflax.hardware.gpu_flags import ENV as GPU_FLAGS_ENV  # noqa: E402 (after the path: this checkout's tieflax)
@@ -105,7 +105,7 @@ def result(name: str, step_times: list[float], tokens: int, peak_bytes, extra: d
 
 def tieflax_step(variant: str, args) -> dict:
     """Compiles and times the real step; ``args.profile`` traces ``args.profile_steps`` more (tieflax-tied
-    only). The GPU XLA flags were merged, or not, by ``import tieflax`` (this module's first import)."""
+    only). The GPU XLA flags were merged, or not, by ``prepare_process`` as the variant's process started."""
     import flax.linen as nn
     import jax
     import numpy as np
@@ -378,6 +378,10 @@ def main(argv=None) -> None:
     if SMOKE:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.variant:
+        # As the tieflax console starts: JAX off libtpu without a TPU, the GPU XLA flags this variant chose.
+        from tieflax.hardware.platforms import prepare_process
+
+        prepare_process()
         print(json.dumps(run_one(args.variant, args)))
         return
     rows = run_all(args)

@@ -113,7 +113,8 @@ def test_the_deadline_settings_are_refused_where_they_are_read_too(monkeypatch):
 
 
 def test_a_bad_gpu_flags_choice_adds_nothing_at_import_and_is_refused_at_a_commands_start(monkeypatch):
-    """``apply`` runs at ``import tieflax``: it must not raise there (before: UserError, a traceback)."""
+    """``apply`` runs as the console starts (``prepare_process``), before a command can say one line: it must
+    not raise there (before: UserError, a traceback at ``import tieflax``, where it ran then)."""
     environ = {gpu_flags.ENV: "bogus", "XLA_FLAGS": "--xla_dump_to=/tmp/d"}
     assert gpu_flags.apply(environ) == []
     assert environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
@@ -160,7 +161,7 @@ def test_every_command_checks_the_settings_at_its_start(nothing_written_here, mo
 
 
 def test_a_bad_gpu_flags_choice_lets_help_and_import_work_and_a_command_says_one_line():
-    """In fresh processes (``import tieflax`` applies the choice): ``--help`` and ``import tieflax`` work as
+    """In fresh processes (the console applies the choice as it starts): ``--help`` and ``import tieflax`` work as
     without the variable, and a command stops in one line, exit 2 (before: an 11-line traceback, exit 1, for
     each of the three)."""
     env = subprocess_env(1, **{gpu_flags.ENV: "bogus"})

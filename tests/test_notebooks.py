@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -65,11 +66,21 @@ def test_notebook_starts_with_badge_and_install_cell(name):
     assert "pip install -e '.[notebooks]'" in setup, (
         "the local branch must say how to install tieflax with the notebooks' extra (jupyter, ipywidgets)")
     assert "xla_force_host_platform_device_count=8" in setup
-    assert not re.search(r"^\s*(import|from)\s+(jax|tieflax)\b", setup, re.M), (
+    assert not re.search(r"^\s*(import|from)\s+jax\b", setup, re.M), (
         f"{name}: the set-up cell must set XLA_FLAGS before anything imports jax")
+    # Its one tieflax import, after XLA_FLAGS: the console's start (prepare_process), which imports no jax.
+    assert re.findall(r"^\s*(?:import|from)\s+(tieflax[\w.]*)", setup, re.M) == ["tieflax.hardware.platforms"]
+    assert setup.index("xla_force_host_platform_device_count=8") < setup.index("prepare_process()"), name
     settings = _code_cells(nb)[1].source
     assert settings.startswith("# Settings.") and "real run" in settings, (
         f"{name}: the second code cell holds the small defaults and says what to change for a real run")
+
+
+def test_the_set_up_cell_s_tieflax_import_starts_no_jax():
+    """What the set-up cell imports before XLA_FLAGS is read must not import jax (nor anything that does)."""
+    code = "import sys, tieflax.hardware.platforms; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "[]"), proc.stderr[-2000:]
 
 
 def test_notebooks_match_their_sources():
@@ -96,8 +107,8 @@ def _execute(nb, cwd, kernel_dirs):
     from nbclient import NotebookClient
 
     km = KernelManager(kernel_name="tieflax-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
-    # As a user's kernel starts: no XLA_FLAGS, no JAX_PLATFORMS. On a machine without a TPU, importing
-    # tieflax itself must keep libtpu from starting (test_notebook_runs checks the outputs for its lines).
+    # As a user's kernel starts: no XLA_FLAGS, no JAX_PLATFORMS. On a machine without a TPU, the set-up
+    # cell's prepare_process must keep libtpu from starting (test_notebook_runs checks the outputs for its lines).
     # Only where JAX's CUDA plugin is installed is the kernel pinned to the CPU, which the probe expects.
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     if importlib.util.find_spec("jax_cuda12_plugin") is not None:

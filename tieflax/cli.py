@@ -100,7 +100,7 @@ def _stacks_on_a_crash() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
-    from tieflax.hardware.platforms import skip_absent_tpu  # noqa: PLC0415
+    from tieflax.hardware.platforms import prepare_process  # noqa: PLC0415
 
     gc.set_threshold(*COLLECTOR_THRESHOLDS)
     _stacks_on_a_crash()
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         # From the first import on: a signal while the parser imports the commands, or a command its
         # libraries, is one line too (not KeyboardInterrupt's traceback out of an extension's import).
         with _signals_as_exceptions():
-            skip_absent_tpu()  # before any command touches JAX: no libtpu start-up noise without a TPU
+            # Before any command touches JAX: no libtpu start-up noise without a TPU; the chosen GPU flags.
+            prepare_process()
             parser = build_parser()
             args, unknown = parser.parse_known_args(argv)
             args.overrides = list(getattr(args, "overrides", None) or []) + split_overrides(parser, args, unknown)

@@ -71,6 +71,12 @@ if cpu_only and "xla_force_host_platform_device_count" not in os.environ.get("XL
     # 8 fake CPU devices, so that meshes and vocab-parallel code run on a laptop as on a TPU v2-8/v3-8.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+
+# As the tieflax console starts: without a TPU or GPU, JAX on the CPU only (an installed libtpu would
+# print its start-up errors), and the GPU XLA flags TIEFLAX_GPU_XLA_FLAGS asks for on a GPU.
+from tieflax.hardware.platforms import prepare_process  # noqa: E402
+
+prepare_process()
 '''
 
 
