@@ -18,7 +18,7 @@ import pytest
 from train_support import REPO, micro_config, start_train
 from tieflax.run import checkpoints as ckpt
 from tieflax import storage
-from tieflax import lease
+from tieflax.storage import lease
 from tieflax.run import lock as wd
 from tieflax.cli import main
 from tieflax.run.metrics import read_metrics

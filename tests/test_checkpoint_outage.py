@@ -153,7 +153,7 @@ def test_a_lease_renewal_that_timed_out_but_landed_is_still_this_process_lease(t
     process" naming this very process: the renewal sent during the outage was written once the bucket
     answered again, its reply had timed out, and the next renewal's precondition (the old generation)
     failed."""
-    from tieflax import lease as lease_module
+    from tieflax.storage import lease as lease_module
 
     path = str(tmp_path / "tieflax.lock")
     held = lease_module.Lease(path, lease_module.holder_record(command="train"), owner=str(tmp_path),
@@ -185,7 +185,7 @@ def test_releasing_a_lease_on_a_store_that_stopped_answering_takes_release_secon
     in flight, then as long again for the removal."""
     import threading
 
-    from tieflax import lease as lease_module
+    from tieflax.storage import lease as lease_module
 
     path = str(tmp_path / "tieflax.lock")
     held = lease_module.Lease(path, lease_module.holder_record(command="prepare"), owner=str(tmp_path),

@@ -16,15 +16,15 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tieflax"
 
-# Bottom to top (docs/design.md, "The import floors"): ops, storage, errors at the bottom; data and model
+# Bottom to top (docs/design.md, "The import floors"): errors, storage/ (its lease included), ops at the bottom; data and model
 # above them; hardware/ (chips, peaks, model FLOPs, MFU; the platform probe; multi-process start-up and
 # its bounded waits) above model, below run/ and train, whose console reports MFU; run/ above storage; train/ above run; plan/ (compiles train's steps), study above train/;
 # commands on top. eval/ (the lm-eval backend) sits between run/ and train: training scores lm-eval tasks
 # on its live parameters (config.train.eval_tasks), and eval/ never needed train.
 FLOORS = [
     {"errors"},
-    {"storage", "strict_json", "sharding", "config_rules"},
-    {"lease", "ops/"},
+    {"storage/", "strict_json", "sharding", "config_rules"},
+    {"ops/"},
     {"data/", "model/"},
     {"train_config", "analysis/", "hardware/"},
     {"config"},

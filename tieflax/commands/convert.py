@@ -56,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
         refuse_overrides(args, "convert --to-hf", "it exports the run's parameters with the run's own config")
     overwrite = getattr(args, "overwrite", False)
     if args.from_hf:
-        report = import_hf(args.from_hf, args.workdir, overrides, overwrite=overwrite)
+        from tieflax.run.layout import canonical  # noqa: PLC0415
+
+        # The Hugging Face folder named as the run layer names a folder (the report and the import's record
+        # name it so); the new workdir is resolved by the destination's checks.
+        report = import_hf(canonical(args.from_hf), args.workdir, overrides, overwrite=overwrite)
     else:
         if not args.out:
             raise SystemExit("tieflax convert: --out is required with --to-hf, --untie, --tie and "

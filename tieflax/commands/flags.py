@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import math
 
-from tieflax import storage
 from tieflax.errors import UserError
 
 
@@ -50,17 +49,13 @@ def non_negative_number(text: str) -> float:
 
 
 def location(text: str) -> str:
-    """A folder or URL, canonical (``storage.resolve``: an absolute local path, or a URL without a trailing
-    slash), once, where the command line enters: the layers below take it as it is. An empty one is
-    refused (it would mean the current folder). A malformed URL (``gs:/b``, ``http://``...) is passed on as
-    typed: the command refuses it in its one line (``tieflax train: gs:/b looks like ...``) at the run
-    folder's or the destination's check, where argparse would print its usage too."""
+    """A folder or URL, passed on as typed: the layer it enters resolves it, once (a run's folder
+    ``RunDir.at``, a destination ``tieflax.run.destinations``, a token store ``data_location``), and refuses a
+    malformed URL (``gs:/b``, ``http://``...) there in the command's one line (``tieflax train: gs:/b looks
+    like ...``), not in argparse's usage. An empty one is refused here (it would mean the current folder)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a folder, gs://bucket/prefix or s3://bucket/prefix")
-    try:
-        return storage.resolve(text)
-    except storage.StorageError:
-        return text
+    return text
 
 
 class OverridesNotRead(UserError, ValueError):

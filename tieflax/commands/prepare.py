@@ -51,7 +51,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
     import math  # noqa: PLC0415
 
     from tieflax import storage  # noqa: PLC0415
-    from tieflax.data.config import DataError  # noqa: PLC0415
+    from tieflax.data.config import DataError, data_location  # noqa: PLC0415
     from tieflax.data.store_build import parse_shard  # noqa: PLC0415
     from tieflax.run.destinations import check_destination  # noqa: PLC0415
     from tieflax.run.layout import CONFIG_FILE, RUN_CONTENT, holds_a_run, is_run  # noqa: PLC0415
@@ -69,7 +69,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[int, int]:
     if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         raise DataError(f"--shard-mb {args.shard_mb:g}: give the MiB of text per input shard, a number > 0 "
                         "(default 8)")
-    out = args.out  # canonical: flags.location
+    # The store's name, resolved where it enters the data layer (a malformed URL refused in one line): the
+    # checks below, the build and the last line all name it so.
+    out = args.out = data_location(args.out)
     if is_run(out):
         raise DataError(f"--out {out} is a tieflax run folder (its config with checkpoints, parameters, metrics "
                         "or a lock): a token store needs a folder of its own; choose another --out")

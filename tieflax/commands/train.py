@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tieflax.strict_json import dumps as strict_json  # noqa: PLC0415
     from tieflax.run.run import Run  # noqa: PLC0415
-    from tieflax.train import train_run  # noqa: PLC0415
+    from tieflax.train import Session, train_run  # noqa: PLC0415
 
     from tieflax.errors import Interrupted  # noqa: PLC0415
     from tieflax.train import ProcessesStopped  # noqa: PLC0415
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     run = None
     try:
         with Run.open(args.workdir, config, allow_change=allow) as run:
-            result = train_run(run)
+            result = train_run(run, Session(config, run.model, run.dir))
     except Interrupted as e:
         if getattr(e, "at_step", None) is None or run is None:
             raise

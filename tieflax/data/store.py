@@ -40,7 +40,8 @@ import re
 
 import numpy as np
 
-from tieflax import lease, storage
+from tieflax import storage
+from tieflax.storage import lease
 from tieflax.data.config import DataError, data_location
 
 FORMAT = "tieflax-token-store/1"
@@ -521,7 +522,7 @@ def finished_parts(store: str) -> dict[int, dict]:
 
 class BuildLock(lease.Lease):
     """``lock[-i-of-n].json`` in the store while a prepare works on it: the same compare-and-set lease
-    as a workdir's on a bucket (``tieflax.lease``), renewed by a heartbeat. A second prepare finding a
+    as a workdir's on a bucket (``tieflax.storage.lease``), renewed by a heartbeat. A second prepare finding a
     live lease refuses; a stale one (not renewed for ``LEASE_SECONDS``, or its process gone on this
     host) is taken over with a message."""
 

@@ -50,6 +50,13 @@ def resolve(mode: str, stream=None) -> tuple[bool, bool]:
     return mode == "lines", mode == "bar"
 
 
+def progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar on process 0 (``enabled``); elsewhere a bar that prints nothing."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step")
+
+
 def for_study(mode: str) -> str:
     """The mode of a run trained inside a study (``tieflax compare`` / ``sweep``), which prints its own
     progress line per run: ``'auto'`` becomes the bar alone in a terminal (stderr) and ``'quiet'``
@@ -111,8 +118,6 @@ class Console:
         self.lines, bar = resolve(mode, stream) if enabled else (False, False)
         self._bar = None
         if bar:
-            from tieflax.run.metrics import progress_bar  # noqa: PLC0415
-
             self._bar = progress_bar(total, initial, enabled=True)
 
     def _print(self, line: str) -> None:

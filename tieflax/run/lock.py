@@ -5,14 +5,15 @@ time) while a command writes there. A second ``tieflax train``/``convert`` into 
 one line naming the holder. A lock whose process is gone (same host: the PID no longer runs, or runs a
 different process since) is stale: it is taken over with a message. A lock held from another host is
 never taken over automatically, since its process cannot be checked from here. On gs:// and s3:// the
-lock is a lease object kept alive by a heartbeat (``tieflax.lease``).
+lock is a lease object kept alive by a heartbeat (``tieflax.storage.lease``).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from tieflax import lease, storage
+from tieflax import storage
+from tieflax.storage import lease
 from tieflax.run.layout import LOCK_FILE, RunDir, WorkdirError, check_location
 
 __all__ = ["Held", "WorkdirError", "hold", "workdir_lock", "workdir_lock_single"]
@@ -38,7 +39,7 @@ def workdir_lock(where: RunDir | str, command: str, *, enabled: bool = True):
 
     A local workdir: ``<workdir>/tieflax.lock`` created with ``O_EXCL`` (host, PID, command, start time);
     a holder whose process is gone is taken over. A gs:// or s3:// workdir: a lease object written with a
-    does-not-exist precondition and kept alive by a heartbeat (``tieflax.lease.Lease``).
+    does-not-exist precondition and kept alive by a heartbeat (``tieflax.storage.lease.Lease``).
 
     Raises WorkdirError when another live process holds it. ``enabled=False`` (processes other than 0 of
     a multi-process job): process 0 takes the lock for the job, and in a multi-process job its decision
@@ -83,8 +84,8 @@ def workdir_lock_single(folder: str, command: str):
 @contextlib.contextmanager
 def _take(where: RunDir, command: str):
     """The lock of a resolved, checked workdir, taken in one place for both kinds of store: a lease object
-    on gs:// and s3:// (``tieflax.lease.Lease``, kept alive by a heartbeat), else a lock file
-    (``tieflax.lease.LockFile``). Both are acquired and released alike; ``acquire`` False means this
+    on gs:// and s3:// (``tieflax.storage.lease.Lease``, kept alive by a heartbeat), else a lock file
+    (``tieflax.storage.lease.LockFile``). Both are acquired and released alike; ``acquire`` False means this
     process holds the lock already (a command calling another): the outer holder releases it."""
     me = _me(command)
     if where.is_remote:

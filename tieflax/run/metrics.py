@@ -148,10 +148,3 @@ def read_metrics(workdir_or_path: str, split: str | None = None) -> list[dict]:
             if split is None or row.get("split") == split:
                 rows[(row.get("split"), row["step"])] = row
     return sorted(rows.values(), key=lambda r: (r["step"], r.get("split", "")))
-
-
-def progress_bar(total: int, initial: int, enabled: bool):
-    """A tqdm bar on process 0 (``enabled``); elsewhere a bar that prints nothing."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step")

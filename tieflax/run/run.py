@@ -3,8 +3,9 @@
     with Run.open(workdir, config, allow_change=("train.num_steps",)) as run:
         run.adopt_data(prepared.info, tokenizer_json)   # the data it trains on, checked and recorded
         run.open_checkpoints()                          # run.manager, run.saves
-        ...restore, run.record(start)...
-        run.open_writers(start)                         # run.console, run.writer (trackers), run.profiler
+        step, state, params = run.restore(abstract_state, loader)   # a checkpoint, initial params or fresh
+        run.record(step)
+        run.open_writers(step)                          # run.console, run.writer (trackers), run.profiler
         ...train...
     # closed in order on every exit path: profiler, console, metric writer, saves, then the lease
 
@@ -12,9 +13,9 @@
 is the validated ``ModelConfig``), resolves and checks the workdir once (``run.dir``, a
 ``tieflax.run.layout.RunDir``: what every part is handed; ``run.path`` its canonical local path or URL),
 refuses an interrupted import, takes the lease (``tieflax.run.lock``) and checks the run's identity
-(``tieflax.run.identity``) before anything is written. The loop, its hooks and every part it opens
-(identity, checkpoints, lock, metrics, trackers, profiler) take the Run or its ``RunDir``, never the
-string.
+(``tieflax.run.identity``) before anything is written. Every part it opens (identity, checkpoints, lock,
+metrics, trackers, profiler) takes its ``RunDir``, never the string; the training loop's hooks take the
+Run, and the compute side (``tieflax.train.session.Session``) never sees it.
 
     run = Run.read(workdir, command="sample")   # evaluate, sample, val-loss, analyze, convert's source
 
@@ -52,8 +53,8 @@ class Run:
     ``config``    the config it trains with, validated once; ``model`` its ``ModelConfig``
     ``resume``    what the identity check found
     ``held``      the lease (``held.check()`` raises once another process took it over)
-    ``manager``, ``saves``              after ``open_checkpoints``
-    ``console``, ``writer``, ``profiler``  after ``open_writers``
+    ``manager``, ``saves``              after ``open_checkpoints``; ``restore`` then says where training starts
+    ``console``, ``writer``, ``profiler``  after ``open_writers``; ``earlier``, the train rows logged before
     """
 
     def __init__(self, where: RunDir, config: ml_collections.ConfigDict, model: ModelConfig, held: Held,
@@ -66,6 +67,7 @@ class Run:
         self.writer: MetricWriter | None = None
         self.profiler: ProfileWindow | None = None
         self.step = 0  # the last step trained; the profiler's window closes there
+        self.earlier: list[dict] = []  # the train rows logged before this session (``open_writers``)
         self._also: list[Callable[[], Any]] = []
         self._closed = False
 
@@ -132,10 +134,36 @@ class Run:
         self.manager = ckpt.make_manager(self.dir, keep=self.config.train.keep_checkpoints)
         self.saves = ckpt.SaveWatch(self.manager)
 
+    def restore(self, abstract_state: Any, loader) -> tuple[int, Any, Any]:
+        """Where training starts, said in one line: ``(step, state, None)`` from the newest readable checkpoint
+        (``loader`` put at its position); else ``(0, None, params)``, the run's initial parameters (imports,
+        surgery), to start with a fresh optimizer; else ``(0, None, None)``, a fresh start."""
+        start, state = ckpt.restore_newest_readable(self.manager, self.dir, abstract_state, loader, say=self.say)
+        if start is not None:
+            self.say(f"finished before, at step {start} ({ckpt.CHECKPOINT_DIR}/{start}): nothing to train"
+                     if start >= self.config.train.num_steps   # a rerun of a finished run: nothing trains
+                     else f"resuming from step {start} ({ckpt.CHECKPOINT_DIR}/{start})")
+            return start, state, None
+        # No checkpoint finished: one begun and never finished (killed mid-save) is said, not passed over.
+        unfinished = ckpt.unfinished_steps(self.dir)
+        why = (f"checkpoint {unfinished[-1]} ({ckpt.CHECKPOINT_DIR}/{unfinished[-1]}) was never finished: the run "
+               "was stopped while saving it") if unfinished else ""
+        if ckpt.has_initial_params(self.dir):
+            params = ckpt.load_initial_params(self.dir, abstract_state["params"])
+            self.say(f"starting from {ckpt.INITIAL_PARAMS_DIR}/ (imported or converted parameters) at step 0"
+                     f"{f' ({why})' if why else ''}: a fresh optimizer state and schedule, and the data from its "
+                     "first batch")
+            return 0, None, params
+        if why:
+            self.say(f"starting from step 0: {why}")
+        return 0, None, None
+
     def open_writers(self, start: int) -> None:
-        """The console (its bar from ``start``), the metric writer with its trackers, the profiler."""
+        """The console (its bar from ``start``), the metric writer with its trackers, the profiler; the train
+        rows logged before (``earlier``) read first."""
         t = self.config.train
         self.step = start
+        self.earlier = self.logged_train_rows()  # before this session writes: its last interval may span a restart
         self.console = Console(t.console, t.num_steps, start, enabled=self.is_main)
         trackers = open_trackers(t.trackers, self.dir, self.config, enabled=self.is_main, say=self.say)
         self.writer = MetricWriter(self.dir, enabled=self.is_main, trackers=trackers)

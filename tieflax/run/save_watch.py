@@ -279,7 +279,7 @@ def _bucket_of(where: str) -> str:
 
 
 def _is_network(e: BaseException) -> bool:
-    return not any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in storage._chain(e))
+    return not any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in storage.causes(e))
 
 
 def checkpoint_dir_of(manager: ocp.CheckpointManager) -> str:

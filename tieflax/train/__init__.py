@@ -13,13 +13,16 @@ The same code runs one CPU process or a pod: parameters, optimizer state and bat
 ``(data, fsdp, tensor)`` mesh by the logical-axis rules of ``tieflax.sharding``.
 
 Rooms: ``step`` (``build``, ``make_train_step``, ``make_eval_step``, the loss options, the mesh check),
-``loop`` (``train_and_evaluate``; ``train_run`` walks a ``tieflax.run.run.Run`` opened by the caller),
+``session`` (``Session``: the compute side, built from the config: mesh, data, steps, evaluation, tasks),
+``loop`` (``train_and_evaluate``; ``train_run(run, session)`` trains a ``tieflax.run.run.Run`` opened by the
+caller with a ``Session`` of the config it was opened with),
 ``hooks`` (logging, checkpoints, diagnostics, evaluation, lm-eval tasks, profiler around each step),
 ``validation`` (``run_eval``, ``evaluate_run``, the final interval's loss), ``stop`` (signals, every
 process stopping at the same step, saves settling).
 """
 
 from tieflax.train.loop import train_and_evaluate, train_run
+from tieflax.train.session import Session
 from tieflax.train.step import (BATCH_KEYS, Setup, TrainingError, build, check_fits_mesh, loss_options,
                                 make_eval_step, make_train_step, setup_mesh)
 from tieflax.train.stop import ProcessesStopped
@@ -27,6 +30,6 @@ from tieflax.train.val_loss import evaluate_run, final_interval_loss, perplexity
 
 evaluate = evaluate_run  # the name before train/ (a run's validation loss; lm-eval is tieflax.eval)
 
-__all__ = ["BATCH_KEYS", "ProcessesStopped", "Setup", "TrainingError", "build", "check_fits_mesh", "evaluate",
+__all__ = ["BATCH_KEYS", "ProcessesStopped", "Session", "Setup", "TrainingError", "build", "check_fits_mesh", "evaluate",
            "evaluate_run", "final_interval_loss", "loss_options", "make_eval_step", "make_train_step", "perplexity",
            "run_eval", "setup_mesh", "train_and_evaluate", "train_run"]

@@ -1,11 +1,16 @@
 """What the loop does around a step besides training it, one hook per concern (as Levanter's Trainer hooks).
 
-Each hook has up to three moments, all optional, called by ``Hooks`` in the order the hooks were added:
+Each hook has up to four moments, all optional, called by ``Hooks`` in the order the hooks were added:
 
     before(n)                      ahead of step n (the profiler starts its window)
     on_step(step, state, metrics)  right after step ``step`` was dispatched (metrics: device arrays)
     after(at)                      once every process agreed whether to stop (``At``): logging, saves,
                                    diagnostics, evaluation, the metrics segment, lm-eval tasks
+    end()                          once the walk ended (every process settles the last save)
+
+The hooks write into the run (``tieflax.run.run.Run``: its console, metric writer, saves, lease, profiler);
+what they compute with comes from the session (``tieflax.train.session.Session``) as plain values: the
+loader, the evaluation, the tasks, the step's tokens and FLOPs, the config's intervals.
 
 The order in ``make_hooks`` matters: the log interval's health check runs before a save starts (a bad
 state is never checkpointed), and lm-eval tasks score after the metrics segment is written (a run killed
@@ -28,6 +33,7 @@ from tieflax.hardware import flops
 from tieflax.run import checkpoints as ckpt
 from tieflax.run.console import device_memory
 from tieflax.run.run import Run
+from tieflax.train.session import Session
 from tieflax.train.step import TrainingError
 from tieflax.train.stop import agree_on_saves, agree_on_start, raise_if_any_failed, settle_saves
 from tieflax.train.val_loss import perplexity
@@ -89,8 +95,10 @@ class IntervalLog:
     the health check (invalid labels, a non-finite loss). ``rows`` keeps this session's rows and ``last``
     the last interval's means: the final figures come from them, not from reading the metrics back."""
 
-    def __init__(self, run: Run, clock: Clock, *, vocab_size: int, step_flops: float):
+    def __init__(self, run: Run, clock: Clock, *, vocab_size: int, step_flops: float, step_tokens: int,
+                 log_every: int):
         self.run, self.clock, self.vocab_size, self.step_flops = run, clock, vocab_size, step_flops
+        self.step_tokens, self.log_every = step_tokens, log_every
         self.buffer: list[dict] = []
         self.rows: list[dict] = []
         self.last = {"loss": float("nan"), "ce_loss": float("nan")}
@@ -119,10 +127,10 @@ class IntervalLog:
     def _throughput(self, summary: dict, steps: int) -> float | None:
         """Adds step time, tokens/s and model TFLOP/s (MFU where the peak is known) to ``summary``; returns
         the seconds since the start instead for the first interval (it includes compilation)."""
-        now, c, t = time.perf_counter(), self.clock, self.run.config.train
+        now, c = time.perf_counter(), self.clock
         if c.t0 is None:
             return now - c.started
-        tokens = steps * t.global_batch_size * t.seq_len
+        tokens = steps * self.step_tokens
         seconds = max(now - c.t0 - c.paused_for, 1e-9)
         c.seconds += seconds
         c.tokens += tokens
@@ -188,6 +196,12 @@ class Checkpoints:
         self.note_saved()  # starting this save waited for the one before
         self.announced = at.step
 
+    def end(self) -> None:
+        """Multi-process: the last save, ended (or failed) on every process (a single process waits for it
+        when the Run closes its saves)."""
+        if jax.process_count() > 1:
+            settle_saves(self.run.saves)  # the last save, ended (or failed) on every process
+
 
 def _diagnostics_fn():
     """``tieflax.analysis.training_diagnostics`` when that module provides it, else None."""
@@ -202,11 +216,11 @@ def _diagnostics_fn():
 class Diagnostics:
     """Every ``analyze_every`` steps: the embedding/head geometry scalars of ``tieflax.analysis``."""
 
-    def __init__(self, run: Run, clock: Clock, fn: Callable, token_counts):
-        self.run, self.clock, self.fn, self.token_counts = run, clock, fn, token_counts
+    def __init__(self, run: Run, clock: Clock, fn: Callable, token_counts, *, every: int):
+        self.run, self.clock, self.fn, self.token_counts, self.every = run, clock, fn, token_counts, every
 
     def after(self, at: At) -> None:
-        if at.step % self.run.config.train.analyze_every == 0:
+        if at.step % self.every == 0:
             with self.clock.paused():
                 scalars = self.fn(at.state["params"], self.token_counts)
             self.run.writer.write(at.step, {k.removeprefix("diag/"): v for k, v in scalars.items()}, split="diag")
@@ -215,12 +229,12 @@ class Diagnostics:
 class Evaluation:
     """The validation loss every ``eval_every`` steps and at the last; ``val`` holds the latest."""
 
-    def __init__(self, run: Run, clock: Clock, evaluate: Callable[[Any], dict]):
-        self.run, self.clock, self.evaluate = run, clock, evaluate
+    def __init__(self, run: Run, clock: Clock, evaluate: Callable[[Any], dict], *, every: int):
+        self.run, self.clock, self.evaluate, self.every = run, clock, evaluate, every
         self.val: dict | None = None
 
     def after(self, at: At) -> None:
-        if at.step % self.run.config.train.eval_every == 0 or at.last:
+        if at.step % self.every == 0 or at.last:
             with self.clock.paused():
                 self.val = self.evaluate(at.state["params"])
             self.run.writer.write(at.step, self.val, split="val")
@@ -254,11 +268,11 @@ class Tasks:
     """lm-eval tasks (``train.eval_tasks``) scored on the live parameters at the last step and every
     ``eval_tasks_every`` steps; skipped on a stop."""
 
-    def __init__(self, run: Run, clock: Clock, tasks):
-        self.run, self.clock, self.tasks = run, clock, tasks
+    def __init__(self, run: Run, clock: Clock, tasks, *, every: int):
+        self.run, self.clock, self.tasks, self.every = run, clock, tasks, every
 
     def after(self, at: At) -> None:
-        every = self.run.config.train.eval_tasks_every
+        every = self.every
         if at.preempted or not (at.last or (every and at.step % every == 0)):
             return
         with self.clock.paused():
@@ -271,7 +285,8 @@ class Tasks:
 
 class Profiler:
     """The profiler's window (``train.profile_steps``): started ahead of its first step, each step
-    annotated, the trace written once its last step ended on the device (not counted as step time)."""
+    annotated, the trace written once its last step ended on the device (not counted as step time). The run
+    keeps the last step trained: its window, if still open, closes there."""
 
     def __init__(self, run: Run, clock: Clock):
         self.run, self.clock = run, clock
@@ -283,6 +298,7 @@ class Profiler:
         return self.run.profiler.step(n)
 
     def on_step(self, step: int, state: Any, metrics: dict) -> None:
+        self.run.step = step
         if self.run.profiler.ends_at(step):
             jax.block_until_ready(state)
             with self.clock.paused():
@@ -315,16 +331,20 @@ class Hooks:
         if at.boundary:  # the next interval's time starts after this bookkeeping
             self.clock.restart()
 
+    def end(self) -> None:
+        for h in self.hooks:
+            getattr(h, "end", _nothing)()
+
 
 def _nothing(*args) -> None:
     return None
 
 
-def make_hooks(run: Run, *, loader, prepared, evaluate: Callable[[Any], dict], tasks, vocab_size: int,
-               step_flops: float) -> Hooks:
-    """The session's hooks in their order (see the module's docstring for why this order)."""
-    clock = Clock()
-    diagnostics = _diagnostics_fn() if run.config.train.analyze_every else None
+def make_hooks(run: Run, session: Session) -> Hooks:
+    """The session's hooks in their order (see the module's docstring for why this order): each writes into
+    ``run`` what it takes from ``session``."""
+    t, clock = session.config.train, Clock()
+    diagnostics = _diagnostics_fn() if t.analyze_every else None
     if diagnostics is not None and jax.process_count() > 1:
         # The diagnostics read whole matrices on the host, which one process of many does not hold.
         log.warning("config.train.analyze_every is ignored in multi-process runs; analyse checkpoints "
@@ -333,10 +353,12 @@ def make_hooks(run: Run, *, loader, prepared, evaluate: Callable[[Any], dict], t
     return Hooks(
         clock,
         Profiler(run, clock),
-        IntervalLog(run, clock, vocab_size=vocab_size, step_flops=step_flops),
-        Checkpoints(run, loader),
-        Diagnostics(run, clock, diagnostics, prepared.token_counts) if diagnostics is not None else None,
-        Evaluation(run, clock, evaluate),
+        IntervalLog(run, clock, vocab_size=session.model.vocab_size, step_flops=session.step_flops(),
+                    step_tokens=t.global_batch_size * t.seq_len, log_every=t.log_every),
+        Checkpoints(run, session.loader),
+        Diagnostics(run, clock, diagnostics, session.data.token_counts, every=t.analyze_every)
+        if diagnostics is not None else None,
+        Evaluation(run, clock, session.evaluate, every=t.eval_every),
         MetricsSegment(run),
-        Tasks(run, clock, tasks) if tasks is not None else None,
+        Tasks(run, clock, session.tasks, every=t.eval_tasks_every) if session.tasks is not None else None,
     )
