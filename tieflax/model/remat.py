@@ -10,7 +10,8 @@
   are); likewise each matmul's kernel is cast to the compute dtype again in the backward rather than
   kept (``recast_in_backward``). ``mlp_chunk`` > 0
   rematerialises each chunk of the MLP whole (its up and gate matmuls run again in the backward),
-  whatever the policy.
+  whatever the policy. Scanned layers on one device run in ``tieflax.model.layer_loop`` (the same VJP,
+  in buffers written in place: no zero-filled stacks, no copies of them).
 * ``full``: each block keeps only its input and recomputes the rest (least memory, about one extra forward).
 * ``minimal``: keeps every matmul output without batch dimensions (the q/k/v/out projections and the MLP
   matmuls), recomputes the rest: the attention scores and probabilities, norms and activations.

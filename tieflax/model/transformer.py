@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from tieflax.model import kv_cache
 from tieflax.model.config import ModelConfig
 from tieflax.model.embedding import EMBED_AXES, Embed, LMHead
+from tieflax.model.layer_loop import layer_loop
 from tieflax.model.layer_stacking import LAYERS_AXIS
 from tieflax.model.layers import BTD, Block, Norm, dtype_of
 from tieflax.model.remat import remat_module
@@ -129,12 +130,33 @@ class TransformerLM(nn.Module):
         """
         positions, segment_ids = _default_ids(tokens, positions, segment_ids)
         x = self._embed_inputs(tokens, positions)
-        if self.config.scan_layers:
+        if self.config.scan_layers and self._in_place_loop():
+            x = self._scanned_in_place(x, positions, segment_ids)
+        elif self.config.scan_layers:
             x, _ = self.layers(x, positions, segment_ids)
         else:
             for block in self.blocks:
                 x = block(x, positions, segment_ids)
         return self.final_norm(x)
+
+    def _in_place_loop(self) -> bool:
+        """Whether the scanned layers run in ``layer_loop`` (remat 'none', parameters given, one device)
+        instead of ``nn.scan``: the same layers and VJP, without the scan's zero-filled stacks and their
+        copies. On a mesh of several devices ``nn.scan`` stays: the loop's buffers carry no sharding, and
+        XLA placed them whole on every device (Llama-3.2-1B, h100:8, 8 x 2048: 1.82 -> 9.02 GB)."""
+        return (self.config.remat == "none" and not self.is_initializing()
+                and (self.mesh is None or self.mesh.size == 1))
+
+    def _scanned_in_place(self, x: Array, positions: Array, segment_ids: Optional[Array]) -> Array:
+        """The scan of ``hidden_states`` as ``tieflax.model.layer_loop.layer_loop``: ``ScanStep`` applied
+        to each row of the stacked parameters (``params['layers']``, as ``nn.scan`` made them)."""
+        step = ScanStep(self.config, mesh=self.mesh, parent=None)
+
+        def body(p, x, consts):
+            return step.apply({"params": p}, x, *consts)[0]
+
+        stacked = nn.unbox(self.variables["params"]["layers"])
+        return layer_loop(body, stacked, x, (positions, segment_ids))
 
     def residual_stream(self, tokens: Array, positions: Optional[Array] = None,
                         segment_ids: Optional[Array] = None) -> Array:

@@ -21,7 +21,8 @@ JAX op name of the instruction that wrote them (``tieflax.plan.buffers._OpNames`
 * ``saved for the backward (layer stack)``: written by the forward's layer loop into a [layers, ...]
   buffer (``dynamic_update_slice`` under ``jvp``, not ``transpose``): what autodiff keeps per layer;
 * ``weight gradients (layer stack)``: the same, written by the backward's layer loop (``transpose``);
-* ``working set of a layer or chunk``: anything else made inside a loop body (``/while/body/``);
+* ``working set of a layer or chunk``: anything else made inside a loop body (``/while/body/``), and
+  what a layer's attention makes once for every layer (``/attn/`` outside the loop: the document mask);
 * ``optimizer update and metrics``: made outside autodiff (no ``jvp`` in the op name);
 * ``other``: the rest (the embedding and the head outside the layer loop, for one).
 
@@ -202,7 +203,7 @@ def classify(names: list[str], op: str) -> str:
     if in_loop and "dynamic_update_slice" in op and "jvp(" in op:
         return ("weight gradients (layer stack)" if "transpose(" in op
                 else "saved for the backward (layer stack)")
-    if in_loop:
+    if in_loop or "/attn/" in op:   # the attention's mask, made once for all the layers, counts here too
         return "working set of a layer or chunk"
     if op and "jvp(" not in op:
         return "optimizer update and metrics"
