@@ -145,7 +145,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from tieflax.hardware.platforms import prepare_process
+    from tieflax.hardware.process import prepare_process
 
     prepare_process()  # as the tieflax console starts: JAX kept off libtpu where no TPU is attached
     main()

@@ -379,7 +379,7 @@ def main(argv=None) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.variant:
         # As the tieflax console starts: JAX off libtpu without a TPU, the GPU XLA flags this variant chose.
-        from tieflax.hardware.platforms import prepare_process
+        from tieflax.hardware.process import prepare_process
 
         prepare_process()
         print(json.dumps(run_one(args.variant, args)))

@@ -10,6 +10,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -84,27 +85,93 @@ def test_a_command_prints_nothing_from_libtpu_on_a_machine_without_a_tpu():
     assert proc.stderr == "", proc.stderr  # no TPU_WORKER_HOSTNAMES, no "could not determine TPU ..."
 
 
+def _bare_python(code: str, **env_more: str) -> subprocess.CompletedProcess:
+    """``python -c code`` as a user's script starts: no JAX_PLATFORMS, no XLA_FLAGS."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", **env_more)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+# Prints the environment variables that importing ``modules`` changed, and every other module those imports
+# loaded, in the order they loaded.
+_ENV_CHANGES = """
+import importlib, json, os, sys
+before, loaded = dict(os.environ), set(sys.modules)
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+print(json.dumps({{"changed": {{k: os.environ.get(k) for k in set(before) | set(os.environ)
+                               if before.get(k) != os.environ.get(k)}},
+                   "others": [m for m in sys.modules if m not in loaded and not m.startswith("tieflax")]}}))
+"""
+
+
+def test_importing_tieflax_changes_nothing_in_the_environment():
+    """A library import leaves the process's environment as it found it, GPU flags asked for too: JAX's
+    platform, XLA's flags and the storage libraries' settings are for the program that owns the process
+    (the console, or a script calling prepare_process). What the libraries tieflax imports set themselves
+    (jax sets TF_CPP_MIN_LOG_LEVEL, for one) is measured by importing those libraries alone."""
+    import json
+
+    ours = ["tieflax", "tieflax.cli", "tieflax.train", "tieflax.storage", "tieflax.hardware.distributed"]
+    with_tieflax = _bare_python(_ENV_CHANGES.format(modules=ours), TIEFLAX_GPU_XLA_FLAGS="recommended")
+    assert with_tieflax.returncode == 0, with_tieflax.stderr[-2000:]
+    found = json.loads(with_tieflax.stdout.splitlines()[-1])
+    alone = _bare_python(_ENV_CHANGES.format(modules=found["others"]), TIEFLAX_GPU_XLA_FLAGS="recommended")
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    libraries = json.loads(alone.stdout.splitlines()[-1])["changed"]
+    assert found["changed"] == libraries, {k: v for k, v in found["changed"].items() if libraries.get(k) != v}
+
+
+def _writes_the_environment(node) -> bool:
+    """``os.environ[k] = v``, ``del os.environ[k]``, ``os.environ.setdefault/update/pop/clear(...)``,
+    ``os.putenv``/``os.unsetenv``."""
+    import ast
+
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr in ("putenv", "unsetenv"):
+            return True
+        return (node.func.attr in ("setdefault", "update", "pop", "popitem", "clear", "__setitem__")
+                and "environ" in ast.unparse(node.func.value))
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        return any(isinstance(t, ast.Subscript) and "environ" in ast.unparse(t.value) for t in targets)
+    return False
+
+
+def test_no_tieflax_module_writes_the_environment_as_it_is_imported():
+    """Every module, read: no statement that runs at import (outside a function) sets, updates or removes
+    an environment variable; the test above imports the main ones to catch what a reading cannot."""
+    import ast
+
+    found = []
+    for path in sorted(pathlib.Path(REPO, "tieflax").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        at_import = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                  ast.ClassDef))]
+        found += [f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)[:80]}"
+                  for top in at_import for node in ast.walk(top) if _writes_the_environment(node)]
+    assert not found, "set at import (move it into the function that needs it):\n" + "\n".join(found)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
-def test_importing_tieflax_from_python_prints_nothing_from_libtpu():
-    """A script or a notebook, not the console: importing any tieflax module keeps libtpu from starting
-    (tieflax/__init__.py), whether jax is imported before it or after; without tieflax it does start."""
+def test_prepare_process_keeps_libtpu_quiet_in_a_script():
+    """A script or a notebook, not the console: ``prepare_process()`` before the first JAX computation keeps
+    libtpu from starting, whether jax is imported before it or after; without it libtpu does start."""
     from jax._src import hardware_utils
 
     if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
         pytest.skip("a TPU is attached: libtpu's start-up is then wanted")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-
-    def run(code):
-        return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)
-
-    for code in ("import tieflax.train; import jax; jax.devices()",
-                 "import jax; import tieflax.ops.cross_entropy; jax.numpy.ones(2).block_until_ready()"):
-        proc = run(code)
+    prepare = "from tieflax.hardware.process import prepare_process; prepare_process(); "
+    for code in (prepare + "import tieflax.train; import jax; jax.devices()",
+                 "import jax; " + prepare + "import tieflax.ops.cross_entropy; jax.numpy.ones(2).block_until_ready()"):
+        proc = _bare_python(code)
         assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", ""), (code, proc.stderr[-2000:])
-    plain = run("import jax; jax.devices()")   # the same start without tieflax: what the guard keeps out
+    plain = _bare_python("import tieflax.train; import jax; jax.devices()")  # what prepare_process keeps out
     assert "TPU" in plain.stderr, plain.stderr[-2000:]
 
 

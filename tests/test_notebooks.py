@@ -69,7 +69,7 @@ def test_notebook_starts_with_badge_and_install_cell(name):
     assert not re.search(r"^\s*(import|from)\s+jax\b", setup, re.M), (
         f"{name}: the set-up cell must set XLA_FLAGS before anything imports jax")
     # Its one tieflax import, after XLA_FLAGS: the console's start (prepare_process), which imports no jax.
-    assert re.findall(r"^\s*(?:import|from)\s+(tieflax[\w.]*)", setup, re.M) == ["tieflax.hardware.platforms"]
+    assert re.findall(r"^\s*(?:import|from)\s+(tieflax[\w.]*)", setup, re.M) == ["tieflax.hardware.process"]
     assert setup.index("xla_force_host_platform_device_count=8") < setup.index("prepare_process()"), name
     settings = _code_cells(nb)[1].source
     assert settings.startswith("# Settings.") and "real run" in settings, (
@@ -78,7 +78,7 @@ def test_notebook_starts_with_badge_and_install_cell(name):
 
 def test_the_set_up_cell_s_tieflax_import_starts_no_jax():
     """What the set-up cell imports before XLA_FLAGS is read must not import jax (nor anything that does)."""
-    code = "import sys, tieflax.hardware.platforms; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
+    code = "import sys, tieflax.hardware.process; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout.strip()) == (0, "[]"), proc.stderr[-2000:]
 

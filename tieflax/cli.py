@@ -100,7 +100,7 @@ def _stacks_on_a_crash() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``; ``--config.a.b=value`` arguments anywhere become ``args.overrides``."""
-    from tieflax.hardware.platforms import prepare_process  # noqa: PLC0415
+    from tieflax.hardware.process import prepare_process  # noqa: PLC0415
 
     gc.set_threshold(*COLLECTOR_THRESHOLDS)
     _stacks_on_a_crash()

@@ -74,7 +74,7 @@ if cpu_only and "xla_force_host_platform_device_count" not in os.environ.get("XL
 
 # As the tieflax console starts: without a TPU or GPU, JAX on the CPU only (an installed libtpu would
 # print its start-up errors), and the GPU XLA flags TIEFLAX_GPU_XLA_FLAGS asks for on a GPU.
-from tieflax.hardware.platforms import prepare_process  # noqa: E402
+from tieflax.hardware.process import prepare_process  # noqa: E402
 
 prepare_process()
 '''

@@ -5,7 +5,7 @@
 - ``off`` (the default, also when unset): tieflax adds no XLA flag;
 - ``recommended``: on a machine where JAX will use an NVIDIA GPU, the flags of :data:`RECOMMENDED` are
   added to ``XLA_FLAGS`` before JAX starts its GPU backend (the console does it at start; a script calls
-  ``tieflax.hardware.platforms.prepare_process()``).
+  ``tieflax.hardware.process.prepare_process()``).
 
 **Off by default until a GPU measures them**: no GPU has timed tieflax's step with these flags yet
 (``benchmarks/gpu_step.py`` runs the variant ``tieflax-tied-xla-flags`` beside the defaults for that). Most
@@ -165,7 +165,7 @@ def _backend_started() -> bool:
 def apply(environ=os.environ) -> list[XlaFlag]:
     """Adds the chosen flags to ``environ['XLA_FLAGS']`` for a GPU run; returns the flags added.
 
-    Call before JAX's first backend use (``tieflax.hardware.platforms.prepare_process`` does, which the console
+    Call before JAX's first backend use (``tieflax.hardware.process.prepare_process`` does, which the console
     calls first thing). Nothing happens when the choice is
     ``off`` or not one of :data:`CHOICES`, JAX will not use a GPU, the jaxlib was not checked (a warning),
     or JAX's backends already started (a warning: XLA read its flags then).
@@ -187,7 +187,7 @@ def apply(environ=os.environ) -> list[XlaFlag]:
     merged, added = merge(environ.get("XLA_FLAGS", ""))
     if added and _backend_started():
         warnings.warn(f"{ENV}=recommended: JAX's backends already started and read XLA_FLAGS; set it before "
-                      "the first JAX computation (tieflax.hardware.platforms.prepare_process() first)",
+                      "the first JAX computation (tieflax.hardware.process.prepare_process() first)",
                       stacklevel=2)
         return []
     environ["XLA_FLAGS"] = merged

@@ -14,9 +14,10 @@ Compiling for a TPU topology from a CPU machine (``jax.experimental.topologies``
 directly and keeps working.
 
 Importing tieflax changes nothing in the process: the program that owns the process decides. The console
-calls :func:`prepare_process` first thing (``tieflax.cli.main``); a script or a notebook that wants the same
-quiet start calls it before its first JAX computation (the notebooks' set-up cell does). The probe reads
-JAX's own ``hardware_utils`` from its file without importing JAX (a few milliseconds).
+calls ``tieflax.hardware.process.prepare_process`` first thing (``tieflax.cli.main``), which runs
+:func:`skip_absent_tpu`; a script or a notebook that wants the same quiet start calls it before its first
+JAX computation (the notebooks' set-up cell does). The probe reads JAX's own ``hardware_utils`` from its
+file without importing JAX (a few milliseconds).
 """
 
 from __future__ import annotations
@@ -52,21 +53,6 @@ def _accelerator_present() -> bool:
         return True
     amd = getattr(hardware_utils, "num_available_amd_gpus", None)
     return bool(amd and amd(stop_at=1))
-
-
-def prepare_process() -> None:
-    """What a program that owns its process sets before JAX starts, as the console does: JAX kept to the CPU
-    where no TPU or GPU is attached (:func:`skip_absent_tpu`), and the GPU XLA flags that
-    ``TIEFLAX_GPU_XLA_FLAGS`` chooses on a GPU run (:func:`tieflax.hardware.gpu_flags.apply`). Both change
-    ``os.environ`` (so that child processes agree), which is why ``import tieflax`` does neither.
-
-    Call before the first JAX computation; a later call changes nothing JAX already read (a warning says so
-    for the GPU flags). Never raises: a ``TIEFLAX_GPU_XLA_FLAGS`` that is not a choice adds nothing here,
-    and the console refuses it in one line (``tieflax.cli.check_settings``)."""
-    from tieflax.hardware import gpu_flags  # noqa: PLC0415 (standard library only: cheap)
-
-    skip_absent_tpu()
-    gpu_flags.apply()
 
 
 def skip_absent_tpu() -> bool:
