@@ -5,7 +5,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from absl.testing import parameterized
 
 from tieflax.ops.embedding_lookup import vocab_parallel_embed
@@ -30,7 +29,8 @@ def _data():
 
 
 class VocabParallelEmbedTest(chex.TestCase):
-    """chex variants: the lookup and its gradient, traced under jit and run op by op, on every mesh."""
+    """The lookup and its gradient under both chex variants (traced under jit and run op by op) on every
+    mesh; the bf16 table op by op (the variants above cover jit), and the refusals."""
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*MESHES.items())
@@ -49,25 +49,26 @@ class VocabParallelEmbedTest(chex.TestCase):
         np.add.at(want, ids.reshape(-1), cot.reshape(-1, D).astype(np.float64))
         chex.assert_trees_all_close(grad, want, rtol=1e-6, atol=1e-6)
 
+    def test_bf16_table_keeps_dtype(self):
+        table, ids, _ = _data()
+        out = vocab_parallel_embed(jnp.asarray(table, jnp.bfloat16), ids, mesh=make_mesh(2, 1, 4))
+        chex.assert_type(out, jnp.bfloat16)
+        chex.assert_shape(out, (B, T, D))
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(jnp.asarray(table, jnp.bfloat16), np.float32)[ids])
 
-def test_bf16_table_keeps_dtype():
-    table, ids, _ = _data()
-    out = vocab_parallel_embed(jnp.asarray(table, jnp.bfloat16), ids, mesh=make_mesh(2, 1, 4))
-    assert out.dtype == jnp.bfloat16 and out.shape == (B, T, D)
-    np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(jnp.asarray(table, jnp.bfloat16), np.float32)[ids])
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(table=np.zeros((V_PAD + 4, D), np.float32), mesh=(1, 1, 8)), "multiple of the 'tensor'"),
-    (dict(ids=np.zeros((3, T), np.int32), mesh=(8, 1, 1)), "divisible by the batch axes"),
-    (dict(ids=np.zeros((B, T), np.float32)), "ids must be integers"),
-    (dict(mesh=(1, 1, 8), vocab_axis="vocab"), "not in the mesh axes"),
-])
-def test_bad_arguments_name_the_field(kwargs, match):
-    args = dict(table=np.zeros((V_PAD, D), np.float32), ids=np.zeros((B, T), np.int32))
-    if "mesh" in kwargs:
-        kwargs = dict(kwargs, mesh=make_mesh(*kwargs["mesh"]))
-    args.update(kwargs)
-    with pytest.raises(ValueError, match=match):
-        vocab_parallel_embed(**args)
+    @parameterized.named_parameters(
+        ("rows_not_a_multiple_of_tensor", dict(table=np.zeros((V_PAD + 4, D), np.float32), mesh=(1, 1, 8)),
+         "multiple of the 'tensor'"),
+        ("batch_not_split_by_the_batch_axes", dict(ids=np.zeros((3, T), np.int32), mesh=(8, 1, 1)),
+         "divisible by the batch axes"),
+        ("float_ids", dict(ids=np.zeros((B, T), np.float32)), "ids must be integers"),
+        ("vocab_axis_not_in_the_mesh", dict(mesh=(1, 1, 8), vocab_axis="vocab"), "not in the mesh axes"),
+    )
+    def test_bad_arguments_name_the_field(self, kwargs, match):
+        args = dict(table=np.zeros((V_PAD, D), np.float32), ids=np.zeros((B, T), np.int32))
+        if "mesh" in kwargs:
+            kwargs = dict(kwargs, mesh=make_mesh(*kwargs["mesh"]))
+        args.update(kwargs)
+        with self.assertRaisesRegex(ValueError, match):
+            vocab_parallel_embed(**args)
