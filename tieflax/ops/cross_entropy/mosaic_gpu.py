@@ -59,24 +59,39 @@ from jax import lax
 from tieflax.ops.cross_entropy import tiles
 from tieflax.ops.cross_entropy.loss_config import MASK, Cfg, Semantics, block_start
 
-try:  # the API (jax >= 0.7 has it; jaxlib ships Mosaic GPU's lowering on every platform)
-    import jax.experimental.pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    _API_ERROR = ""
-except ImportError as e:  # pragma: no cover (both supported stacks have it)
-    pl = plgpu = None
-    _API_ERROR = f"jax {jax.__version__} has no Pallas Mosaic GPU API ({e})"
+# The Pallas Mosaic GPU API (jax >= 0.7 has it; jaxlib ships Mosaic GPU's lowering on every platform),
+# imported where first needed (``available``, ``interpretable``, ``plan``: every way into the kernels), not
+# with this module: the import costs 0.14 CPU-s (jax 0.10.2), which every process that imports the loss paid,
+# and a run on a CPU or TPU never uses.
+pl = plgpu = None
+_API_ERROR: str | None = None   # None: not imported yet; '' once imported; else why this jax lacks it
+
+
+def _api() -> str:
+    """Imports the API into ``pl`` and ``plgpu``, once; '' when this jax has it, else why not."""
+    global pl, plgpu, _API_ERROR
+    if _API_ERROR is None:
+        try:
+            import jax.experimental.pallas as pallas  # noqa: PLC0415
+            from jax.experimental.pallas import mosaic_gpu as pallas_mosaic_gpu  # noqa: PLC0415
+        except ImportError as e:  # pragma: no cover (both supported stacks have it)
+            _API_ERROR = f"jax {jax.__version__} has no Pallas Mosaic GPU API ({e})"
+        else:
+            pl, plgpu, _API_ERROR = pallas, pallas_mosaic_gpu, ""
+    return _API_ERROR
 
 
 def available() -> tuple[bool, str]:
     """Whether this jax can lower the kernels for a GPU, and why not."""
-    return not _API_ERROR, _API_ERROR
+    why = _api()
+    return not why, why
 
 
 def interpretable() -> tuple[bool, str]:
     """Whether this jax can run the kernels on a CPU (the Mosaic GPU interpreter, jax >= 0.12)."""
-    if _API_ERROR:
-        return False, _API_ERROR
+    why = _api()
+    if why:
+        return False, why
     if not hasattr(plgpu, "InterpretGPUParams"):
         return False, (f"jax {jax.__version__} has no Mosaic GPU interpreter (jax >= 0.12 has "
                        f"InterpretGPUParams)")
@@ -124,6 +139,7 @@ class Plan:
 
 def plan(cfg: Cfg, interpret: bool) -> Plan:
     """The kernels' static plan for one call: semantics, tiles, compile or interpret."""
+    _api()   # the kernels below use pl and plgpu
     return Plan(Semantics.of(cfg), cfg.mosaic, _interpret_params() if interpret else None)
 
 
