@@ -49,6 +49,10 @@ import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
+# The helper modules that hold a test's own checks (asserts moved out of test files, not test files
+# themselves): pytest rewrites their asserts as it does a test file's, so a failure shows the values compared.
+pytest.register_assert_rewrite("cli_support", "run_identity_support")
+
 # One persistent compilation cache for the run, shared by both workers and the subprocesses they start:
 # many tests compile the same small programs (the same model in another test, a resumed run). Made fresh
 # by the process that loads this first (xdist's controller: its workers inherit the variable) and removed

@@ -14,8 +14,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # before lm-eval imports dat
 
 import pytest  # noqa: E402
 
+from cli_support import COMPARE, SCALING, TINY, one_line  # noqa: E402
 from train_support import REPO, micro_config, prepare_shared_data  # noqa: E402
-from test_user_errors import COMPARE, SCALING, TINY, _one_line  # noqa: E402
 from tieflax.cli import main  # noqa: E402
 from tieflax.config import load_config  # noqa: E402
 from tieflax.errors import ConfigError  # noqa: E402
@@ -61,10 +61,10 @@ def test_sweep_refuses_bad_or_repeated_rates_seeds_and_variants_at_validation(ov
 @pytest.mark.slow
 def test_repeated_study_values_are_one_line_and_leave_no_workdir(tmp_path, capsys):
     workdir = tmp_path / "study"
-    err = _one_line(capsys, ["compare", "--config", COMPARE, "--workdir", str(workdir), "--config.compare.seeds=(0,0)"])
+    err = one_line(capsys, ["compare", "--config", COMPARE, "--workdir", str(workdir), "--config.compare.seeds=(0,0)"])
     assert "config.compare.seeds" in err and "give each once" in err
-    err = _one_line(capsys, ["sweep", "--config", SCALING + ":smoke", "--workdir", str(workdir),
-                             "--config.sweep.lrs=(0.0, 0.01)"])
+    err = one_line(capsys, ["sweep", "--config", SCALING + ":smoke", "--workdir", str(workdir),
+                            "--config.sweep.lrs=(0.0, 0.01)"])
     assert "config.sweep.lrs" in err and "learning_rate" not in err
     assert not workdir.exists()
 
@@ -87,12 +87,12 @@ def tied_run(tmp_path_factory):
 @pytest.mark.slow
 def test_surgery_on_a_run_that_already_is_tied_or_untied_is_one_line(tied_run, tmp_path, capsys):
     """`convert --tie` on a tied run was a 22-line traceback (the surgery's ValueError)."""
-    err = _one_line(capsys, ["convert", "--tie", "mean", "--workdir", tied_run, "--out", str(tmp_path / "a")])
+    err = one_line(capsys, ["convert", "--tie", "mean", "--workdir", tied_run, "--out", str(tmp_path / "a")])
     assert "is already tied" in err and "--untie" in err
     untied = str(tmp_path / "untied")
     assert main(["convert", "--untie", "--workdir", tied_run, "--out", untied]) == 0
     capsys.readouterr()
-    err = _one_line(capsys, ["convert", "--untie", "--workdir", untied, "--out", str(tmp_path / "b")])
+    err = one_line(capsys, ["convert", "--untie", "--workdir", untied, "--out", str(tmp_path / "b")])
     assert "is already untied" in err and "--tie input|output|mean" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -100,7 +100,7 @@ def test_surgery_on_a_run_that_already_is_tied_or_untied_is_one_line(tied_run, t
 @pytest.mark.slow
 def test_more_frequency_buckets_than_tokens_is_one_line(tied_run, capsys):
     """`analyze --buckets 100000` on a 512-token vocabulary was a 25-line traceback, after the data."""
-    err = _one_line(capsys, ["analyze", "--workdir", tied_run, "--buckets", "100000", "--no-plots"])
+    err = one_line(capsys, ["analyze", "--workdir", tied_run, "--buckets", "100000", "--no-plots"])
     assert "--buckets 100000" in err and "512 tokens" in err and "use at most 512" in err
     assert not os.path.exists(os.path.join(tied_run, "analysis"))
 
@@ -167,8 +167,8 @@ def test_an_answer_outside_its_items_choices_is_refused_naming_file_line_and_ite
 def test_evaluate_refuses_a_damaged_task_file_in_one_line_before_the_run_is_read(tmp_path, capsys):
     pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
     include, data = _task_copy(tmp_path, "".join(_example_lines()[:3]) + '{"context": "And God')
-    err = _one_line(capsys, ["evaluate", "--workdir", str(tmp_path / "no_run"), "--tasks", "verse_ending",
-                             "--include-path", include])
+    err = one_line(capsys, ["evaluate", "--workdir", str(tmp_path / "no_run"), "--tasks", "verse_ending",
+                            "--include-path", include])
     assert f"{data}, line 4: not a JSON object" in err
 
 
@@ -210,8 +210,8 @@ def test_prepare_uses_at_most_one_worker_per_core_and_says_so(tmp_path, monkeypa
     given = []
     monkeypatch.setattr(store_build, "build_store", lambda *a, workers, **k: given.append(workers))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)   # this process's cores
-    err = _one_line(capsys, ["prepare", "--config", TINY, "--out", str(tmp_path / "store"), "--workers", "1000"],
-                    code=0)
+    err = one_line(capsys, ["prepare", "--config", TINY, "--out", str(tmp_path / "store"), "--workers", "1000"],
+                   code=0)
     assert "--workers 1000" in err and "2 cores; using 2 workers" in err and given == [2]
     assert main(["prepare", "--config", TINY, "--out", str(tmp_path / "store"), "--workers", "2"]) == 0
     assert given == [2, 2] and capsys.readouterr().err == ""

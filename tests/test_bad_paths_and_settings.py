@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from cli_support import COMPARE, SCALING, TINY, one_line
 from train_support import config_overrides, micro_config, subprocess_env
-from test_user_errors import COMPARE, SCALING, TINY, _one_line
 from tieflax import cli, storage
 from tieflax.hardware import gpu_flags
 
@@ -86,7 +86,7 @@ def test_every_command_refuses_a_bucket_url_typo_in_one_line_before_any_work(not
     """Each path argument with one of the four typos in turn: exit 1, one line naming the URL meant, and
     nothing written (before: ``train --workdir gs:bkt/x`` trained into ./gs:bkt/x and exited 0)."""
     typo = TYPOS[sorted(PATH_ARGUMENTS).index(where) % len(TYPOS)]
-    err = _one_line(capsys, PATH_ARGUMENTS[where](typo))
+    err = one_line(capsys, PATH_ARGUMENTS[where](typo))
     assert f": {typo}" in err and f"looks like a {typo[:2]}:// URL with a colon or slash missing: write " \
         f"{typo[:2]}://bkt/x" in err, err
 
@@ -133,7 +133,7 @@ def test_a_bad_setting_stops_training_before_its_first_step_in_one_line(micro_da
     monkeypatch.setenv(variable, value)
     workdir = tmp_path / "run"
     config = micro_config(micro_data, num_steps=12)
-    err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(workdir), *config_overrides(config)], code=2)
+    err = one_line(capsys, ["train", "--config", TINY, "--workdir", str(workdir), *config_overrides(config)], code=2)
     assert f"tieflax train: {variable}={value!r}" in err, err
     assert ("in seconds, a number above 0" if "DEADLINE" in variable else "one of off, recommended") in err, err
     assert not workdir.exists()
@@ -156,7 +156,7 @@ def test_every_command_checks_the_settings_at_its_start(nothing_written_here, mo
     assert set(EVERY_COMMAND) == set(cli.COMMANDS)  # a new command is added here too
     monkeypatch.setenv(variable, value)
     for command, arguments in EVERY_COMMAND.items():
-        err = _one_line(capsys, [command, *arguments], code=2)
+        err = one_line(capsys, [command, *arguments], code=2)
         assert err.startswith(f"tieflax {command}: {variable}={value!r}"), err
 
 

@@ -30,12 +30,12 @@ from tieflax.ops.cross_entropy import cross_entropy
 from tieflax.ops.reference import dense_cross_entropy, naive_cross_entropy, numpy_cross_entropy
 from tieflax.sharding import make_mesh
 
+from cross_entropy_support import ALL, MESHES, PLAIN, close, mesh_named
+
 
 # Shapes chosen so nothing divides evenly: 147 valid rows in 152 padded ones, blocks of 5 tokens x 7 rows.
 N, D, V_PAD, VV = 48, 16, 152, 147
 TB, VB = 5, 7
-ALL = dict(z_loss=1e-2, label_smoothing=0.1, logit_scale=0.7, softcap=5.0)
-PLAIN = dict(z_loss=0.0, label_smoothing=0.0, logit_scale=1.0, softcap=None)
 MODES = ("recompute", "fused")
 # 'pallas': mode='recompute' with impl='pallas', interpreted on CPU (TPU kernels run as JAX ops).
 # Its chunk of 14 vocab rows (2 blocks of 7) makes the fsdp mesh's 19 local rows take 2 chunks.
@@ -44,16 +44,6 @@ KERNEL = {"recompute": dict(mode="recompute", impl="xla"), "fused": dict(mode="f
           "pallas": dict(mode="recompute", impl="pallas", vocab_chunk=14)}
 # The same with a replicated head declared as such (weight_rows_sharded=False): rows read in place.
 KERNEL.update({f"{k}_rows_whole": dict(v, weight_rows_sharded=False) for k, v in list(KERNEL.items())})
-# name -> (data, fsdp, tensor) over the first data*fsdp*tensor devices; None = single-device path.
-# 'fsdp' > 1 shards W's d as the model does (P('tensor', 'fsdp')): blockwise gather, dW reduce-scatter.
-MESHES = {"1dev": None, "2dev_1x2": (1, 1, 2), "4dev_2x2": (2, 1, 2), "8dev_1x8": (1, 1, 8),
-          "8dev_2x4": (2, 1, 4), "8dev_8x1": (8, 1, 1), "8dev_f2x4": (1, 2, 4)}
-
-
-def _mesh(name):
-    shape = MESHES[name]
-    return None if shape is None else make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
-
 
 def _data(dtype=np.float32, seed=0, scale=1.0):
     rng = np.random.default_rng(seed)
@@ -75,7 +65,7 @@ def _fn(mode, mesh_name, feats):
 
     Returns (loss, aux, grads of sum(g * loss), grads of 0.5 * sum(loss)); the second, uniform
     cotangent exercises the fused mode's stored weight gradient, the first its exact fallback."""
-    mesh, kw = _mesh(mesh_name), dict(feats)
+    mesh, kw = mesh_named(mesh_name), dict(feats)
 
     def loss(h, w, b, wt, y):
         return cross_entropy(h, w, y, valid_vocab=VV, weights=wt, bias=b, token_block=TB, vocab_block=VB,
@@ -96,12 +86,6 @@ def _fn(mode, mesh_name, feats):
     return f
 
 
-def _close(got, want, rel):
-    want = np.asarray(want, np.float64)
-    if not want.size:
-        return
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=rel * max(np.abs(want).max(), 1e-30))
-
 
 def _run(mode, mesh_name, feats, d, variant=jax.jit):
     fn = variant(_fn(mode, mesh_name, tuple(sorted(feats.items()))))
@@ -118,15 +102,15 @@ def _check_against_oracle(d, mode, mesh_name, feats, rel, variant=jax.jit):
     chex.assert_shape((l, aux["lse"], aux["z_loss"], aux["correct"]), (N,))
     chex.assert_type((l, aux["correct"]), (jnp.float32, jnp.bool_))
     assert int(aux["invalid_label_count"]) == ref["invalid_label_count"]
-    _close(l, ref["loss"], rel)
-    _close(aux["z_loss"], ref["z_loss"], rel)
+    close(l, ref["loss"], rel)
+    close(aux["z_loss"], ref["z_loss"], rel)
     valid = (d["y"] >= 0) & (d["y"] < VV)
-    _close(np.asarray(aux["lse"])[valid], ref["lse"][valid], rel)
+    close(np.asarray(aux["lse"])[valid], ref["lse"][valid], rel)
     np.testing.assert_array_equal(np.asarray(aux["correct"]), ref["correct"])
     for got, r in ((gr, ref), (gu, refu)) if gu is not None else ((gr, ref),):
         chex.assert_trees_all_equal_shapes_and_dtypes(got, (d["h"], d["w"], d["b"], d["wt"]))
         for gg, key in zip(got, ("d_hidden", "d_weight", "d_bias", "d_weights")):
-            _close(gg, r[key], rel)
+            close(gg, r[key], rel)
         # Padding rows (>= valid_vocab) get exactly zero gradient.
         assert not np.asarray(got[1], np.float32)[VV:].any() and not np.asarray(got[2])[VV:].any()
     return l, aux, gr
@@ -521,7 +505,7 @@ class PlatformBranchTest(chex.TestCase):
         (which traced the TPU and Mosaic GPU kernels for the lowering to drop): loss, aux and gradients must
         be the same bits as through ``platform_dependent``."""
         ce_module = sys.modules["tieflax.ops.cross_entropy"]
-        mesh = _mesh("8dev_2x4")
+        mesh = mesh_named("8dev_2x4")
         rng = np.random.default_rng(0)
         dtype = jnp.bfloat16 if kernel == "auto_bf16" else jnp.float32
         h, w = jnp.asarray(rng.normal(size=(64, 64)), dtype), jnp.asarray(rng.normal(size=(256, 64)) * 0.3, dtype)

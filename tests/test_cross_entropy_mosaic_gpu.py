@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cross_entropy import ALL, PLAIN, _close, _mesh
+from cross_entropy_support import ALL, PLAIN, close, mesh_named
 
 from tieflax.ops.cross_entropy import cross_entropy, mosaic_gpu, tiles
 from tieflax.ops.reference import numpy_cross_entropy
@@ -46,7 +46,7 @@ def _data(v_pad=V_PAD, vv=VV, h_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, scale=
 
 @functools.lru_cache(maxsize=None)
 def _fn(mesh_name, vv, feats, extra):
-    mesh = _mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
 
     def weighted(h, w, b, wt, y, g):
         l, aux = cross_entropy(h, w, y, valid_vocab=vv, weights=wt, bias=b, impl="mosaic_gpu", mesh=mesh,
@@ -65,17 +65,17 @@ def _check(d, mesh_name="1dev", feats=ALL, vv=VV, **extra):
     ref = numpy_cross_entropy(f64(d["h"]), f64(d["w"]), d["y"], valid_vocab=vv, weights=d["wt"], bias=d["b"],
                               cotangent=d["g"], **feats)
     assert int(aux["invalid_label_count"]) == ref["invalid_label_count"]
-    _close(l, ref["loss"], LOSS_TOL)
-    _close(aux["z_loss"], ref["z_loss"], LOSS_TOL)
+    close(l, ref["loss"], LOSS_TOL)
+    close(aux["z_loss"], ref["z_loss"], LOSS_TOL)
     valid = (d["y"] >= 0) & (d["y"] < vv)
-    _close(np.asarray(aux["lse"])[valid], ref["lse"][valid], LOSS_TOL)
+    close(np.asarray(aux["lse"])[valid], ref["lse"][valid], LOSS_TOL)
     # The largest logit is at most the log-sum-exp and within log(V) of it.
     gap = np.asarray(aux["lse"] - aux["max_logit"])[valid]
     assert (gap >= -1e-3).all() and (gap <= np.log(vv) + 1e-3).all(), gap
     np.testing.assert_array_equal(np.asarray(aux["correct"])[valid], ref["correct"][valid])
     for got, want, key in zip(grads, (d["h"], d["w"], d["b"], d["wt"]), ("d_hidden", "d_weight", "d_bias", "d_weights")):
         assert got.shape == want.shape and got.dtype == jnp.asarray(want).dtype, (key, got.dtype)
-        _close(np.asarray(got, np.float32), ref[key], GRAD_TOL if key != "d_weights" else LOSS_TOL)
+        close(np.asarray(got, np.float32), ref[key], GRAD_TOL if key != "d_weights" else LOSS_TOL)
     # Padding rows (>= valid_vocab) get exactly zero gradient.
     assert not np.asarray(grads[1], np.float32)[vv:].any() and not np.asarray(grads[2])[vv:].any()
     return l, aux, grads

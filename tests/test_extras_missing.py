@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from cli_support import WITHOUT
 from train_support import suite_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,19 +25,6 @@ TRAIN = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=51
          "--config.train.global_batch_size=8", "--config.train.eval_every=1000", "--config.train.eval_batches=1"]
 
 ONE_DEVICE = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags(1)}
-# `python -c WITHOUT <hidden,...> tieflax args...`: the console with those top-level packages absent.
-WITHOUT = """
-import importlib.abc, sys
-hidden = set(sys.argv[1].split(","))
-class Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in hidden:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-sys.meta_path.insert(0, Absent())
-from tieflax.cli import main
-sys.argv = ["tieflax", *sys.argv[2:]]
-sys.exit(main())
-"""
 
 
 def _tieflax(*args, without: str = "", **env) -> subprocess.CompletedProcess:

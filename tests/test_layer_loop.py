@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scan_support import FAMILIES, TARGETS, TOKENS, init_params
 from tieflax.model import TransformerLM
 from tieflax.model import layer_loop as loop_module
 from tieflax.model.layer_stacking import stack_layers
-from test_scan import FAMILIES, TARGETS, TOKENS, _init
 
 SEGMENTS = jnp.asarray(np.repeat([[0] * 5 + [1] * 3], TOKENS.shape[0], 0), jnp.int32)
 
@@ -40,7 +40,7 @@ def test_in_place_loop_equals_scan(family, dtype, monkeypatch):
     (JAX_DISABLE_MOST_OPTIMIZATIONS) XLA orders some fp32 sums differently: a few gradient entries differ in
     the last two bits (2.3e-10 absolute, 2.3e-7 relative)."""
     c = _config(family, dtype)
-    params = stack_layers(_init(c.replace(scan_layers=False)), c)
+    params = stack_layers(init_params(c.replace(scan_layers=False)), c)
     new = _loss_and_grads(c, params, True, monkeypatch)
     old = _loss_and_grads(c, params, False, monkeypatch)
     assert jax.tree.structure(new) == jax.tree.structure(old)
@@ -63,7 +63,7 @@ def test_only_what_depends_on_the_layer_is_stacked(monkeypatch):
 
     monkeypatch.setattr(loop_module, "_residual_kinds", spy)
     c = _config("llama", "bfloat16", attention="xla")
-    params = stack_layers(_init(c.replace(scan_layers=False)), c)
+    params = stack_layers(init_params(c.replace(scan_layers=False)), c)
     _loss_and_grads(c, params, True, monkeypatch)
     kinds, leaves, n_params = seen[0]
     assert sorted(k[1] for k in kinds if isinstance(k, tuple) and k[0] == "param") == list(range(n_params))
@@ -76,7 +76,7 @@ def test_other_policies_and_init_keep_nn_scan(monkeypatch):
     calls = []
     monkeypatch.setattr("tieflax.model.transformer.layer_loop", lambda *a: calls.append(1) or a[2])
     c = _config("llama", "float32", remat="full")
-    params = stack_layers(_init(c.replace(scan_layers=False)), c)
+    params = stack_layers(init_params(c.replace(scan_layers=False)), c)
     TransformerLM(c).apply({"params": params}, TOKENS)
     TransformerLM(c.replace(remat="none")).init(jax.random.key(0), TOKENS)
     assert not calls

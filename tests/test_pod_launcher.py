@@ -1,7 +1,7 @@
-"""launch/tpu_pod.sh against a fake ``gcloud`` on PATH that records its calls, copies ``scp`` files into each
-fake host's folder and runs each ``ssh --worker=all`` command locally as one process per host. A host starts
-in its own home folder (HOME = the host's folder, TIEFLAX_HOST_INDEX = its index), as a TPU VM's ssh does,
-and imports the code the launcher copied there (``pip install`` is recorded, not run: the copy is put on
+"""launch/tpu_pod.sh against a fake ``gcloud`` on PATH (tests/pod_support.py) that records its calls, copies ``scp``
+files into each fake host's folder and runs each ``ssh --worker=all`` command locally as one process per host. A
+host starts in its own home folder (HOME = the host's folder, TIEFLAX_HOST_INDEX = its index), as a TPU VM's ssh
+does, and imports the code the launcher copied there (``pip install`` is recorded, not run: the copy is put on
 PYTHONPATH, which is what an editable install gives). The README's pod examples run as written: the same
 arguments, with only sizes shrunk to a CPU and the buckets replaced by local folders."""
 
@@ -10,67 +10,10 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 import time
 
+from pod_support import LAUNCHER, fake_pod, launch_pod
 from train_support import suite_xla_flags
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHER = os.path.join(REPO, "launch", "tpu_pod.sh")
-
-FAKE_GCLOUD = r"""#!/usr/bin/env bash
-# records every call (one line, shell-quoted), answers describe, copies scp's file to every fake host,
-# runs ssh --command on every fake host from its home folder
-printf '%q ' "$@" >> "$FAKE_ROOT/calls"; echo >> "$FAKE_ROOT/calls"
-worker=all; for a in "$@"; do case "$a" in --worker=*) worker="${a#--worker=}" ;; esac; done
-hosts=(); for ((i = 0; i < FAKE_HOSTS; i++)); do
-  [[ "$worker" == all || "$worker" == "$i" ]] && { hosts+=($i); mkdir -p "$FAKE_ROOT/host$i"; }
-done
-if [[ "$4" == describe ]]; then
-  ips=(); for ((i = 0; i < FAKE_HOSTS; i++)); do ips+=("10.0.0.$i"); done
-  (IFS=';'; echo "${ips[*]}"); exit 0
-fi
-if [[ "$1" == storage && "$2" == cp ]]; then  # gcloud storage cp [-q] SRC DST, DST a local folder here
-  files=(); for a in "${@:3}"; do [[ "$a" == -* ]] || files+=("$a"); done
-  mkdir -p "$(dirname "${files[1]}")" && cp "${files[0]}" "${files[1]}"; exit $?
-fi
-if [[ "$4" == scp ]]; then  # scp SRC TPU:DEST
-  for i in "${hosts[@]}"; do cp "$5" "$FAKE_ROOT/host$i/${6#*:}" || exit 1; done; exit 0
-fi
-if [[ "$4" == ssh ]]; then
-  cmd=""; for a in "$@"; do case "$a" in --command=*) cmd="${a#--command=}" ;; esac; done
-  pids=()
-  for i in "${hosts[@]}"; do
-    home="$FAKE_ROOT/host$i"
-    # FAKE_COORDINATOR: what a pod's metadata gives jax.distributed, as launch/local_multiprocess.sh does
-    coord=(); [[ -z "${FAKE_COORDINATOR:-}" ]] || coord=(TIEFLAX_COORDINATOR="$FAKE_COORDINATOR"
-                                                        TIEFLAX_NUM_PROCESSES="$FAKE_HOSTS" TIEFLAX_PROCESS_ID=$i)
-    (cd "$home" && env HOME="$home" PATH="${FAKE_HOST_PATH:-$PATH}" PYTHONPATH="$(src="$home/tieflax-src"; [[ -d $src ]] && echo "$src" || echo "${PYTHONPATH:-}")" \
-       TIEFLAX_HOST_INDEX=$i "${coord[@]}" bash -c "$cmd") &
-    pids+=($!)
-  done
-  status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit $status
-fi
-exit 0
-"""
-# python3 on the fake hosts: `python3 -m pip ...` is recorded, anything else runs this interpreter
-FAKE_PYTHON3 = r"""#!/usr/bin/env bash
-if [[ "$1" == -m && "$2" == pip ]]; then printf '%q ' "$@" >> "$FAKE_ROOT/pip"; echo >> "$FAKE_ROOT/pip"; exit 0; fi
-exec {python} "$@"
-"""
-
-
-def _fake(tmp_path, hosts: int) -> dict:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
-    (bin_dir / "gcloud").chmod(0o755)
-    (bin_dir / "python3").write_text(FAKE_PYTHON3.format(python=shlex.quote(sys.executable)))
-    (bin_dir / "python3").chmod(0o755)
-    root = tmp_path / "pod"
-    root.mkdir()
-    return {**os.environ, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-            "FAKE_ROOT": str(root), "FAKE_HOSTS": str(hosts), "JAX_PLATFORMS": "cpu"}
 
 
 def _calls(env) -> list[list[str]]:
@@ -79,7 +22,7 @@ def _calls(env) -> list[list[str]]:
 
 
 def test_dry_run_prints_every_gcloud_command_and_runs_none(tmp_path):
-    env = _fake(tmp_path, 2)
+    env = fake_pod(tmp_path, 2)
     proc = subprocess.run([LAUNCHER, "--dry-run", "--logs", "gs://b/logs", "--tag", "study1", "my-v5p-64",
                            "us-east5-a", "my-project", "--", "compare", "--config", "configs/experiments/tiny.py",
                            "--workdir", "gs://b/study"], env=env, capture_output=True, text=True, timeout=60)
@@ -93,10 +36,6 @@ def test_dry_run_prints_every_gcloud_command_and_runs_none(tmp_path):
     assert "nohup bash -c" in run and "TIEFLAX_DISTRIBUTED=1" in run and "compare" in run, run
     assert "gs://b/logs/study1/host" in run.replace("\\", ""), run
     assert "pip install" in next(a for a in gcloud[2] if a.startswith("--command="))
-
-
-def _launch(env, *args, timeout=120):
-    return subprocess.run([LAUNCHER, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # A cap on a wait for both hosts' logs to end, not a measure: on a 2-core machine under a load of 10+ the
@@ -114,7 +53,7 @@ def _wait_for_logs(paths, cap_s=HOSTS_END_CAP_S) -> list[str]:
 
 
 def test_help_exits_0_and_prints_the_usage(tmp_path):
-    proc = _launch(_fake(tmp_path, 1), "--help")
+    proc = launch_pod(fake_pod(tmp_path, 1), "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("# Run any tieflax command") and "--attach" in proc.stdout, proc.stdout
     assert "set -euo" not in proc.stdout
@@ -124,7 +63,7 @@ def test_launcher_arguments_are_data_a_bad_one_is_one_line_and_nothing_runs(tmp_
     """A tag is a file name on every host and a value inside the remote command: a space or a `;` is
     refused (it broke the detached command, or ran a command of its own); a missing value is one line,
     not bash's "$2: unbound variable"; a user's `prepare --shard` on every host is refused, not replaced."""
-    env = _fake(tmp_path, 2)
+    env = fake_pod(tmp_path, 2)
     cases = {
         ("--tag", "study 1", "tpu1", "zone1", "--", "compare", "--config", "c.py"): "--tag 'study 1': use letters",
         ("--tag", "x;touch INJECTED", "tpu1", "zone1", "--", "train"): "--tag 'x;touch INJECTED': use letters",
@@ -138,7 +77,7 @@ def test_launcher_arguments_are_data_a_bad_one_is_one_line_and_nothing_runs(tmp_
         ("tpu1",): "give TPU_NAME ZONE [PROJECT] -- COMMAND ARGS...",
     }
     for args, line in cases.items():
-        proc = _launch(env, *args)
+        proc = launch_pod(env, *args)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and line in proc.stderr, (args, proc.stderr)
         assert "unbound variable" not in proc.stderr
     assert not os.path.exists(os.path.join(env["FAKE_ROOT"], "calls"))  # nothing reached gcloud
@@ -148,9 +87,9 @@ def test_launcher_arguments_are_data_a_bad_one_is_one_line_and_nothing_runs(tmp_
 def test_a_users_shard_on_one_worker_is_kept_and_paths_arrive_as_typed(tmp_path):
     """`--worker 1 -- prepare --shard 1/2` runs that share as given (no second --shard appended); an
     argument with spaces and quotes reaches the host as one word."""
-    env = _fake(tmp_path, 2)
-    proc = _launch(env, "--dry-run", "--no-install", "--worker", "1", "--tag", "one", "tpu1", "zone1", "--",
-                   "prepare", "--config", "my configs/it's.py", "--out", "o", "--shard", "1/2")
+    env = fake_pod(tmp_path, 2)
+    proc = launch_pod(env, "--dry-run", "--no-install", "--worker", "1", "--tag", "one", "tpu1", "zone1", "--",
+                      "prepare", "--config", "my configs/it's.py", "--out", "o", "--shard", "1/2")
     assert proc.returncode == 0, proc.stderr
     ssh = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("gcloud ")][-1]
     remote = next(a for a in ssh if a.startswith("--command=")).removeprefix("--command=")
@@ -162,8 +101,8 @@ def test_a_users_shard_on_one_worker_is_kept_and_paths_arrive_as_typed(tmp_path)
 def test_a_host_where_the_command_cannot_start_says_so_and_the_launcher_exits_1(tmp_path):
     """No `tieflax` on a host's PATH (say `--no-install` on fresh hosts): each host says so in one line and
     the launcher exits 1, instead of "started on 2 host(s)" while nothing runs."""
-    env = {**_fake(tmp_path, 2), "FAKE_HOST_PATH": "/usr/bin:/bin"}
-    proc = _launch(env, "--no-install", "--tag", "t", "tpu1", "zone1", "--", "train", "--workdir", "w")
+    env = {**fake_pod(tmp_path, 2), "FAKE_HOST_PATH": "/usr/bin:/bin"}
+    proc = launch_pod(env, "--no-install", "--tag", "t", "tpu1", "zone1", "--", "train", "--workdir", "w")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "started on" not in proc.stdout + proc.stderr
     for i in range(2):
@@ -203,13 +142,13 @@ def test_readme_pod_examples_prepare_each_hosts_share_finalize_then_train_from_t
     from train_support import free_port
 
     corpus, store = _corpus(tmp_path), tmp_path / "stores" / "corpus"
-    env = _fake(tmp_path, 2)
+    env = fake_pod(tmp_path, 2)
     data = ["--config.data.source=files", f"--config.data.files.paths={corpus}/*.txt",
             "--config.data.tokenizer.vocab_size=300", "--config.model.vocab_size=300",
             "--config.data.val_fraction=0.3", "--shard-mb=0.004"]
     t0 = time.monotonic()
-    proc = _launch(env, "--tag", "corpus", "my-v5p-64", "us-east5-a", "my-project", "--", "prepare",
-                   "--config", "configs/experiments/tie_vs_untie.py", "--out", str(store), *data)
+    proc = launch_pod(env, "--tag", "corpus", "my-v5p-64", "us-east5-a", "my-project", "--", "prepare",
+                      "--config", "configs/experiments/tie_vs_untie.py", "--out", str(store), *data)
     returned = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
     assert "prepare started on 2 host(s), detached" in proc.stderr, proc.stderr
@@ -222,19 +161,19 @@ def test_readme_pod_examples_prepare_each_hosts_share_finalize_then_train_from_t
     assert not (store / "manifest.json").exists()  # shares only
     ssh = [c for c in _calls(env) if c[3] == "ssh"]
     assert len(ssh) == 2 and all("--worker=all" in c for c in ssh)
-    proc = _launch(env, "--no-install", "--attach", "--worker", "0", "my-v5p-64", "us-east5-a", "my-project",
-                   "--", "prepare", "--config", "configs/experiments/tie_vs_untie.py", "--out", str(store),
-                   "--finalize", timeout=HOSTS_END_CAP_S)
+    proc = launch_pod(env, "--no-install", "--attach", "--worker", "0", "my-v5p-64", "us-east5-a", "my-project",
+                      "--", "prepare", "--config", "configs/experiments/tie_vs_untie.py", "--out", str(store),
+                      "--finalize", timeout=HOSTS_END_CAP_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert st.read_manifest(str(store))["input_shards"] >= 2
 
     env["FAKE_COORDINATOR"] = f"localhost:{free_port()}"
     env["XLA_FLAGS"] = suite_xla_flags(1)  # a 2-device mesh, one per host
     run = tmp_path / "runs" / "llama3_8b_untied"
-    proc = _launch(env, "--no-install", "--tag", "train1", "my-v5p-64", "us-east5-a", "my-project", "--",
-                   "--config", "configs/models/llama3_8b.py", "--workdir", str(run),
-                   "--config.data.source=tokens", f"--config.data.tokens.path={store}",
-                   *[f"--config.{o}" for o in TINY_MODEL + TINY_TRAIN])
+    proc = launch_pod(env, "--no-install", "--tag", "train1", "my-v5p-64", "us-east5-a", "my-project", "--",
+                      "--config", "configs/models/llama3_8b.py", "--workdir", str(run),
+                      "--config.data.source=tokens", f"--config.data.tokens.path={store}",
+                      *[f"--config.{o}" for o in TINY_MODEL + TINY_TRAIN])
     assert proc.returncode == 0, proc.stderr
     assert "train started on 2 host(s), detached" in proc.stderr, proc.stderr
     texts = _wait_for_logs([os.path.join(h, "tieflax-logs", "train1.log") for h in home])
@@ -260,7 +199,7 @@ def test_readme_pod_example_compare_runs_detached_as_one_two_process_job_with_it
         (corpus / f"doc{i}.txt").write_text("\n".join(" ".join(rng.choice(WORDS, 10)) + "." for _ in range(8)))
     from train_support import free_port
 
-    env = {**_fake(tmp_path, 2), "FAKE_COORDINATOR": f"localhost:{free_port()}",
+    env = {**fake_pod(tmp_path, 2), "FAKE_COORDINATOR": f"localhost:{free_port()}",
            "XLA_FLAGS": suite_xla_flags(1)}  # a 2-device mesh, one per host
     study, logs = tmp_path / "study", tmp_path / "logs"
     overrides = [
@@ -271,9 +210,9 @@ def test_readme_pod_example_compare_runs_detached_as_one_two_process_job_with_it
         "compare.grad_batches=1", "compare.bootstrap=50", "compare.n_bins=2",
         "compare.variants=('tied', 'untied')"]
     t0 = time.monotonic()
-    proc = _launch(env, "--logs", str(logs), "--tag", "study1", "my-v5p-64", "us-east5-a", "my-project", "--",
-                   "compare", "--config", "configs/experiments/tie_vs_untie_pod.py", "--workdir", str(study),
-                   *[f"--config.{o}" for o in overrides])
+    proc = launch_pod(env, "--logs", str(logs), "--tag", "study1", "my-v5p-64", "us-east5-a", "my-project", "--",
+                      "compare", "--config", "configs/experiments/tie_vs_untie_pod.py", "--workdir", str(study),
+                      *[f"--config.{o}" for o in overrides])
     assert proc.returncode == 0, proc.stderr
     assert "compare started on 2 host(s), detached" in proc.stderr, proc.stderr
     copies = [str(logs / "study1" / f"host{i}.log") for i in range(2)]

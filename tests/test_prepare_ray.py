@@ -21,9 +21,8 @@ import time
 
 import pytest
 
-from test_extras_missing import WITHOUT
-from test_prepare_stops import _cmdline
-from test_token_store import V, corpus_config
+from cli_support import WITHOUT
+from store_support import V, cmdline, corpus_config
 from tieflax import storage
 from tieflax.data.sources import iter_documents, source_units
 from tieflax.data.store_build import build_store, cut_shards
@@ -123,7 +122,7 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_store_is_the_same(clust
                 time.sleep(0.005)
                 continue
             for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-                if _cmdline(pid).startswith(TASK_TITLE):
+                if cmdline(pid).startswith(TASK_TITLE):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
                     break
@@ -146,7 +145,7 @@ def _ledger(out: str) -> set[str]:
 
 
 def _task_processes() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).startswith(TASK_TITLE)]
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(int(p)).startswith(TASK_TITLE)]
 
 
 def test_a_killed_driver_leaves_no_task_writing_and_the_rerun_resumes_to_the_same_store(cluster, pool_store,
@@ -262,7 +261,7 @@ def test_a_node_lost_mid_build_its_tasks_run_again_on_the_head_and_the_store_is_
         while not stop.is_set():
             # Only the node runs tokenise tasks (the head is held): a shard in the ledger is its, and the next
             # task runs there; its processes are scanned only from then on (a scan costs CPU).
-            if _ledger(out) and any(_cmdline(p).startswith(TASK_TITLE) for p in _descendants(raylet.pid)[1:]):
+            if _ledger(out) and any(cmdline(p).startswith(TASK_TITLE) for p in _descendants(raylet.pid)[1:]):
                 at_kill.append(len(_ledger(out)))
                 for pid in _descendants(raylet.pid):
                     with contextlib.suppress(ProcessLookupError):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from store_support import cmdline
 from tieflax.data.tokenizer import MAX_PIECE_CHARS
 
 # The stall this guards against: the trainer alone worked 300-400 s on the megabyte. A third of it tells the
@@ -64,14 +65,6 @@ def _alive(pids: set[int]) -> set[int]:
         except OSError:
             pass
     return left
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _lines(stream, into: list):
@@ -132,7 +125,7 @@ def test_a_signal_during_bpe_training_ends_the_trainer_at_once_and_prepare_in_on
     # exec still shows the parent's command line, and on a busy machine that gap can outlast a fixed sleep.
     trainer: list[int] = []
     while not trainer and proc.poll() is None and time.monotonic() - t0 < 60:
-        trainer = [p for p in _descendants(proc.pid) if "_bpe_main" in _cmdline(p)]
+        trainer = [p for p in _descendants(proc.pid) if "_bpe_main" in cmdline(p)]
         time.sleep(0.05)
     assert trainer, ("the BPE trainer never started", err)
     # Into the training (the Rust trainer, which never returns to Python while it works). The trainer of

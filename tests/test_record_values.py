@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from test_run_identity import STEPS, _config, _copy, _one_line, finished  # noqa: F401 (fixtures)
+from cli_support import one_line
+from run_identity_support import STEPS, copy_run, finished, run_config  # noqa: F401 (fixture)
 from tieflax.cli import main
 from tieflax.run import identity, record, saved_config
 from tieflax.run.layout import CHECKPOINT_DIR, CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE
@@ -43,7 +44,7 @@ def _claims(run: str) -> list[str]:
 def changed(finished, tmp_path_factory):  # noqa: F811
     """A run with one history entry (steps 4 -> 6): entry 1 names config.json and data.json, the
     checkpoints name entry 1."""
-    run = _copy(finished, tmp_path_factory.mktemp("values") / "run")
+    run = copy_run(finished, tmp_path_factory.mktemp("values") / "run")
     assert main(["train", "--workdir", run, "--config.train.num_steps=6", "--allow-change", "train.num_steps"]) == 0
     return run
 
@@ -51,7 +52,7 @@ def changed(finished, tmp_path_factory):  # noqa: F811
 def test_a_reformatted_record_is_the_same_record_and_a_changed_value_is_caught(changed, tmp_path, capsys):
     """A reformatted config.json read as "was edited" and blocked even val-loss. Runs written before the
     digests were over values (each file named by the sha256 of its bytes) still read."""
-    run = _copy(changed, tmp_path / "run")
+    run = copy_run(changed, tmp_path / "run")
     for name in (CONFIG_FILE, DATA_RECORD_FILE, f"{CONFIG_HISTORY_DIR}/1.json"):
         path = os.path.join(run, name)
         _rewrite(path, _reversed(json.loads(open(path).read())), indent=4)
@@ -65,11 +66,11 @@ def test_a_reformatted_record_is_the_same_record_and_a_changed_value_is_caught(c
     value = json.loads(open(path).read())
     value["train"]["learning_rate"] = 0.02
     _rewrite(path, value, indent=2, sort_keys=True)
-    err = _one_line(capsys, ["val-loss", "--workdir", run])
+    err = one_line(capsys, ["val-loss", "--workdir", run])
     assert f"{path} was edited (its digest differs from the one {CONFIG_HISTORY_DIR}/1.json names)" in err, err
 
 
-    _previous_version_digests_still_read(_copy(changed, tmp_path / "legacy"))
+    _previous_version_digests_still_read(copy_run(changed, tmp_path / "legacy"))
 
 
 def _previous_version_digests_still_read(run: str) -> None:
@@ -97,7 +98,7 @@ def _previous_version_digests_still_read(run: str) -> None:
 def other(micro_data, tmp_path_factory):
     """Another run: another learning rate, 6 steps (checkpoints 2, 4, 6)."""
     workdir = str(tmp_path_factory.mktemp("other") / "run")
-    assert train_and_evaluate(_config(micro_data, learning_rate=0.001, num_steps=6), workdir)["step"] == 6
+    assert train_and_evaluate(run_config(micro_data, learning_rate=0.001, num_steps=6), workdir)["step"] == 6
     return workdir
 
 
@@ -111,8 +112,8 @@ def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, 
     step = STEPS if same_settings else 6
     if same_settings:  # another run of the same config: its checkpoint replaces the run's own
         other = str(tmp_path / "twin")
-        train_and_evaluate(_config(micro_data), other)
-    run = _copy(finished, tmp_path / "run")
+        train_and_evaluate(run_config(micro_data), other)
+    run = copy_run(finished, tmp_path / "run")
     foreign = os.path.join(run, CHECKPOINT_DIR, str(step))
     shutil.rmtree(foreign, ignore_errors=True)
     shutil.copytree(os.path.join(other, CHECKPOINT_DIR, str(step)), foreign)
@@ -124,7 +125,7 @@ def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, 
     listing = sorted(os.listdir(run))
     for argv in (["train", "--workdir", run], ["val-loss", "--workdir", run],
                  ["train", "--workdir", run, "--config.train.num_steps=8", "--allow-change", "train.num_steps"]):
-        err = _one_line(capsys, argv)
+        err = one_line(capsys, argv)
         assert f"{foreign} does not belong to this run's record" in err and "remove it" in err, err
         assert "--allow-change" not in err and CONFIG_FILE not in err, err
     assert sorted(os.listdir(run)) == listing  # nothing written
@@ -138,14 +139,14 @@ def test_a_checkpoint_copied_from_another_run_is_named_as_such(finished, other, 
 
 def test_num_steps_below_the_step_the_run_reached_is_refused_in_one_line(changed, micro_data, tmp_path, capsys):
     """``--allow-change train.num_steps`` to 5 at step 6 was recorded as 6 -> 5 without a word."""
-    run = _copy(changed, tmp_path / "run")
+    run = copy_run(changed, tmp_path / "run")
     listing = sorted(os.listdir(os.path.join(run, CONFIG_HISTORY_DIR)))
-    err = _one_line(capsys, ["train", "--workdir", run, "--config.train.num_steps=5",
-                             "--allow-change", "train.num_steps"])
+    err = one_line(capsys, ["train", "--workdir", run, "--config.train.num_steps=5",
+                            "--allow-change", "train.num_steps"])
     assert "train.num_steps 5 is below step 6" in err, err
     assert sorted(os.listdir(os.path.join(run, CONFIG_HISTORY_DIR))) == listing  # nothing recorded
     # The same after a restart of a broken record (config.json lost) from step 6
     os.remove(os.path.join(run, CONFIG_FILE))
     with pytest.raises(identity.RunChanged, match="train.num_steps 5 is below step 6"):
-        train_and_evaluate(_config(micro_data, num_steps=5), run, allow_change=("train.num_steps",))
+        train_and_evaluate(run_config(micro_data, num_steps=5), run, allow_change=("train.num_steps",))
     assert sorted(os.listdir(os.path.join(run, CONFIG_HISTORY_DIR))) == listing

@@ -10,45 +10,12 @@ import os
 
 import pytest
 
-from train_support import micro_config
+from cli_support import one_line
+from run_identity_support import STEPS, copy_run, finished, run_config  # noqa: F401 (fixture)
 from tieflax.cli import main
 from tieflax.run import identity, record, saved_config
 from tieflax.run.layout import CONFIG_FILE, CONFIG_HISTORY_DIR, DATA_RECORD_FILE
 from tieflax.train import train_and_evaluate
-
-STEPS = 4
-
-
-def _config(micro_data, **train):
-    c = micro_config(micro_data, num_steps=STEPS)
-    c.train.log_every, c.train.checkpoint_every = 2, 2
-    for k, v in train.items():
-        c.train[k] = v
-    return c
-
-
-@pytest.fixture(scope="module")
-def finished(micro_data, tmp_path_factory):
-    """A run trained to the end; each test copies it."""
-    workdir = str(tmp_path_factory.mktemp("identity") / "run")
-    result = train_and_evaluate(_config(micro_data), workdir)
-    assert result["step"] == STEPS
-    return workdir
-
-
-def _copy(src, dst) -> str:
-    import shutil
-
-    shutil.copytree(src, str(dst))
-    return str(dst)
-
-
-def _one_line(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 1
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"tieflax {argv[0]}: "), err
-    return err
 
 
 @pytest.mark.parametrize("override, field, saved, new", [
@@ -57,20 +24,20 @@ def _one_line(capsys, argv) -> str:
     ("--config.train.learning_rate=0.001", "train.learning_rate", "0.01", "0.001"),
     ("--config.seed=7", "seed", "0", "7"),
 ])
-def test_a_changed_result_field_is_refused_in_one_line_and_nothing_is_written(finished, tmp_path, capsys,
+def test_a_changed_result_field_is_refused_in_one_line_and_nothing_is_written(finished, tmp_path, capsys,  # noqa: F811
                                                                              override, field, saved, new):
-    run = _copy(finished, tmp_path / "run")
+    run = copy_run(finished, tmp_path / "run")
     before = {n: open(os.path.join(run, n), "rb").read() for n in (CONFIG_FILE, DATA_RECORD_FILE)}
     listing = sorted(os.listdir(run))
-    err = _one_line(capsys, ["train", "--workdir", run, override])
+    err = one_line(capsys, ["train", "--workdir", run, override])
     if field:
         assert f"{field} {saved} -> {new}" in err and f"--allow-change {field}" in err, err
     assert {n: open(os.path.join(run, n), "rb").read() for n in before} == before  # byte-identical
     assert sorted(os.listdir(run)) == listing and not os.path.exists(os.path.join(run, CONFIG_HISTORY_DIR))
 
 
-def test_allow_change_trains_on_and_the_history_holds_both_configs(finished, tmp_path, capsys):
-    run = _copy(finished, tmp_path / "run")
+def test_allow_change_trains_on_and_the_history_holds_both_configs(finished, tmp_path, capsys):  # noqa: F811
+    run = copy_run(finished, tmp_path / "run")
     original = open(os.path.join(run, CONFIG_FILE), "rb").read()
     capsys.readouterr()
     assert main(["train", "--workdir", run, "--config.train.num_steps=6", "--config.train.learning_rate=0.001",
@@ -93,8 +60,8 @@ def test_allow_change_trains_on_and_the_history_holds_both_configs(finished, tmp
     assert len(record.history(run)) == 1
 
 
-def test_memory_placement_and_cadence_are_free(finished, tmp_path, capsys):
-    run = _copy(finished, tmp_path / "run")
+def test_memory_placement_and_cadence_are_free(finished, tmp_path, capsys):  # noqa: F811
+    run = copy_run(finished, tmp_path / "run")
     original = open(os.path.join(run, CONFIG_FILE), "rb").read()
     assert main(["train", "--workdir", run, "--config.model.remat=full", "--config.train.log_every=1",
                  "--config.train.checkpoint_every=1", "--config.mesh.data=2", "--config.mesh.fsdp=4",
@@ -108,7 +75,7 @@ def test_data_that_changed_under_the_same_config_is_refused(micro_data, tmp_path
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"document {i}: " + " ".join(f"w{(i * j) % 97}" for j in range(60))
                                   for i in range(40)))
-    config = _config(micro_data)
+    config = run_config(micro_data)
     config.data.source, config.data.files.paths, config.data.files.split_on = "files", [str(corpus)], "\n\n"
     config.data.python_stdlib.max_files = 0  # the files source does not read it
     run = str(tmp_path / "run")
@@ -135,26 +102,26 @@ def test_data_that_changed_under_the_same_config_is_refused(micro_data, tmp_path
     assert line.startswith("config changed at step 4 (--allow-change): data (key) "), line
 
 
-def test_imported_parameters_take_training_settings_before_their_first_step(finished, tmp_path, capsys):
+def test_imported_parameters_take_training_settings_before_their_first_step(finished, tmp_path, capsys):  # noqa: F811
     untied = str(tmp_path / "untied")
     assert main(["convert", "--untie", "--workdir", finished, "--out", untied]) == 0
-    err = _one_line(capsys, ["train", "--workdir", untied, "--config.model.d_ff=128"])
+    err = one_line(capsys, ["train", "--workdir", untied, "--config.model.d_ff=128"])
     assert "model.d_ff 64 -> 128" in err and "tieflax convert" in err, err
     assert main(["train", "--workdir", untied, "--config.train.learning_rate=0.003"]) == 0
     (entry,) = record.history(untied)
     assert entry["step"] == 0 and entry["reason"] == "set before the first step"
     # Now it has trained: the same override is held to the record like any other run's.
     assert main(["train", "--workdir", untied, "--config.train.learning_rate=0.003"]) == 0
-    err = _one_line(capsys, ["train", "--workdir", untied, "--config.train.learning_rate=0.01"])
+    err = one_line(capsys, ["train", "--workdir", untied, "--config.train.learning_rate=0.01"])
     assert "train.learning_rate 0.003 -> 0.01" in err, err
 
 
 def test_a_folder_without_a_run_is_one_line(tmp_path, capsys):
-    err = _one_line(capsys, ["train", "--workdir", str(tmp_path / "nothing")])
+    err = one_line(capsys, ["train", "--workdir", str(tmp_path / "nothing")])
     assert "config.json does not exist" in err and "--config" in err, err
 
 
-def test_a_bucket_run_resumes_with_no_argument_and_so_does_an_untied_copy(finished, gcs, capsys):
+def test_a_bucket_run_resumes_with_no_argument_and_so_does_an_untied_copy(finished, gcs, capsys):  # noqa: F811
     """``tieflax train --workdir gs://B/run`` reads the run's config from the bucket (no --config)."""
     bucket = gcs.new_bucket()
     untied = f"{bucket}/untied"
@@ -170,9 +137,9 @@ def test_a_bucket_run_resumes_with_no_argument_and_so_does_an_untied_copy(finish
 # ---------------------------------------------------------------------------------- the record proves itself
 
 @pytest.fixture(scope="module")
-def changed_twice(finished, tmp_path_factory):
+def changed_twice(finished, tmp_path_factory):  # noqa: F811
     """A run with two history entries (learning rate, then steps), checkpoints naming the second."""
-    run = _copy(finished, tmp_path_factory.mktemp("changed") / "run")
+    run = copy_run(finished, tmp_path_factory.mktemp("changed") / "run")
     assert main(["train", "--workdir", run, "--config.train.num_steps=6", "--config.train.learning_rate=0.001",
                  "--allow-change", "train.num_steps,train.learning_rate"]) == 0
     assert main(["train", "--workdir", run, "--config.train.num_steps=8", "--allow-change", "train.num_steps"]) == 0
@@ -199,40 +166,40 @@ def _damage(path: str, how: str) -> None:
 def test_a_deleted_truncated_or_edited_record_file_is_one_line_naming_it(changed_twice, tmp_path, capsys, name, how):
     """Before the chain, a deleted or edited entry silently became the settings in force (steps trained at
     an older or a hand-written learning rate), a truncated one was named by line and column only."""
-    run = _copy(changed_twice, tmp_path / "run")
+    run = copy_run(changed_twice, tmp_path / "run")
     _damage(os.path.join(run, name), how)
     with pytest.raises(record.RecordBroken) as broken:
         saved_config.load_workdir_config(run)
     line = str(broken.value)
     assert os.path.join(run, name) in line and "restore it" in line and "--allow-change" in line, line
     listing = sorted(os.listdir(run))
-    err = _one_line(capsys, ["train", "--workdir", run])
+    err = one_line(capsys, ["train", "--workdir", run])
     assert os.path.join(run, name) in err, err
-    err = _one_line(capsys, ["train", "--workdir", run, "--config.train.num_steps=8"])
+    err = one_line(capsys, ["train", "--workdir", run, "--config.train.num_steps=8"])
     assert os.path.join(run, name) in err, err
     assert sorted(os.listdir(run)) == listing  # nothing written
 
 
-def test_a_deleted_history_folder_or_config_without_history_is_refused(finished, changed_twice, tmp_path):
-    run = _copy(changed_twice, tmp_path / "history")
+def test_a_deleted_history_folder_or_config_without_history_is_refused(finished, changed_twice, tmp_path):  # noqa: F811
+    run = copy_run(changed_twice, tmp_path / "history")
     import shutil
 
     shutil.rmtree(os.path.join(run, CONFIG_HISTORY_DIR))
     with pytest.raises(record.RecordBroken, match=r"config_history/2.json is missing \(checkpoints/8 names"):
         saved_config.load_workdir_config(run)
-    plain = _copy(finished, tmp_path / "plain")  # no history: the checkpoint names config.json itself
+    plain = copy_run(finished, tmp_path / "plain")  # no history: the checkpoint names config.json itself
     _damage(os.path.join(plain, CONFIG_FILE), "edit")
     with pytest.raises(record.RecordBroken, match=r"config.json was edited \(its digest differs from the one "
                                                      r"checkpoints/4 names\)"):
         saved_config.load_workdir_config(plain)
 
 
-def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(micro_data, finished, tmp_path, capsys):
+def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(micro_data, finished, tmp_path, capsys):  # noqa: F811
     """It used to resume with whatever the command line said and write a new config.json claiming those
     as the run's starting settings, with a history entry of no change."""
-    run = _copy(finished, tmp_path / "run")
+    run = copy_run(finished, tmp_path / "run")
     os.remove(os.path.join(run, CONFIG_FILE))
-    config = _config(micro_data, learning_rate=0.05)
+    config = run_config(micro_data, learning_rate=0.05)
     with pytest.raises(record.RecordBroken, match="config.json is missing, yet the run has trained"):
         train_and_evaluate(config, run)
     assert not os.path.exists(os.path.join(run, CONFIG_FILE))
@@ -248,17 +215,17 @@ def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(micro_data, f
     assert "finished before, at step 6 (checkpoints/6): nothing to train" in capsys.readouterr().out
 
 
-def test_allow_change_names_real_fields_only(finished, tmp_path, capsys):
-    run = _copy(finished, tmp_path / "run")
-    err = _one_line(capsys, ["train", "--workdir", run, "--config.train.learning_rate=0.001",
-                             "--allow-change", "train.learning_rat"])
+def test_allow_change_names_real_fields_only(finished, tmp_path, capsys):  # noqa: F811
+    run = copy_run(finished, tmp_path / "run")
+    err = one_line(capsys, ["train", "--workdir", run, "--config.train.learning_rate=0.001",
+                            "--allow-change", "train.learning_rat"])
     assert "--allow-change 'train.learning_rat' is not a field" in err, err
     assert not os.path.exists(os.path.join(run, CONFIG_HISTORY_DIR))
 
 
 def test_a_run_written_before_the_chain_resumes_and_says_so_once(changed_twice, tmp_path, caplog):
     """No digests anywhere (entries without 'previous', checkpoints naming no entry): accepted as before."""
-    run = _copy(changed_twice, tmp_path / "run")
+    run = copy_run(changed_twice, tmp_path / "run")
     for n in (1, 2):
         path = os.path.join(run, CONFIG_HISTORY_DIR, f"{n}.json")
         entry = json.loads(open(path).read())
@@ -304,28 +271,28 @@ def test_check_resume_reads_the_record_once_and_checks_that_snapshot(tmp_path, m
     assert asked.count(os.path.join(str(tmp_path / "new"), CONFIG_FILE)) == 1
 
 
-def test_every_reader_refuses_a_broken_record_naming_the_training_command_that_mends_it(finished, tmp_path, capsys):
+def test_every_reader_refuses_a_broken_record_naming_the_training_command_that_mends_it(finished, tmp_path, capsys):  # noqa: F811
     """val-loss and sample offered only the training command's flags (--config FILE --allow-change FIELD),
     which they do not take; each reader now says it cannot mend the record and names the command that can."""
-    run = _copy(finished, tmp_path / "run")
+    run = copy_run(finished, tmp_path / "run")
     _damage(os.path.join(run, CONFIG_FILE), "edit")
     listing = sorted(os.listdir(run))
     for argv in (["sample", "--workdir", run, "--prompt", "In"], ["val-loss", "--workdir", run],
                  ["analyze", "--workdir", run, "--no-plots"],
                  ["convert", "--untie", "--workdir", run, "--out", str(tmp_path / "untied")]):
-        err = _one_line(capsys, argv)
+        err = one_line(capsys, argv)
         assert f"{os.path.join(run, CONFIG_FILE)} was edited" in err, err
         assert f"`tieflax {argv[0]}` reads the record as it is" in err, err
         assert f"tieflax train --workdir {run} --config FILE --allow-change FIELD" in err, err
     assert sorted(os.listdir(run)) == listing and not os.path.exists(tmp_path / "untied")  # nothing written
 
 
-def test_sample_refuses_a_tokenizer_json_the_record_does_not_name(finished, tmp_path, capsys):
+def test_sample_refuses_a_tokenizer_json_the_record_does_not_name(finished, tmp_path, capsys):  # noqa: F811
     """sample decoded with a hand-edited tokenizer.json without a word: the ids the model learned became
     other text. Reformatting it (the same values) is still the run's tokenizer."""
     from tieflax.run.run import Run
 
-    run = _copy(finished, tmp_path / "run")
+    run = copy_run(finished, tmp_path / "run")
     path = os.path.join(run, "tokenizer.json")
     tok = json.loads(open(path).read())
     open(path, "w").write(json.dumps(tok, indent=4))
@@ -334,6 +301,6 @@ def test_sample_refuses_a_tokenizer_json_the_record_does_not_name(finished, tmp_
     a, b = sorted(vocab)[:2]
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer
     open(path, "w").write(json.dumps(tok))
-    err = _one_line(capsys, ["sample", "--workdir", run, "--prompt", "In", "--max-new-tokens", "2"])
+    err = one_line(capsys, ["sample", "--workdir", run, "--prompt", "In", "--max-new-tokens", "2"])
     assert f"{path} is not the tokenizer the run's record names ({DATA_RECORD_FILE} names tokenizer" in err, err
     assert f"tieflax train --workdir {run} --allow-change data" in err, err

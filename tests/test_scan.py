@@ -11,29 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scan_support import FAMILIES, TARGETS, TOKENS, V, init_params
 from tieflax.config import apply_override, default_config, model_config
 from tieflax.model import ConfigError, ModelConfig, TransformerLM
 from tieflax.model.config import REMAT_POLICIES
 from tieflax.model.layer_stacking import LAYERS_AXIS, stack_layers, to_layout, unstack_layers
 from tieflax.model.params import abstract_params, count_params
-
-V, B, T = 100, 2, 8
-BASE = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32)
-FAMILIES = {
-    "llama": ModelConfig(family="llama", **BASE),
-    # Gemma 2: local (window 3) and global layers alternate, so the scan steps over pairs of layers.
-    "gemma2": ModelConfig(family="gemma2", sliding_window=3, sliding_window_every=2, sandwich_norms=True,
-                          attn_softcap=5.0, final_logit_softcap=3.0, norm_unit_offset=True, mlp="geglu", **BASE),
-}
-TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, V, (B, T)), jnp.int32)
-TARGETS = jnp.roll(TOKENS, -1, axis=1)
-
-
-def _init(c: ModelConfig) -> dict:
-    import flax.linen as nn
-
-    return nn.unbox(TransformerLM(c).init(jax.random.key(0), TOKENS)["params"])
-
 
 # Tiny programs: XLA's backend optimisations cost more compile time than they save (both sides alike).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -62,7 +45,7 @@ def test_scanned_matches_unrolled(family):
     for tied in (True, False):
         c = FAMILIES[family].replace(tie_embeddings=tied)
         cs = c.replace(scan_layers=True)
-        params = _init(c)
+        params = init_params(c)
         stacked = stack_layers(params, cs)
         steps = c.n_layers // cs.layers_per_scan_step  # llama: 2 steps of one layer; gemma2: one pair
         assert stacked[LAYERS_AXIS]["block_0"]["attn"]["query"]["kernel"].shape[0] == steps
@@ -82,7 +65,7 @@ def test_scanned_matches_unrolled(family):
 def test_scanned_gemma2_layers_keep_their_attention_kind():
     """Swapping the two blocks of each scanned pair changes the logits: local and global differ."""
     cs = FAMILIES["gemma2"].replace(scan_layers=True)
-    stacked = stack_layers(_init(FAMILIES["gemma2"]), cs)
+    stacked = stack_layers(init_params(FAMILIES["gemma2"]), cs)
     pair = stacked[LAYERS_AXIS]
     swapped = {**stacked, LAYERS_AXIS: {"block_0": pair["block_1"], "block_1": pair["block_0"]}}
     apply = jax.jit(TransformerLM(cs).apply, compiler_options=FAST_COMPILE)
@@ -93,7 +76,7 @@ def test_scanned_gemma2_layers_keep_their_attention_kind():
 @pytest.mark.parametrize("scan,policies", [(True, REMAT_POLICIES[1:]), (False, ("save_qkv_proj",))])
 def test_remat_policies_give_the_gradients_of_none(scan, policies):
     base = FAMILIES["llama"].replace(scan_layers=scan, n_layers=1)  # the policies act inside each block
-    params = _init(base.replace(scan_layers=False))
+    params = init_params(base.replace(scan_layers=False))
     params = to_layout(params, base)
     configs = [base] + [base.replace(remat=policy) for policy in policies]
     everything = jax.jit(lambda p: [_value_and_grad(c)(p) for c in configs], compiler_options=FAST_COMPILE)
@@ -106,7 +89,7 @@ def test_remat_policies_give_the_gradients_of_none(scan, policies):
 def test_named_policies_keep_the_tagged_projections(capsys):
     """The policies find their tensors: 'save_qkv_proj' keeps q/k/v, 'full' keeps none of them."""
     c = FAMILIES["llama"].replace(n_layers=1)
-    params = _init(c)
+    params = init_params(c)
 
     def residuals(policy):
         f = lambda p: TransformerLM(c.replace(remat=policy)).apply(  # noqa: E731
@@ -129,7 +112,7 @@ def test_layout_round_trip_and_counts():
     np.testing.assert_array_equal(stacked[LAYERS_AXIS]["block_1"]["w"][:, 0], [1, 3, 5])
     for c in FAMILIES.values():
         cs = c.replace(scan_layers=True)
-        params = _init(c)
+        params = init_params(c)
         back = unstack_layers(stack_layers(params, cs), cs)
         _assert_trees_close(back, params, tol=0)
         assert to_layout(params, c) is params

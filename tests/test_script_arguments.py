@@ -10,7 +10,7 @@ import subprocess
 import sys
 import zipfile
 
-from test_pod_launcher import _fake, _launch
+from pod_support import fake_pod, launch_pod
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_MEASURE = os.path.join(REPO, "launch", "gpu_measure.sh")
@@ -132,11 +132,11 @@ def _known():
 def test_pod_launcher_refuses_an_unknown_tieflax_command_before_any_host_runs(tmp_path):
     """`-- trian` said "started on 2 host(s)" with status 0 while each host's log said the command is
     unknown: it is refused in one line that names it and lists the commands of tieflax's own CLI."""
-    env = _fake(tmp_path, 2)
-    proc = _launch(env, "--no-install", "--tag", "t", "tpu1", "zone1", "--", "trian", "--workdir", "w")
+    env = fake_pod(tmp_path, 2)
+    proc = launch_pod(env, "--no-install", "--tag", "t", "tpu1", "zone1", "--", "trian", "--workdir", "w")
     _one_line_refusal(proc, "unknown tieflax command 'trian'", ", ".join(_known()))
     assert not os.path.exists(os.path.join(env["FAKE_ROOT"], "calls"))  # nothing reached gcloud
-    proc = _launch(env, "--dry-run", "tpu1", "zone1", "--", "eval", "--workdir", "w")  # a renamed one: known
+    proc = launch_pod(env, "--dry-run", "tpu1", "zone1", "--", "eval", "--workdir", "w")  # a renamed one: known
     assert proc.returncode == 0, proc.stderr
 
 
@@ -152,14 +152,14 @@ def test_pod_launcher_checks_the_command_against_the_tieflax_it_installs(tmp_pat
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("tieflax/__init__.py", "")
         z.writestr("tieflax/cli.py", cli)
-    env = _fake(tmp_path, 1)
-    proc = _launch(env, "--code", str(tree), "tpu1", "zone1", "--", "only")  # git's "fatal:", status 128
+    env = fake_pod(tmp_path, 1)
+    proc = launch_pod(env, "--code", str(tree), "tpu1", "zone1", "--", "only")  # git's "fatal:", status 128
     _one_line_refusal(proc, f"--code {tree}: not a git checkout")
     subprocess.run(["git", "init", "-q", str(tree)], check=True)
     subprocess.run(["git", "-C", str(tree), "add", "-A"], check=True)
     for install in (["--code", str(tree)], ["--wheel", str(wheel)]):
-        proc = _launch(env, *install, "tpu1", "zone1", "--", "train", "--workdir", "w")
+        proc = launch_pod(env, *install, "tpu1", "zone1", "--", "train", "--workdir", "w")
         _one_line_refusal(proc, "unknown tieflax command 'train'", "only, old")
-        proc = _launch(env, "--dry-run", *install, "tpu1", "zone1", "--", "old", "--workdir", "w")
+        proc = launch_pod(env, "--dry-run", *install, "tpu1", "zone1", "--", "old", "--workdir", "w")
         assert proc.returncode == 0, proc.stderr
     assert not os.path.exists(os.path.join(env["FAKE_ROOT"], "calls"))

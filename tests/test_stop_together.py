@@ -8,7 +8,7 @@ bucket answers the others): every process stops at the same step with the same l
 One process refused (403) a request of a save, in its blocking start or in its writes: every process stops
 within seconds with the same line naming that process; a refused read that gcsfs does without is no
 failure. A write failing on every process (the bucket itself silent) is held by
-tests/test_storage_deadline.py's two-process test.
+tests/test_storage_deadline_two_processes.py.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ while True:
         threading.Thread(target=pump, args=(a, b, requests), daemon=True).start()
 """
 # The storage deadline of the run below, and its checkpoint deadline (two of it); every bound derives from them.
-# Above the slowest honest answer of the emulator on a loaded machine (see tests/test_storage_deadline.py).
+# Above the slowest honest answer of the emulator on a loaded machine (see tests/deadline_support.py).
 DEADLINE = 15
 
 

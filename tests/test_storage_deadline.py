@@ -17,27 +17,9 @@ import sys
 import time
 
 
+from deadline_support import DEADLINE, PROGRESS_CAP_S, TRAIN, deadline_env
 from tieflax import storage
 from tieflax.storage.lease import RELEASE_SECONDS
-
-# The storage deadline the commands below run under. It must exceed the slowest honest answer, or a test
-# measures the machine's load instead of a frozen bucket: the emulator is a Python process beside the
-# training ones, and on a loaded 2-core machine (two CPU-bound processes beside a suite) a call it did answer
-# once took longer than the 6 s this was, so a run stopped before its first checkpoint. Every bound below
-# is derived from it.
-DEADLINE = 15
-# A cap on waiting for progress (a run reaching its first checkpoint, a prepare its third shard), not a
-# measure: the wait ends with that progress or with the process; the cap only ends a hang.
-PROGRESS_CAP_S = 1200
-
-
-def _env(server, **extra) -> dict:
-    """The commands' variables: this server, this deadline. Compiled as the suite compiles (without XLA's
-    backend optimisations, tests/conftest.py): with TRAIN's 512-token vocabulary a step is cheap, and the
-    optimised compile cost more than it saved (one 120-step run, cold cache then warm: 15.6 and 7.0 CPU-s
-    optimised, 10.4 and 7.7 not; with tiny.py's 8,192 tokens the optimisations had paid)."""
-    return {**os.environ, **server.env, storage.DEADLINE_ENV: str(DEADLINE), "JAX_PLATFORMS": "cpu", **extra}
-
 
 _ONE_CALL = """
 import json, os, signal, sys, time
@@ -82,8 +64,8 @@ def test_a_call_to_a_bucket_that_never_answers_stops_at_the_deadline_in_one_line
     import json  # noqa: PLC0415
 
     bucket = own_gcs.new_bucket()
-    proc = subprocess.run([sys.executable, "-c", _ONE_CALL, bucket, str(own_gcs.process.pid)], env=_env(own_gcs),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _ONE_CALL, bucket, str(own_gcs.process.pid)],
+                          env=deadline_env(own_gcs), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["frozen"] is not None, ("a read from a frozen server was answered", got)
@@ -129,7 +111,7 @@ def _prepare(server, out: str, corpus: str, **env) -> subprocess.Popen:
          "--config.data.source=files", f"--config.data.files.paths={corpus}/*.txt",
          "--config.data.tokenizer.vocab_size=300", "--config.model.vocab_size=300",
          "--config.data.val_fraction=0.3", "--shard-mb=0.004", "--workers=2"],
-        env=_env(server, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=deadline_env(server, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_gs_prepare_whose_bucket_stops_answering_stops_in_one_line_and_resumes(own_gcs, tmp_path):
@@ -177,26 +159,9 @@ def test_gs_prepare_whose_bucket_stops_answering_stops_in_one_line_and_resumes(o
     assert st.read_manifest(out)["digest"] == st.read_manifest(whole)["digest"]
 
 
-# A 512-token BPE (the one tests/test_eval_harness.py's runs train on the same corpus, in the suite's data
-# cache): with tiny.py's 8,192 a step of this model cost ten times as much (the head and the loss over the
-# vocabulary), and what is tested is where a run stops and how it resumes, not what it learns.
-TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32", "--config.model.n_layers=1",
-         "--config.model.n_heads=2", "--config.model.d_ff=64", "--config.model.max_seq_len=32",
-         "--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=512",
-         "--config.train.seq_len=32", "--config.train.global_batch_size=8", "--config.train.num_steps=120",
-         "--config.train.log_every=10", "--config.train.checkpoint_every=20", "--config.train.eval_every=1000"]
-
-
-def _committed(server, bucket: str) -> list[int]:
-    """Steps committed in ``bucket``'s run: orbax's step-level ``checkpoints/<n>/commit_success.txt`` (the
-    ``state`` item has a commit marker of its own, written before the step's)."""
-    return sorted(int(o.split("/")[2]) for o in server.objects(bucket, "run/checkpoints/")
-                  if o.count("/") == 3 and o.endswith("/commit_success.txt"))
-
-
 def _train(server, workdir: str, *more: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *TRAIN, *more],
-                            env=_env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE)),
+                            env=deadline_env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

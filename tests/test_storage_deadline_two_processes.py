@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_storage_deadline import DEADLINE, PROGRESS_CAP_S, TRAIN, _committed, _env
+from deadline_support import DEADLINE, PROGRESS_CAP_S, TRAIN, committed_steps, deadline_env
 from tieflax.storage.lease import RELEASE_SECONDS
 
 
@@ -25,8 +25,8 @@ def _train(server, workdir: str, num_steps: int, processes: int = 2, *more: str)
 
     argv = [a if not a.startswith("--config.train.num_steps=") else f"--config.train.num_steps={num_steps}"
             for a in TRAIN]
-    env = _env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE),
-               XLA_FLAGS=suite_xla_flags(2 // processes))
+    env = deadline_env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE),
+                       XLA_FLAGS=suite_xla_flags(2 // processes))
     if processes > 1:
         env.update(TIEFLAX_COORDINATOR=f"localhost:{free_port()}", TIEFLAX_NUM_PROCESSES=str(processes))
     return [subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *argv, *more],
@@ -61,7 +61,7 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     t_stop = None
     t0 = time.monotonic()
     while all(p.poll() is None for p in procs) and time.monotonic() - t0 < PROGRESS_CAP_S:
-        if _committed(own_gcs, bucket):
+        if committed_steps(own_gcs, bucket):
             os.kill(own_gcs.process.pid, signal.SIGSTOP)  # after the first checkpoint, the bucket goes quiet
             t_stop = time.monotonic()
             break
@@ -83,7 +83,7 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
         assert f"no answer from {bucket} within " in lines[0], lines
     # The checkpoint deadline, the last metrics segment's second try at the close, the lease's release.
     assert max(ended) < 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 15, ended
-    committed = _committed(own_gcs, bucket)
+    committed = committed_steps(own_gcs, bucket)
     assert committed and committed[-1] != 60, committed
     again = _finish(_train(own_gcs, bucket + "/run", 60), PROGRESS_CAP_S)
     # The uninterrupted reference: one process x 2 devices, the same mesh (data=2) and program; a sum of two

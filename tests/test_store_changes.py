@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_token_store import corpus_config
+from store_support import corpus_config
 from tieflax.data.store import CHECK_SECONDS
 from tieflax.data.store_build import build_store
 

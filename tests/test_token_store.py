@@ -11,24 +11,13 @@ import time
 import numpy as np
 import pytest
 
+from store_support import V, corpus_config
 from tieflax import storage
 from tieflax.data import DataError, default_data_config, make_loader, prepare_dataset
 from tieflax.data import store as st
 from tieflax.data.cache import join_documents
 from tieflax.data.sources import load_documents
 from tieflax.data.store_build import build_store, is_val
-
-V = 512
-
-
-def corpus_config(max_files: int = 40):
-    c = default_data_config()
-    c.source = "python_stdlib"
-    c.python_stdlib.max_files = max_files
-    c.tokenizer.vocab_size = V
-    c.val_fraction = 0.2
-    c.read_threads = 0
-    return c
 
 
 def store_config(path: str):

@@ -12,23 +12,12 @@ import textwrap
 import numpy as np
 import pytest
 
+from cli_support import COMPARE, SCALING, TINY, one_line
 from train_support import REPO
 from tieflax import cli
 from tieflax.cli import main
 from tieflax.commands import flags
 from tieflax.errors import UserError
-
-COMPARE = os.path.join(REPO, "configs", "experiments", "tie_vs_untie.py")
-SCALING = os.path.join(REPO, "configs", "experiments", "tie_scaling.py")
-TINY = os.path.join(REPO, "configs", "experiments", "tiny.py")
-
-
-def _one_line(capsys, argv, code=1) -> str:
-    assert main(argv) == code
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"tieflax {argv[0]}: "), err
-    return err
 
 
 def test_every_error_type_of_the_package_is_a_user_error():
@@ -66,17 +55,17 @@ def test_every_error_type_of_the_package_is_a_user_error():
 ])
 def test_compare_config_errors_are_one_line_and_leave_no_workdir(tmp_path, capsys, override, expected):
     workdir = tmp_path / "compare"
-    err = _one_line(capsys, ["compare", "--config", COMPARE, "--workdir", str(workdir), f"--config.{override}"])
+    err = one_line(capsys, ["compare", "--config", COMPARE, "--workdir", str(workdir), f"--config.{override}"])
     assert expected in err
     assert not workdir.exists()
 
 
 def test_sweep_errors_are_one_line_and_name_the_choices(tmp_path, capsys):
     workdir = tmp_path / "sweep"
-    err = _one_line(capsys, ["sweep", "--config", SCALING, "--workdir", str(workdir),
-                             "--config.sweep.variants=('tied', 'untyed')"])
+    err = one_line(capsys, ["sweep", "--config", SCALING, "--workdir", str(workdir),
+                            "--config.sweep.variants=('tied', 'untyed')"])
     assert "'untyed' unknown" in err and "untied_width" in err
-    err = _one_line(capsys, ["sweep", "--config", SCALING + ":bogus", "--workdir", str(workdir)])
+    err = one_line(capsys, ["sweep", "--config", SCALING + ":bogus", "--workdir", str(workdir)])
     assert "'bogus'" in err and "'smoke'" in err and "'pod'" in err
     assert not workdir.exists()
 
@@ -96,13 +85,13 @@ def test_the_old_name_eval_runs_val_loss_and_says_the_new_name_in_one_line(tmp_p
 
 def test_plan_exit_codes_tell_bad_input_from_does_not_fit(tmp_path, capsys):
     """0 fits, 1 does not fit (tests/test_plan.py), 2 bad input."""
-    assert "does not exist" in _one_line(capsys, ["plan", "--config", str(tmp_path / "none.py"), "--topology",
-                                                  "cpu"], code=2)
-    err = _one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--config.mesh.fsdp=3"], code=2)
+    assert "does not exist" in one_line(capsys, ["plan", "--config", str(tmp_path / "none.py"), "--topology",
+                                                 "cpu"], code=2)
+    err = one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--config.mesh.fsdp=3"], code=2)
     assert "config.mesh" in err and "does not divide" in err
     (tmp_path / "afile").write_text("x")
-    err = _one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--xla-dump",
-                             str(tmp_path / "afile" / "dump")], code=2)
+    err = one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--xla-dump",
+                            str(tmp_path / "afile" / "dump")], code=2)
     assert "--xla-dump" in err and "not a writable folder" in err
 
 
@@ -114,8 +103,8 @@ def test_cudnn_attention_where_it_cannot_run_names_the_fix_for_that_target(capsy
     with pytest.raises(UserError, match="runs on 'cpu'.*use 'auto' or 'xla'"):
         check_platform("cudnn", "cpu")
     check_platform("xla", "cpu")
-    err = _one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--config.model.attention=cudnn",
-                             "--config.model.dtype=bfloat16"], code=2)
+    err = one_line(capsys, ["plan", "--config", TINY, "--topology", "cpu", "--config.model.attention=cudnn",
+                            "--config.model.dtype=bfloat16"], code=2)
     assert "NVIDIA GPU kernel" in err and "install" not in err
 
 
@@ -167,7 +156,7 @@ def test_a_signal_at_any_moment_is_one_line_an_exit_code_and_no_stale_lock(tmp_p
     workdir = tmp_path / "w"
     workdir.mkdir()
     argv = ["signaltest", "--workdir", str(workdir), "--signal", signame] + (["--in-gc-callback"] * (where != "code"))
-    err = _one_line(capsys, argv, code=code)
+    err = one_line(capsys, argv, code=code)
     assert f"stopped by {signame}" in err and "rerun" in err
     assert os.listdir(workdir) == []  # the lock is gone
     after = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.unraisablehook
@@ -177,8 +166,8 @@ def test_a_signal_at_any_moment_is_one_line_an_exit_code_and_no_stale_lock(tmp_p
 def test_a_folder_in_data_files_paths_says_folder_and_suggests_a_glob(tmp_path, capsys):
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("some text")
-    err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(tmp_path / "w"),
-                             "--config.data.source=files", f"--config.data.files.paths=('{tmp_path / 'texts'}',)"])
+    err = one_line(capsys, ["train", "--config", TINY, "--workdir", str(tmp_path / "w"),
+                            "--config.data.source=files", f"--config.data.files.paths=('{tmp_path / 'texts'}',)"])
     assert "is a folder" in err and f"{tmp_path / 'texts'}/*.txt" in err
 
 
@@ -232,8 +221,8 @@ def test_a_hub_dataset_without_a_network_is_one_line_at_once(tmp_path, capsys, m
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     started = time.time()
-    err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(tmp_path / "w"),
-                             "--config.data.source=hf", "--config.data.hf.path=wikitext"])
+    err = one_line(capsys, ["train", "--config", TINY, "--workdir", str(tmp_path / "w"),
+                            "--config.data.source=hf", "--config.data.hf.path=wikitext"])
     assert "huggingface.co cannot be reached (Network is unreachable)" in err and "HF_DATASETS_OFFLINE=1" in err
     assert time.time() - started < 20
 
@@ -244,16 +233,16 @@ def test_a_config_file_with_a_syntax_error_or_a_raising_get_config_is_one_line_n
                                                                                                      capsys):
     broken = tmp_path / "broken.py"
     broken.write_text("from tieflax.config import default_config\n\ndef get_config(\n    return default_config()\n")
-    err = _one_line(capsys, ["params", "--config", str(broken)])
+    err = one_line(capsys, ["params", "--config", str(broken)])
     assert f"config file '{broken}' line 3: syntax error" in err, err
     raising = tmp_path / "raising.py"
     raising.write_text("from tieflax.config import default_config\n\n\ndef get_config():\n"
                        "    c = default_config()\n    return c.model.no_such_field\n")
-    err = _one_line(capsys, ["train", "--config", str(raising), "--workdir", str(tmp_path / "run")])
+    err = one_line(capsys, ["train", "--config", str(raising), "--workdir", str(tmp_path / "run")])
     assert f"config file '{raising}' line 6: AttributeError" in err and "(in get_config())" in err, err
     importing = tmp_path / "importing.py"
     importing.write_text("import no_such_module_here\n")
-    err = _one_line(capsys, ["params", "--config", str(importing)])
+    err = one_line(capsys, ["params", "--config", str(importing)])
     assert "line 1: ModuleNotFoundError" in err and "while it was imported" in err, err
     assert not (tmp_path / "run").exists()
 
@@ -269,7 +258,7 @@ def test_values_that_do_not_fit_together_are_one_line_before_anything_is_written
     """The mesh was a 25-line traceback (plan said it in one), seq_len above max_seq_len and a profiler
     window past the last step were accepted (no trace written, nothing said)."""
     workdir = tmp_path / "run"
-    err = _one_line(capsys, ["train", "--config", TINY, "--workdir", str(workdir), override])
+    err = one_line(capsys, ["train", "--config", TINY, "--workdir", str(workdir), override])
     assert expected in err, err
     assert not workdir.exists() or not os.listdir(workdir)
 
@@ -304,7 +293,7 @@ def test_command_line_values_are_checked_while_parsing(capsys, argv, expected):
     (["evaluate", "--workdir", "w", "--tasks", "arc_easy", "--config.seed=3"], "evaluate"),
 ])
 def test_overrides_a_command_does_not_read_are_refused(capsys, argv, command):
-    err = _one_line(capsys, argv)
+    err = one_line(capsys, argv)
     assert f"{command} does not read --config.* overrides" in err, err
 
 
