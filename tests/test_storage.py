@@ -69,6 +69,26 @@ def test_local_roundtrip(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_a_create_new_in_flight_leaves_no_foreign_name_in_a_token_store_folder(tmp_path, monkeypatch):
+    """Two `prepare --shard` hosts race to create the store's tokenizer.json; the loser's `--out` check, run
+    while the winner's temporary file lies beside it, must read that file as a store's own write (a pod
+    prepare's host 0 refused its folder so, "--out ... holds ...", at a load of 16)."""
+    from tieflax.data.store import check_store_folder
+    from tieflax.storage import conditional
+
+    out, checked, link = tmp_path / "store", [], os.link
+
+    def link_after_a_check(src, dst):
+        checked.append((sorted(os.listdir(out)), check_store_folder(str(out))))
+        return link(src, dst)
+
+    monkeypatch.setattr(conditional.os, "link", link_after_a_check)
+    assert storage.create_new(str(out / "tokenizer.json"), b"{}")
+    (names, canonical), = checked
+    assert len(names) == 1 and names[0].startswith(".tokenizer.json.") and canonical == str(out), names
+    assert os.listdir(out) == ["tokenizer.json"]
+
+
 def test_gcs_roundtrip(gcs):
     _roundtrip(gcs.new_bucket() + "/prefix")
 

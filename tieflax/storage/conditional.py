@@ -47,8 +47,11 @@ def create_new(path: str, data: bytes) -> bool:
         # Whole or not at all: the data goes to a temporary file, hard-linked to ``path`` (which fails when
         # something is there). With O_EXCL alone a racing reader could see the file empty, half written
         # (two `prepare --shard` processes storing one tokenizer.json: "EOF while parsing").
+        # Named as every temporary file of the path layer (``.<name>.<random>.tmp``), which a folder's checks
+        # know for one: without the suffix, a token store's `--out` check on one pod host, run while another
+        # host created a file there, refused the folder as holding a foreign file (seen at a load of 16).
         folder, name = os.path.split(os.path.abspath(path))
-        tmp_fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+        tmp_fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
         try:
             try:
                 with os.fdopen(tmp_fd, "wb") as f:
