@@ -1,7 +1,6 @@
 """Test set-up: 8 CPU devices, set before JAX starts, so mesh code runs on any machine."""
 
 import os
-import sys
 
 # Must happen before the first `import jax` anywhere in the test session.
 os.environ["XLA_FLAGS"] = (
@@ -36,6 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if "PYTEST_XDIST_WORKER" not in os.environ and _OLD_EMITTERS not in os.environ["XLA_FLAGS"]:
     import subprocess  # noqa: E402
+    import sys  # noqa: E402
 
     _probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
                             env={**os.environ, "XLA_FLAGS": _OLD_EMITTERS}, capture_output=True)
@@ -78,18 +78,13 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     _EVERY_PROCESS_CACHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "every_process_caches")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_EVERY_PROCESS_CACHES, os.environ.get("PYTHONPATH")]))
 
-# Bytecode written where a module is first imported, by every process of the suite, even where
-# PYTHONDONTWRITEBYTECODE is set (as on the machines these tests run on): the suite starts hundreds of
-# Python processes (workers, CLI commands, pod hosts, notebook kernels), and each would otherwise compile
-# every module it imports from source again. The test command installs without uv's --compile-bytecode,
-# which compiled all 27,000 modules of the 3.11 venv (45 CPU-s of the install); the suite imports about
-# 5,900 of them (13 CPU-s to compile; 2026-12-07). Python writes each file whole (a temporary file renamed
-# into place), so processes importing one module at once are safe. Only this suite's processes are affected.
-if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
-    sys.dont_write_bytecode = False
-# The repository's own modules compiled once, here, before the workers start, rather than by four workers
-# at once (0.06 s of CPU for the training modules, median of 8 imports). The `__pycache__` files are ignored
-# by git and rewritten when a source changes.
+# The repository's own modules compiled to bytecode once, here, before the workers start: the suite starts
+# hundreds of Python processes (workers, CLI commands, pod hosts, notebook kernels), and under
+# PYTHONDONTWRITEBYTECODE (set on the machines these tests run on) each one would compile every tieflax
+# module it imports from source again: 0.06 s of CPU for the training modules (median of 8 imports). The
+# test command's `uv pip install --compile-bytecode` covers the installed libraries, not an editable
+# install's sources. Reading the `__pycache__` files needs no write; they are ignored by git and rewritten
+# when a source changes.
 if "PYTEST_XDIST_WORKER" not in os.environ:
     import compileall  # noqa: E402
 
