@@ -62,10 +62,13 @@ def array_spec(path: str, *, shape: int | None = None, dtype: str | None = None,
     (with :data:`CHECKSUMS`: a crc32c after each inner chunk, every inner chunk stored)."""
     spec = {"driver": "zarr3", "kvstore": storage.kvstore_spec(path)}
     if shape is not None:
-        shard = max(1, min(shard, shape))
-        chunk = max(1, min(chunk, shard))
-        while shard % chunk:  # the inner chunk must tile the shard
-            chunk -= 1
+        # A shard holds whole inner chunks (the sharding codec's rule), and the array's last shard and
+        # its last chunk may reach past the array's end (zarr pads them; a chunk wholly past the end is
+        # not stored). So the chunk keeps its size whatever the array's length: shrinking it to a divisor
+        # of the length made a store of 410,236 ids (4 x a prime) one of 4-id chunks, each with its own
+        # 4-byte crc32c and 16-byte index entry (3x the bytes, and slow to write and read).
+        chunk = max(1, min(chunk, shape))
+        shard = max(chunk, min(shard // chunk * chunk, -(-shape // chunk) * chunk))
         inner = [{"name": "bytes", "configuration": {"endian": "little"}}]
         if CHECKSUMS:
             # The crc32c of an inner chunk travels with it: the byte-range read of one chunk checks it.
@@ -85,12 +88,13 @@ def array_spec(path: str, *, shape: int | None = None, dtype: str | None = None,
 
 
 def create_array(path: str, shape: int, dtype: str, **kw):
+    """A new array at ``path`` for the finalize to write whole, shard by shard; or the same array that a
+    killed finalize left (its shape comes from the ledger), with its shard objects deleted."""
     import tensorstore as ts  # noqa: PLC0415
 
-    # create or open, never delete_existing: a finalize killed midway left the same array (its shape
-    # comes from the ledger), and a range delete on some object stores reaches past the prefix.
+    # create or open, never delete_existing: a range delete on some object stores reaches past the prefix.
     try:
-        return ts.open(array_spec(path, shape=shape, dtype=dtype, **kw), create=True, open=True).result()
+        arr = ts.open(array_spec(path, shape=shape, dtype=dtype, **kw), create=True, open=True).result()
     except ValueError as e:
         if not (str(e).startswith("FAILED_PRECONDITION") and "Mismatch" in str(e)):
             raise
@@ -98,6 +102,13 @@ def create_array(path: str, shape: int, dtype: str, **kw):
         raise DataError(f"{path} holds an array with another layout than tieflax prepare writes now (an "
                         "older tieflax's, or other settings): delete that folder and rerun tieflax prepare; it "
                         "writes the array again from the store's parts") from None
+    # The last inner chunk of an array whose length it does not divide reaches past the end, so a write of
+    # the last shard reads that chunk's stored bytes to keep its part past the end: a damaged object left
+    # there (the store being rebuilt after damage) would fail the rebuild. Each object deleted by its key.
+    kv = ts.KvStore.open(storage.kvstore_spec(path)).result()
+    for done in [kv.write(f"c/{i}", None) for i in range(-(-shape // arr.chunk_layout.write_chunk.shape[0]))]:
+        done.result()
+    return arr
 
 
 def open_array(path: str, *, cache_bytes: int = READ_CACHE_BYTES, checksums: bool = False):
@@ -426,9 +437,9 @@ class TokenStore:
         for name in ARRAYS:
             arr = self.array(name)
             digest = hashlib.sha256()
-            step = arr.chunk_layout.write_chunk.shape[0]
-            for a in range(0, arr.shape[0], step):
-                chunk = read_result(arr[a:a + step].read(), self.path, name, repairable=self.checksums)
+            n, step = arr.shape[0], arr.chunk_layout.write_chunk.shape[0]
+            for a in range(0, n, step):   # the last shard may reach past the end: read to the end
+                chunk = read_result(arr[a:min(a + step, n)].read(), self.path, name, repairable=self.checksums)
                 digest.update(le_bytes(np.asarray(chunk)))
             if self.checksums and digest.hexdigest() != self.manifest["arrays"][name]["sha256"]:
                 raise damaged(self.path, name, "its contents differ from the sha256 manifest.json records")
