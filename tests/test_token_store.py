@@ -361,6 +361,25 @@ def test_a_damaged_chunk_is_one_line_naming_the_store_the_array_and_the_fix(loca
     st.open_store(copy).verify()
 
 
+@pytest.mark.parametrize("length", [410_236, 1_000_003])  # 4 x a prime; a prime
+def test_an_array_of_any_length_keeps_its_chunk_size_and_is_rewritten_over_damage(tmp_path, length):
+    """An array's inner chunk is CHUNK_TOKENS ids whatever its length, its last shard and chunk padded past
+    the end: shrunk to a divisor of the length, a 410,236-id array (4 x a prime) had 4-id chunks, each with
+    its own crc32c and index entry (3x the bytes). A finalize writing the array again over a damaged object
+    (the padded last chunk's write reads what is stored) writes it whole."""
+    path = str(tmp_path / "tokens")
+    ids = (np.arange(length) % 5000).astype(np.uint16)
+    arr = st.create_array(path, length, "uint16")
+    arr[:].write(ids).result()
+    assert arr.chunk_layout.read_chunk.shape[0] == st.CHUNK_TOKENS
+    sizes = st.object_bytes(arr)
+    assert [os.path.getsize(os.path.join(path, "c", str(i))) for i in range(len(sizes))] == sizes
+    assert sum(sizes) < 2 * (length + st.CHUNK_TOKENS) + 1024   # the ids, the padded last chunk, an index
+    damage(os.path.join(path, "c", "0"), "truncate")
+    st.create_array(path, length, "uint16")[:].write(ids).result()
+    np.testing.assert_array_equal(st.open_array(path, checksums=True)[:].read().result(), ids)
+
+
 @pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
 def test_damage_met_while_grain_reads_is_the_same_one_line(local_store, tmp_path, how):
     """The object goes bad after the store was opened (mid-training): grain's reader threads meet it
