@@ -4,6 +4,8 @@ depends on a layer's parameters or activations stacked."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,14 +24,20 @@ def _config(family: str, dtype: str, **changes):
                                        **changes})
 
 
-def _loss_and_grads(c, params, in_place: bool, monkeypatch):
+def _traced_only(f):
+    return functools.partial(jax.eval_shape, f)
+
+
+def _loss_and_grads(c, params, in_place: bool, monkeypatch, transform=jax.jit):
+    """((loss, grads), logits); ``transform=_traced_only``: the same programs traced, not compiled or run
+    (for a test that reads only what tracing records)."""
     monkeypatch.setattr(TransformerLM, "_in_place_loop", lambda self: in_place)
 
     def f(p):
         return TransformerLM(c).apply({"params": p}, TOKENS, TARGETS, segment_ids=SEGMENTS, method="loss")[0].mean()
 
-    logits = jax.jit(lambda p: TransformerLM(c).apply({"params": p}, TOKENS, segment_ids=SEGMENTS))(params)
-    return jax.jit(jax.value_and_grad(f))(params), logits   # the logits: the loop without a gradient
+    logits = transform(lambda p: TransformerLM(c).apply({"params": p}, TOKENS, segment_ids=SEGMENTS))(params)
+    return transform(jax.value_and_grad(f))(params), logits   # the logits: the loop without a gradient
 
 
 # Each family and each dtype once (the four pairs cost twice the suite's time for no other code path).
@@ -64,7 +72,8 @@ def test_only_what_depends_on_the_layer_is_stacked(monkeypatch):
     monkeypatch.setattr(loop_module, "_residual_kinds", spy)
     c = _config("llama", "bfloat16", attention="xla")
     params = stack_layers(init_params(c.replace(scan_layers=False)), c)
-    _loss_and_grads(c, params, True, monkeypatch)
+    # The spy records while the programs are traced: traced only, the same calls in the same order.
+    _loss_and_grads(c, params, True, monkeypatch, transform=_traced_only)
     kinds, leaves, n_params = seen[0]
     assert sorted(k[1] for k in kinds if isinstance(k, tuple) and k[0] == "param") == list(range(n_params))
     stored = [leaf for leaf, kind in zip(leaves, kinds) if kind == "stored"]
@@ -76,7 +85,9 @@ def test_other_policies_and_init_keep_nn_scan(monkeypatch):
     calls = []
     monkeypatch.setattr("tieflax.model.transformer.layer_loop", lambda *a: calls.append(1) or a[2])
     c = _config("llama", "float32", remat="full")
-    params = stack_layers(init_params(c.replace(scan_layers=False)), c)
-    TransformerLM(c).apply({"params": params}, TOKENS)
-    TransformerLM(c.replace(remat="none")).init(jax.random.key(0), TOKENS)
+    # Which loop runs is chosen while tracing: traced only (jax.eval_shape; the parameters too), as run
+    # op by op.
+    params = jax.eval_shape(lambda: stack_layers(init_params(c.replace(scan_layers=False)), c))
+    jax.eval_shape(lambda p: TransformerLM(c).apply({"params": p}, TOKENS), params)
+    jax.eval_shape(lambda k: TransformerLM(c.replace(remat="none")).init(k, TOKENS), jax.random.key(0))
     assert not calls
