@@ -176,6 +176,17 @@ def micro_data(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def lm_eval_without_env_report():
+    """lm-eval's scoring in the test's process without torch's environment report in its results'
+    metadata (``pip list`` and some ten shell commands in child processes, 0.53 CPU-s each time it scores
+    where torch is installed): tests/lm_eval_support.py. No test reads that report."""
+    from lm_eval_support import no_torch_env_report  # noqa: PLC0415
+
+    with no_torch_env_report():
+        yield
+
+
 @pytest.fixture(scope="session")
 def gcs():
     """A Cloud Storage protocol server on 127.0.0.1 for the session (``tests/object_store.py``); the

@@ -23,6 +23,9 @@ from tieflax.study import compare as study  # noqa: E402
 from tieflax.study.tasks import compare_tasks, tasks_section  # noqa: E402
 from tieflax.config import load_config  # noqa: E402
 
+# lm-eval scores in this process: without its torch environment report (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("lm_eval_without_env_report")
+
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tie_vs_untie.py")
 
 
@@ -56,7 +59,8 @@ def scored(tmp_path_factory, corpus):
     """A 2-variant x 2-seed compare of 1-layer models (4 steps), each run scored on a 16-item local task.
     The tasks are what is checked: no tuned lens (``lens_fit_tokens=0``) and one kept checkpoint per run
     (no held-out pass at a middle checkpoint), measures these tests do not read (tests/test_compare.py
-    checks them)."""
+    checks them). No test here reads a plot: they are built but not rendered (``plots_not_rendered``;
+    tests/test_compare.py's report test checks the rendered PNGs of the same 2 x 2 shape)."""
     root, tasks = corpus
     workdir = tmp_path_factory.mktemp("compare_tasks")
     overrides = [
@@ -66,7 +70,9 @@ def scored(tmp_path_factory, corpus):
         "compare.variants=('tied', 'untied')", "compare.tasks=('tf_cmp_mc',)", f"compare.task_include_path={tasks}",
     ]
     argv = ["compare", "--config", CONFIG, "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]
-    code, console = capture_console(cli.main, argv)
+    with pytest.MonkeyPatch.context() as mp:
+        plots_not_rendered(mp)
+        code, console = capture_console(cli.main, argv)
     assert code == 0, console
     return dict(workdir=workdir, argv=argv, tasks=tasks, console=console)
 

@@ -35,6 +35,9 @@ from tieflax.config import default_model_config, model_config  # noqa: E402
 from tieflax.eval.tasks import run_tasks, task_manager  # noqa: E402
 from tieflax.model import TransformerLM  # noqa: E402
 
+# lm-eval scores in this process: without its torch environment report (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("lm_eval_without_env_report")
+
 SEQ = 64
 TRAIN = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=512", "--config.model.d_model=32",
          "--config.model.n_layers=2", "--config.model.d_ff=64", f"--config.model.max_seq_len={SEQ}",

@@ -199,7 +199,9 @@ def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(micro_data, f
     as the run's starting settings, with a history entry of no change."""
     run = copy_run(finished, tmp_path / "run")
     os.remove(os.path.join(run, CONFIG_FILE))
-    config = run_config(micro_data, learning_rate=0.05)
+    # Another learning rate than the run's 0.01: the one of test_allow_change_trains_on's resume, so the 6-step
+    # train step trained below is the program that test compiled (the suite's compilation cache holds it).
+    config = run_config(micro_data, learning_rate=0.001)
     with pytest.raises(record.RecordBroken, match="config.json is missing, yet the run has trained"):
         train_and_evaluate(config, run)
     assert not os.path.exists(os.path.join(run, CONFIG_FILE))
@@ -209,7 +211,7 @@ def test_config_json_missing_from_a_trained_run_is_not_a_fresh_run(micro_data, f
     assert result["step"] == 6 and not os.path.exists(os.path.join(run, CONFIG_FILE))
     (entry,) = record.history(run)
     assert entry["step"] == STEPS and "config.json is missing" in entry["restarted"], entry
-    assert saved_config.load_workdir_config(run).train.learning_rate == 0.05
+    assert saved_config.load_workdir_config(run).train.learning_rate == 0.001
     assert record.history_lines(run)[0].startswith("config record restarted at step 4 (")
     assert main(["train", "--workdir", run]) == 0  # and it resumes from its record again
     assert "finished before, at step 6 (checkpoints/6): nothing to train" in capsys.readouterr().out

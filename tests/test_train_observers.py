@@ -27,6 +27,9 @@ from tieflax.run.layout import METRICS_DIR
 from tieflax.run.metrics import read_metrics
 from tieflax.run.trackers import FLUSH_SECONDS
 
+# lm-eval scores in this process: without its torch environment report (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("lm_eval_without_env_report")
+
 N = 20
 pytest.importorskip("wandb")
 pytest.importorskip("lm_eval")
