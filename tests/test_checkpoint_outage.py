@@ -107,10 +107,14 @@ def test_a_full_local_disk_keeps_its_advice(watch):
 # A 512-token BPE (the one tests/test_eval_harness.py's runs train on the same corpus, in the suite's data
 # cache): with tiny.py's 8,192 a step of this model cost ten times as much (the head and the loss over the
 # vocabulary); what is tested is a save riding out an outage, and a save writes the same objects either way.
+# A constant learning rate (no warmup, no decay), as tests/test_store_changes.py's runs of this model: the
+# compiled step then does not depend on num_steps (a 60-step schedule was a program of its own), so the runs
+# of both files use one program from the suite's compilation cache; what a save writes does not depend on it.
 TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32", "--config.model.n_layers=1",
          "--config.model.n_heads=2", "--config.model.d_ff=64", "--config.model.max_seq_len=32",
          "--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=512",
          "--config.train.seq_len=32", "--config.train.global_batch_size=8", "--config.train.num_steps=60",
+         "--config.train.warmup_steps=0", "--config.train.min_lr_ratio=1.0",
          "--config.train.log_every=10", "--config.train.checkpoint_every=20", "--config.train.eval_every=1000"]
 
 

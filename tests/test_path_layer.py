@@ -238,12 +238,18 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("outputs")
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "experiments", "tiny.py")
     run, export = str(root / "run"), str(root / "export")
+    # Two heads and a constant learning rate (no warmup, no decay: the compiled step then does not depend on
+    # num_steps): the model and programs of tests/test_checkpoint_outage.py's and test_store_changes.py's runs,
+    # which the suite's compilation cache holds (a 3-step schedule was a program of its own); what is tested
+    # is where and how the files are written, not what the model is or learns.
     with umask(0o022):
         assert main(["train", "--config", tiny, "--workdir", run, "--config.model.vocab_size=512",
                      "--config.data.tokenizer.vocab_size=512", "--config.model.d_model=32",
-                     "--config.model.n_layers=1", "--config.model.d_ff=64", "--config.model.max_seq_len=32",
-                     "--config.train.seq_len=32", "--config.train.num_steps=3", "--config.train.global_batch_size=8",
-                     "--config.train.eval_every=1000", "--config.train.eval_batches=1"]) == 0
+                     "--config.model.n_layers=1", "--config.model.n_heads=2", "--config.model.d_ff=64",
+                     "--config.model.max_seq_len=32", "--config.train.seq_len=32", "--config.train.num_steps=3",
+                     "--config.train.global_batch_size=8", "--config.train.warmup_steps=0",
+                     "--config.train.min_lr_ratio=1.0", "--config.train.eval_every=1000",
+                     "--config.train.eval_batches=1"]) == 0
         assert main(["convert", "--to-hf", "--workdir", run, "--out", export]) == 0
     tasks = root / "tasks"
     tasks.mkdir()

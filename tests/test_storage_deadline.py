@@ -165,8 +165,10 @@ def _train(server, workdir: str, *more: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(own_gcs, tmp_path):
+def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(own_gcs, tmp_path, capsys):
     import json
+
+    from tieflax.cli import main
 
     bucket = own_gcs.new_bucket()
     proc = _train(own_gcs, bucket + "/run")
@@ -202,10 +204,13 @@ def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(
     assert again.returncode == 0, err2
     # The run that never stopped, in a local folder and saving only its last step: where a run keeps its files
     # and how often it saves do not change its losses, and the emulator (a Python process, counted in the
-    # suite's time) serves no third run's writes.
-    ref = _train(own_gcs, str(tmp_path / "run"), "--config.train.checkpoint_every=120")
-    out_ref, err3 = ref.communicate(timeout=PROGRESS_CAP_S)
-    assert ref.returncode == 0, err3
+    # suite's time) serves no third run's writes. The same command in this process (the same XLA_FLAGS, so
+    # the same devices and programs, from the suite's cache): no third Python to start and import JAX in;
+    # tests/test_bucket_run.py compares a run in the test process with one in a subprocess the same way.
+    capsys.readouterr()
+    assert main(["train", "--workdir", str(tmp_path / "run"), *TRAIN, "--config.train.checkpoint_every=120"]) == 0, \
+        capsys.readouterr().err
+    out_ref = capsys.readouterr().out
     resumed, whole = json.loads(out.strip().splitlines()[-1]), json.loads(out_ref.strip().splitlines()[-1])
     assert resumed["step"] == whole["step"] == 120
     assert resumed["final_val_loss"] == whole["final_val_loss"], (resumed, whole)

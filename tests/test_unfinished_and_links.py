@@ -38,13 +38,14 @@ def _as_killed_while_writing(run: str, step: int) -> None:
 @pytest.mark.parametrize("where", ["gs", "local"])
 def test_an_unfinished_first_checkpoint_is_not_legacy_and_the_rerun_says_it_starts_over(
         where, gcs, micro_data, tmp_path, capsys, caplog):
+    # One save, at step 20 (the run's first and last): the first checkpoint is what the kill interrupts, and
+    # a second one, saved only to be deleted, cost a save in each run (and another in the rerun).
     config = micro_config(micro_data, num_steps=20)
-    config.train.log_every, config.train.checkpoint_every = 5, 10
+    config.train.log_every, config.train.checkpoint_every = 5, 20
     run = gcs.new_bucket() + "/runs/unfinished" if where == "gs" else str(tmp_path / "unfinished")
     assert main(["train", "--config", f"{REPO}/configs/experiments/tiny.py", "--workdir", run,
                  *config_overrides(config)]) == 0
-    storage.rmtree(storage.join(ckpt.checkpoint_dir(run), "20"))  # the kill came during the first save
-    _as_killed_while_writing(run, 10)
+    _as_killed_while_writing(run, 20)  # the kill came during the first save
     storage.forget_listings(run)
 
     capsys.readouterr()
@@ -54,7 +55,7 @@ def test_an_unfinished_first_checkpoint_is_not_legacy_and_the_rerun_says_it_star
     out = capsys.readouterr()
     said = out.out + out.err + caplog.text
     assert "trusted as it is" not in said, said
-    line = "starting from step 0: checkpoint 10 (checkpoints/10) was never finished: the run was stopped while saving it"
+    line = "starting from step 0: checkpoint 20 (checkpoints/20) was never finished: the run was stopped while saving it"
     assert line in said, said
     assert json.loads(out.out.strip().splitlines()[-1])["step"] == 20
 
@@ -64,7 +65,7 @@ def test_an_overwriting_export_into_a_linked_out_replaces_the_linked_folder_and_
     """`convert --to-hf --overwrite --out latest`, latest a link to an earlier export: the link is followed
     (the folder it names is replaced whole, the link names the new export), and no lock is left behind."""
     config = micro_config(micro_data, num_steps=20)   # the run of the test above: its programs are in the cache
-    config.train.log_every, config.train.checkpoint_every = 5, 10
+    config.train.log_every, config.train.checkpoint_every = 5, 20  # the export reads the last checkpoint only
     run = str(tmp_path / "run")
     train_and_evaluate(config, run)
     v1, latest = tmp_path / "v1", tmp_path / "latest"
