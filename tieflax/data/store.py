@@ -14,9 +14,9 @@ Layout of a store (a local folder, ``gs://bucket/prefix`` or ``s3://bucket/prefi
     parts/<k>.npy, ledger/<k>.json   the build's intermediate output (kept: the ledger of a resumable build)
     lock*.json                 a prepare at work (host, pid, heartbeat)
 
-The arrays use zarr3's sharded codec: shards of ``SHARD_TOKENS`` ids, each written whole by exactly one
-writer (no read-modify-write of a shared object), holding raw inner chunks of ``CHUNK_TOKENS`` ids that a
-reader fetches by byte range. A store without ``manifest.json`` is not a store: a reader refuses it, so
+The arrays use zarr3's sharded codec: shards of ``SHARD_TOKENS`` ids (a shorter array: one shard of whole
+chunks, the last padded past its end), each written whole by exactly one writer (no read-modify-write of a
+shared object), holding raw inner chunks of ``CHUNK_TOKENS`` ids that a reader fetches by byte range. A store without ``manifest.json`` is not a store: a reader refuses it, so
 nothing half-written is ever read.
 
 The store proves its bytes (``manifest["checksums"] == "crc32c"``): every inner chunk and every shard
