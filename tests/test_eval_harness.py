@@ -232,3 +232,23 @@ def test_a_task_file_that_does_not_parse_or_render_is_one_line_naming_file_and_l
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         f"tieflax evaluate: task tf_mc, {undefined / 'tf_mc.yaml'}, line {line}: the template '{{{{questio}}}}' does "
         "not render: 'questio' is undefined (the documents' fields: question, choices, answer)"), err
+
+
+def test_torch_s_environment_report_is_collected_once_per_process(monkeypatch):
+    """lm-eval collects torch's environment report (``pip list`` and shell commands in child processes) at
+    every evaluation; a run with ``train.eval_tasks`` evaluates again and again: once per process, the same
+    text in each evaluation's results."""
+    from lm_eval.loggers.utils import add_env_info
+    from torch.utils import collect_env
+
+    from tieflax.eval import tasks
+
+    calls = []
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: calls.append(1) or f"report {len(calls)}")
+    monkeypatch.setattr(tasks, "_TORCH_REPORT", [])
+    first, second = {}, {}
+    with tasks.torch_report_once():
+        add_env_info(first)
+        add_env_info(second)
+    assert len(calls) == 1 and first["pretty_env_info"] == second["pretty_env_info"] == "report 1"
+    assert collect_env.get_pretty_env_info() == "report 2"   # lm-eval's own again outside an evaluation

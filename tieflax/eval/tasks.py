@@ -209,7 +209,7 @@ def run_tasks(model, tasks: Sequence[str], manager, *, model_args: Optional[dict
         import jinja2  # noqa: PLC0415
 
         try:
-            with _git_quietly():
+            with _git_quietly(), torch_report_once():
                 results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
                                                   batch_size=batch_size, num_fewshot=num_fewshot, limit=limit,
                                                   log_samples=log_samples, evaluation_tracker=tracker,
@@ -262,6 +262,37 @@ def _git_quietly():
         yield
     finally:
         evaluator.get_git_commit_hash = saved
+
+
+_TORCH_REPORT: list[str] = []   # torch's environment report, once collected in this process
+
+
+@contextlib.contextmanager
+def torch_report_once():
+    """``simple_evaluate`` with torch's environment report (the results' ``pretty_env_info``:
+    ``torch.utils.collect_env``, which runs ``pip list`` in a new interpreter and some ten shell commands,
+    about 0.5 CPU-s of child processes) collected once per process: lm-eval collects it at every
+    evaluation, and a run with ``train.eval_tasks`` evaluates every ``eval_tasks_every`` steps, each time
+    forking the training process. The same text in every evaluation's results."""
+    from lm_eval.utils import is_torch_available  # noqa: PLC0415
+
+    if not is_torch_available():   # lm-eval reports none, and torch is not imported here
+        yield
+        return
+    from torch.utils import collect_env  # noqa: PLC0415
+
+    collect = collect_env.get_pretty_env_info
+
+    def once() -> str:
+        if not _TORCH_REPORT:
+            _TORCH_REPORT.append(collect())
+        return _TORCH_REPORT[0]
+
+    collect_env.get_pretty_env_info = once
+    try:
+        yield
+    finally:
+        collect_env.get_pretty_env_info = collect
 
 
 def template_failure(e: Exception, manager) -> str:
