@@ -16,8 +16,8 @@ Layout of a store (a local folder, ``gs://bucket/prefix`` or ``s3://bucket/prefi
 
 The arrays use zarr3's sharded codec: shards of ``SHARD_TOKENS`` ids (a shorter array: one shard of whole
 chunks, the last padded past its end), each written whole by exactly one writer (no read-modify-write of a
-shared object), holding raw inner chunks of ``CHUNK_TOKENS`` ids that a reader fetches by byte range. A store without ``manifest.json`` is not a store: a reader refuses it, so
-nothing half-written is ever read.
+shared object), holding raw inner chunks of ``CHUNK_TOKENS`` ids that a reader fetches by byte range. A
+store without ``manifest.json`` is not a store: a reader refuses it, so nothing half-written is ever read.
 
 The store proves its bytes (``manifest["checksums"] == "crc32c"``): every inner chunk and every shard
 index carries a crc32c that tensorstore checks on each read, every inner chunk is stored (none left out

@@ -274,9 +274,9 @@ def torch_report_once():
     about 0.5 CPU-s of child processes) collected once per process: lm-eval collects it at every
     evaluation, and a run with ``train.eval_tasks`` evaluates every ``eval_tasks_every`` steps, each time
     forking the training process. The same text in every evaluation's results."""
-    from lm_eval.utils import is_torch_available  # noqa: PLC0415
+    import importlib.util  # noqa: PLC0415
 
-    if not is_torch_available():   # lm-eval reports none, and torch is not imported here
+    if importlib.util.find_spec("torch") is None:   # lm-eval reports none, and torch is not imported here
         yield
         return
     from torch.utils import collect_env  # noqa: PLC0415
