@@ -378,9 +378,15 @@ def main(argv=None) -> None:
     if SMOKE:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.variant:
-        # As the tieflax console starts: JAX off libtpu without a TPU, the GPU XLA flags this variant chose.
+        # As the tieflax console starts: the collector's thresholds (tieflax/cli.py says why: on the CPU the
+        # default ones cost a tenth of a small variant's time, the same for every variant), JAX off libtpu
+        # without a TPU, the GPU XLA flags this variant chose.
+        import gc
+
+        from tieflax.cli import COLLECTOR_THRESHOLDS
         from tieflax.hardware.process import prepare_process
 
+        gc.set_threshold(*COLLECTOR_THRESHOLDS)
         prepare_process()
         print(json.dumps(run_one(args.variant, args)))
         return

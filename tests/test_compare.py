@@ -89,7 +89,10 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compare_run(tmp_path_factory, corpus):
-    """A shortened compare: 1-layer models, 4 steps each, on a small generated corpus. The tuned lens takes
+    """A shortened compare: 1-layer models, 4 steps each, on a small generated corpus (the shapes and
+    schedule of tests/test_compare_tasks.py's runs: the train and eval programs one file compiles are the
+    other's cache hits in a suite run). No in-training diagnostics (``train.analyze_every``, off in the
+    study's config too: no test here reads them; tests/test_train.py checks that hook). The tuned lens takes
     10 SGD steps, not the study's 250: what is checked here is that it is trained, kept and reported (its
     recipe against the tuned-lens package is tests/test_literature.py's); each step is a dispatch."""
     root = corpus
@@ -99,7 +102,7 @@ def compare_run(tmp_path_factory, corpus):
         "data.val_fraction=0.25", "model.vocab_size=300", "model.d_model=32", "model.n_layers=1",
         "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=16", "train.seq_len=16",
         "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.eval_every=4",
-        "train.eval_batches=1", "train.log_every=2", "train.analyze_every=2", "compare.analysis_points=2",
+        "train.eval_batches=1", "train.log_every=2", "compare.analysis_points=2",
         "compare.max_rows=128", "compare.seeds=(0, 1)", "compare.grad_batches=2", "compare.bootstrap=200",
         "compare.n_bins=4", "compare.variants=('tied', 'untied')", "compare.lens_steps=10",
     ]
@@ -161,9 +164,13 @@ def test_compare_writes_a_report_with_every_section_and_plot(compare_run, capsys
     assert np.sum(val["doc_bin_tokens"]) == sum(val["doc_tokens"])
 
 
-def test_one_seed_one_document_prints_no_verdict_and_no_nan(tmp_path, corpus):
+def test_one_seed_one_document_prints_no_verdict_and_no_nan(tmp_path, corpus, monkeypatch):
     """1 seed, 1 held-out document (the runlocal shape): every line says what is missing, none gives a
     verdict, nothing prints nan, and the split is called whole only when it is."""
+
+    # No plot is read here: every figure is built from this study's numbers, none rendered (the report's
+    # text and HTML are what is checked; compare_run's rendered PNGs are the first test's).
+    plots_not_rendered(monkeypatch)
 
     # The model, batch, steps and schedule of `compare_run` (the same compiled programs: its step, eval
     # and analysis programs come from the compilation cache), one kept checkpoint, one seed.

@@ -48,9 +48,13 @@ def corpus(tmp_path_factory):
 
 
 def _small(root) -> list[str]:
+    # The model, batch, sequence length, steps and schedule of tests/test_compare.py's `compare_run`: their
+    # train and eval programs are one another's, so in a suite run the file that trains second takes them
+    # from the run's compilation cache (tests/conftest.py). At 16 tokens every item is still scored: a
+    # longer context would be left-truncated to fit (tieflax/eval/harness.py), as at any length.
     return ["data.source=files", f"data.files.paths={root}/*.txt", "data.tokenizer.vocab_size=300",
             "data.val_fraction=0.25", "model.vocab_size=300", "model.d_model=32", "model.n_layers=1",
-            "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=32",
+            "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=16", "train.seq_len=16",
             "train.global_batch_size=8", "train.num_steps=4", "train.warmup_steps=1", "train.log_every=2"]
 
 

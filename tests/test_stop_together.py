@@ -24,35 +24,24 @@ import time
 import pytest
 
 from train_support import REPO, free_port, suite_xla_flags
+from two_process_support import TRAIN as TWO_PROCESS_TRAIN
 
-# A constant learning rate (no warmup, no decay): the compiled step does not depend on num_steps, so the runs
-# that end by themselves after 30 steps use the programs the suite's cache holds for the others (a schedule
-# over 30 steps was a program of its own, compiled by each of the 2 processes). One validation batch at the
-# end of those runs: their losses are not what is tested.
-TRAIN = ["--config", "configs/experiments/tiny.py", "--config.model.d_model=32", "--config.model.n_layers=1",
-         "--config.model.n_heads=2", "--config.model.d_ff=64", "--config.model.max_seq_len=32",
-         "--config.train.seq_len=32", "--config.train.global_batch_size=8", "--config.train.num_steps=5000",
-         "--config.train.warmup_steps=0", "--config.train.min_lr_ratio=1.0",
-         "--config.train.log_every=5", "--config.train.checkpoint_every=10", "--config.train.eval_every=100000",
-         "--config.train.eval_batches=1"]
-# A 512-token BPE (the one tests/test_eval_harness.py's runs train on the same corpus, in the suite's data
-# cache) instead of tiny.py's 8,192: a step of this model then costs a tenth (the head and the loss over the
-# vocabulary), and how the processes stop does not depend on it. Not for a write refused in the background:
-# tieflax mutes orbax's logging of a failed save only until it abandons the save (tieflax/run/save_watch.py,
-# `SaveWatch.close`), and with steps ten times as fast the refusal was once acted on before orbax's threads had
-# logged it: process 0 printed their tracebacks (1 run in 4 of the step-metadata case).
-SMALL_VOCAB = ["--config.model.vocab_size=512", "--config.data.tokenizer.vocab_size=512"]
+# The job (tests/two_process_support.py: one config with tests/test_waits_bounded.py's, whose programs and token
+# files it shares), trained until it is stopped, or ends by itself after a given number of steps; a checkpoint
+# every 10 steps, a stop check every 5, no evaluation but at the end of a run that ends by itself.
+TRAIN = [*TWO_PROCESS_TRAIN, "--config.train.num_steps=5000", "--config.train.log_every=5",
+         "--config.train.checkpoint_every=10", "--config.train.eval_every=100000"]
 # A cap on waiting for progress (a first checkpoint, a process's end), not a measure: on a loaded 2-core
 # machine compiling and training ten steps takes minutes; the cap only ends a hang.
 PROGRESS_CAP_S = 1200
 
 
 def _start(workdir: str, per_process: tuple[dict, ...] = ({}, {}), steps: int | None = None,
-           small_vocab: bool = True, **env) -> list[subprocess.Popen]:
+           more: tuple[str, ...] = (), **env) -> list[subprocess.Popen]:
     """The 2 processes, started; ``per_process``: each one's own variables beside ``env``; ``steps``: a run
-    that ends by itself after that many steps (else it trains until it is stopped); ``small_vocab``: with
-    SMALL_VOCAB (else tiny.py's)."""
-    train = TRAIN + (SMALL_VOCAB if small_vocab else []) + ([f"--config.train.num_steps={steps}"] if steps is not None else [])
+    that ends by itself after that many steps (else it trains until it is stopped); ``more``: further
+    arguments (after TRAIN's)."""
+    train = TRAIN + ([f"--config.train.num_steps={steps}"] if steps is not None else []) + list(more)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags(1),
            "TIEFLAX_COORDINATOR": f"localhost:{free_port()}", "TIEFLAX_NUM_PROCESSES": "2", **env}
     procs = []
@@ -77,14 +66,15 @@ def _ends(procs, cap_s: float) -> list[float | None]:
     return ended
 
 
-def _wait_for(predicate, procs) -> None:
+def _wait_for(predicate, procs, every_s: float = 0.1) -> None:
+    """Until ``predicate()``, asked every ``every_s``."""
     t0 = time.monotonic()
     while not predicate():
         if any(p.poll() is not None for p in procs) or time.monotonic() - t0 > PROGRESS_CAP_S:
             for p in procs:
                 p.kill()
             pytest.fail(f"no progress: {[p.communicate()[1][-2000:] for p in procs]}")
-        time.sleep(0.1)
+        time.sleep(every_s)
 
 
 def _the_one_line(procs, outs, what: str) -> str:
@@ -141,18 +131,18 @@ def test_a_sigint_on_one_process_stops_every_process_at_the_same_step_with_130(t
 # One host's network stops answering (the bucket answers the others): that process reaches the bucket through a
 # TCP proxy of its own, frozen with SIGSTOP (it accepts connections and never answers: a stalled network), or
 # frozen by the proxy itself when it forwards a request matching the regex of its second argument (from that
-# request on, nothing goes through it any more, and "frozen" is printed). With a third argument "refuse", every
-# matching request is answered by the proxy itself with Cloud Storage's 403 (a JSON error body; then the
-# connection closes) instead of being forwarded, and "refused" is printed; everything else goes through.
-# With "delay=<seconds>", the first matching request is held that long, then forwarded ("delayed" is printed
-# as it is held): a slow answer, not a stalled one.
+# request on, nothing goes through it any more, and "frozen" is printed). The argument after a regex says what
+# becomes of the requests it matches (several pairs: each regex its own): "refuse", every matching request is
+# answered by the proxy itself with Cloud Storage's 403 (a JSON error body; then the connection closes) instead
+# of being forwarded, and "refused" is printed; "delay=<seconds>", the first matching request is held that long,
+# then forwarded ("delayed" is printed as it is held): a slow answer, not a stalled one; none or "freeze", the
+# freeze above. Everything else goes through.
 _PROXY = """
 import re, socket, sys, threading, time
 upstream = ("127.0.0.1", int(sys.argv[1]))
-freeze_on = re.compile(sys.argv[2].encode()) if len(sys.argv) > 2 else None
-refuse = len(sys.argv) > 3 and sys.argv[3] == "refuse"
-delay = float(sys.argv[3].split("=")[1]) if len(sys.argv) > 3 and sys.argv[3].startswith("delay=") else None
-delayed = threading.Event()
+# (regex, what to do with a request it matches: "refuse", "delay=<seconds>" or "freeze", the event set once done)
+rules = [(re.compile(sys.argv[i].encode()), sys.argv[i + 1] if i + 1 < len(sys.argv) else "freeze", threading.Event())
+         for i in range(2, len(sys.argv), 2)]
 FORBIDDEN = (b'{"error": {"code": 403, "message": "tieflax-test@example.iam.gserviceaccount.com does not have '
              b'storage.objects.create access to the Google Cloud Storage object.", "errors": [{"message": '
              b'"forbidden", "domain": "global", "reason": "forbidden"}]}}')
@@ -197,15 +187,15 @@ def pump(a, b, requests):
             data = a.recv(65536)
             if not data:
                 break
-            if requests and refuse and freeze_on.search(data):
+            rule = next((r for r in rules if r[0].search(data)), None) if requests else None
+            if rule is not None and rule[1] == "refuse":
                 answer_403(a, data)
                 break
-            if requests and delay is not None and not delayed.is_set() and freeze_on.search(data):
-                delayed.set()
+            if rule is not None and rule[1].startswith("delay=") and not rule[2].is_set():
+                rule[2].set()
                 print("delayed", flush=True)
-                time.sleep(delay)
-            if requests and not refuse and delay is None and freeze_on is not None and not frozen.is_set() and \\
-                    freeze_on.search(data):
+                time.sleep(float(rule[1].split("=")[1]))
+            if rule is not None and rule[1] == "freeze" and not frozen.is_set():
                 freeze()
             if frozen.is_set():
                 hold()
@@ -271,7 +261,10 @@ def test_one_process_whose_save_stalls_stops_every_process_with_the_same_line(mo
         env = {**server.env, storage.DEADLINE_ENV: str(DEADLINE), ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
         procs = _start(bucket + "/run", per_process=({}, {"STORAGE_EMULATOR_HOST": through_proxy,
                                                            "TENSORSTORE_GCS_HTTP_URL": through_proxy}), **env)
-        _wait_for(lambda: _committed(server, bucket), procs)
+        # A listing of the bucket, asked of the emulator, which serves one request at a time (the processes' too):
+        # every half second, not every tenth (CPU here and in the emulator). The stall meets whichever save
+        # comes after the first committed one, as it did before.
+        _wait_for(lambda: _committed(server, bucket), procs, every_s=0.5)
         os.kill(proxy.pid, signal.SIGSTOP)   # process 1's network goes quiet; process 0's still answers
         while not _stopped(proxy.pid):
             time.sleep(0.01)
@@ -354,7 +347,7 @@ def test_a_stall_inside_one_process_s_save_start_stops_every_process_with_the_sa
 # ----------------------------------------------------------------------------- one host's write is refused
 # Cloud Storage refuses one host's request with 403 (that host's account lacks a permission; the others' does
 # not): the request goes no further than that process's proxy, which answers it itself (its "refuse" mode).
-def _through_refusing_proxy(server, regex: str, steps: int | None = None, small_vocab: bool = True):
+def _through_refusing_proxy(server, regex: str):
     """-> (proxy, bucket, procs, refused): the 2 processes on a new bucket, process 0 through a proxy that
     answers its requests matching ``regex`` with 403; ``refused``: a list that gets the proxy's first word."""
     from tieflax import storage  # noqa: PLC0415
@@ -366,8 +359,7 @@ def _through_refusing_proxy(server, regex: str, steps: int | None = None, small_
     bucket = server.new_bucket()
     env = {**server.env, storage.DEADLINE_ENV: str(DEADLINE), ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
     procs = _start(bucket + "/run", per_process=({"STORAGE_EMULATOR_HOST": through_proxy,
-                                                  "TENSORSTORE_GCS_HTTP_URL": through_proxy}, {}), steps=steps,
-                   small_vocab=small_vocab, **env)
+                                                  "TENSORSTORE_GCS_HTTP_URL": through_proxy}, {}), **env)
     refused: list[str] = []
     threading.Thread(target=lambda: refused.append(proxy.stdout.readline()), daemon=True).start()
     return proxy, bucket, procs, refused
@@ -376,7 +368,12 @@ def _through_refusing_proxy(server, regex: str, steps: int | None = None, small_
 # What process 0 is refused of checkpoint 20's save. Its start: the read of the step's folder (_START_OF_SAVE_20)
 # and gcsfs's listing that stands in for a refused read; then no request is left in the start (orbax creates the
 # step's folder in the background), so the start raises. In the background: the step's metadata (gcsfs's
-# write), and the first object of process 0's own share of the arrays (tensorstore's).
+# write), and the first object of process 0's own share of the arrays (tensorstore's). With steps as fast as
+# this model's, the refusal may be acted on before orbax's threads have logged the failed save: their tracebacks
+# stay off the console because an abandoned save keeps orbax's logging muted until the process exits
+# (tieflax/run/save_watch.py, `SaveWatch.close`; while it unmuted them, they reached it once in 4 runs of the
+# step-metadata case, and these runs used tiny.py's 8,192-token vocabulary, ten times slower steps, and
+# programs of their own).
 _START_AND_LISTING_OF_SAVE_20 = r"(?:^|\r\n)GET \S*/o(?:/|\?prefix=)run(?:%2F|/)checkpoints(?:%2F|/)20[ ?&]"
 _METADATA_OF_SAVE_20 = r"(?:^|\r\n)POST \S*name=run(?:/|%2F)checkpoints(?:/|%2F)20(?:/|%2F)_CHECKPOINT_METADATA"
 _OWN_SHARE_OF_SAVE_20 = r"(?:^|\r\n)POST \S*name=run(?:/|%2F)checkpoints(?:/|%2F)20(?:/|%2F)state(?:/|%2F)ocdbt"
@@ -395,7 +392,7 @@ def test_a_request_refused_on_process_0_stops_every_process_with_the_same_line_n
     from tieflax import storage  # noqa: PLC0415
 
     server = GcsServer()
-    proxy, bucket, procs, said = _through_refusing_proxy(server, refused, small_vocab=False)
+    proxy, bucket, procs, said = _through_refusing_proxy(server, refused)
     try:
         _wait_for(lambda: said, procs)
         ended = _ends(procs, PROGRESS_CAP_S)
@@ -414,62 +411,73 @@ def test_a_request_refused_on_process_0_stops_every_process_with_the_same_line_n
         server.stop()
 
 
-def test_a_refused_read_of_the_step_folder_is_worked_around_and_training_goes_on():
-    """Cloud Storage answers 403 to process 0's read of the folder object run/checkpoints/20 (the request that
-    starts the save of checkpoint 20; a role that may list objects but not get them): no write was refused,
-    gcsfs asks again with a listing (its way round a refused get), and the save goes through. The run goes
-    on and ends by itself with every checkpoint committed, not with a line: a run that trains on is not a
-    hang."""
-    from object_store import GcsServer  # noqa: PLC0415
-
-    server = GcsServer()
-    proxy, bucket, procs, refused = _through_refusing_proxy(server, _START_OF_SAVE_20, steps=30)
-    try:
-        ended = _ends(procs, PROGRESS_CAP_S)
-        outs = [p.communicate() for p in procs]
-        assert refused == ["refused\n"], (refused, [err[-3000:] for _, err in outs])
-        assert [p.returncode for p in procs] == [0, 0], [(p.returncode, err[-3000:]) for p, (_, err) in
-                                                         zip(procs, outs)]
-        assert None not in ended and _committed(server, bucket) == [10, 20, 30], (ended, _committed(server, bucket))
-        for _, err in outs:
-            assert not [line for line in err.splitlines() if line.startswith("tieflax")], err[-3000:]
-    finally:
-        proxy.kill()
-        server.stop()
 
 
-def test_a_slow_start_on_process_0_keeps_the_others_waiting_and_the_run_goes_on():
-    """Process 0's read that starts checkpoint 20's save is answered late: held by its proxy past process 1's
-    storage deadline, within process 0's own (twice as long: as if process 1's start had begun that much
-    sooner). Process 1's watchdog runs out while it waits for process 0 at orbax's barrier, it says it waits,
-    no other process said its start failed or stalled, and once process 0's start ends, process 1's goes on:
-    the run ends by itself, every checkpoint committed, not a line said. A slow host is not a stalled one."""
+# ------------------------------------------------------------------- slow or refused, the run goes on
+# Two things a run rides through, in one run of 40 steps (each checked by its own test below): process 0's read
+# that starts checkpoint 20's save answered late, and its read that starts checkpoint 30's save refused (403).
+# Process 0 reaches the bucket through a proxy that holds the first and refuses the second; process 1 directly.
+# Every checkpoint kept (keep_checkpoints, 3 by default), so that the bucket shows every one committed.
+_START_OF_SAVE_30 = r"(?:^|\r\n)GET \S*/o/run%2Fcheckpoints%2F30[ ?]"
+_HELD_S = DEADLINE + 7   # past process 1's watchdog (DEADLINE), well within process 0's (2 * DEADLINE)
+
+
+@pytest.fixture(scope="module")
+def slow_then_refused_run():
+    """-> (said, returncodes, stderrs, ended, committed) of that run: ``said``, every word of the proxy."""
     from object_store import GcsServer  # noqa: PLC0415
     from tieflax import storage  # noqa: PLC0415
     from tieflax.run import checkpoints as ckpt  # noqa: PLC0415
 
-    held = DEADLINE + 7   # past process 1's watchdog (DEADLINE), well within process 0's (2 * DEADLINE)
     server = GcsServer()
-    proxy = subprocess.Popen([sys.executable, "-c", _PROXY, str(server.port), _START_OF_SAVE_20, f"delay={held}"],
-                             stdout=subprocess.PIPE, text=True)
+    proxy = subprocess.Popen([sys.executable, "-c", _PROXY, str(server.port), _START_OF_SAVE_20, f"delay={_HELD_S}",
+                              _START_OF_SAVE_30, "refuse"], stdout=subprocess.PIPE, text=True)
     try:
         through_proxy = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
         bucket = server.new_bucket()
         env = {**server.env, ckpt.SAVE_DEADLINE_ENV: str(2 * DEADLINE)}
         procs = _start(bucket + "/run", per_process=({"STORAGE_EMULATOR_HOST": through_proxy, "TENSORSTORE_GCS_HTTP_URL":
                                                       through_proxy, storage.DEADLINE_ENV: str(2 * DEADLINE)},
-                                                     {storage.DEADLINE_ENV: str(DEADLINE)}), steps=30, **env)
+                                                     {storage.DEADLINE_ENV: str(DEADLINE)}), steps=40,
+                       more=("--config.train.keep_checkpoints=4",), **env)   # all 4 kept, as the 3 of a 30-step run
         said: list[str] = []
-        threading.Thread(target=lambda: said.append(proxy.stdout.readline()), daemon=True).start()
+        reader = threading.Thread(target=lambda: said.extend(proxy.stdout), daemon=True)
+        reader.start()
         ended = _ends(procs, PROGRESS_CAP_S)
         outs = [p.communicate() for p in procs]
-        print(f"ended {ended} s after the start (process 0's request held {held} s): {said}")
-        assert said == ["delayed\n"], (said, [err[-3000:] for _, err in outs])
-        assert [p.returncode for p in procs] == [0, 0], [(p.returncode, err[-3000:]) for p, (_, err) in
-                                                         zip(procs, outs)]
-        for _, err in outs:
-            assert not [line for line in err.splitlines() if line.startswith("tieflax")], err[-3000:]
-        assert _committed(server, bucket) == [10, 20, 30], _committed(server, bucket)
+        proxy.kill()
+        reader.join(timeout=30)   # to the proxy's end: every word it said
+        print(f"ended {ended} s after the start (process 0's request held {_HELD_S} s): {said}")
+        yield said, [p.returncode for p in procs], [err for _, err in outs], ended, _committed(server, bucket)
     finally:
         proxy.kill()
         server.stop()
+
+
+def test_a_refused_read_of_the_step_folder_is_worked_around_and_training_goes_on(slow_then_refused_run):
+    """Cloud Storage answers 403 to process 0's read of the folder object run/checkpoints/30 (the request that
+    starts the save of checkpoint 30; a role that may list objects but not get them): no write was refused,
+    gcsfs asks again with a listing (its way round a refused get), and the save goes through. The run goes
+    on and ends by itself with every checkpoint committed, not with a line: a run that trains on is not a
+    hang. (The run of the test below: its slow start of checkpoint 20 came before.)"""
+    said, returncodes, errs, ended, committed = slow_then_refused_run
+    assert "refused\n" in said, (said, [err[-3000:] for err in errs])
+    assert returncodes == [0, 0], [(code, err[-3000:]) for code, err in zip(returncodes, errs)]
+    assert None not in ended and committed == [10, 20, 30, 40], (ended, committed)
+    for err in errs:
+        assert not [line for line in err.splitlines() if line.startswith("tieflax")], err[-3000:]
+
+
+def test_a_slow_start_on_process_0_keeps_the_others_waiting_and_the_run_goes_on(slow_then_refused_run):
+    """Process 0's read that starts checkpoint 20's save is answered late: held by its proxy past process 1's
+    storage deadline, within process 0's own (twice as long: as if process 1's start had begun that much
+    sooner). Process 1's watchdog runs out while it waits for process 0 at orbax's barrier, it says it waits,
+    no other process said its start failed or stalled, and once process 0's start ends, process 1's goes on:
+    the run ends by itself, every checkpoint committed, not a line said. A slow host is not a stalled one.
+    (The run of the test above: its refused read of checkpoint 30 comes after.)"""
+    said, returncodes, errs, ended, committed = slow_then_refused_run
+    assert said[:1] == ["delayed\n"], (said, [err[-3000:] for err in errs])
+    assert returncodes == [0, 0], [(code, err[-3000:]) for code, err in zip(returncodes, errs)]
+    for err in errs:
+        assert not [line for line in err.splitlines() if line.startswith("tieflax")], err[-3000:]
+    assert committed == [10, 20, 30, 40], committed

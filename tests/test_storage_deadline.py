@@ -17,7 +17,7 @@ import sys
 import time
 
 
-from deadline_support import DEADLINE, PROGRESS_CAP_S, TRAIN, deadline_env
+from deadline_support import DEADLINE, PROGRESS_CAP_S, STEPS, TRAIN, deadline_env, reference_argv, train_env
 from tieflax import storage
 from tieflax.storage.lease import RELEASE_SECONDS
 
@@ -159,19 +159,19 @@ def test_gs_prepare_whose_bucket_stops_answering_stops_in_one_line_and_resumes(o
     assert st.read_manifest(out)["digest"] == st.read_manifest(whole)["digest"]
 
 
-def _train(server, workdir: str, *more: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *TRAIN, *more],
-                            env=deadline_env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE)),
+def _train(server, argv: list[str]) -> subprocess.Popen:
+    """``tieflax train`` on one process x 2 CPU devices (``deadline_support.train_env``): the devices of
+    tests/test_storage_deadline_two_processes.py's reference, whose compiled programs these runs share
+    through the suite's cache (on the test process's 8 devices a step of this model cost three times the CPU)."""
+    return subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", *argv], env=train_env(server),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(own_gcs, tmp_path, capsys):
+def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(own_gcs, tmp_path):
     import json
 
-    from tieflax.cli import main
-
     bucket = own_gcs.new_bucket()
-    proc = _train(own_gcs, bucket + "/run")
+    proc = _train(own_gcs, ["--workdir", bucket + "/run", *TRAIN])
     t_stop = None
     t0 = time.monotonic()
     while proc.poll() is None and time.monotonic() - t0 < PROGRESS_CAP_S:
@@ -197,22 +197,19 @@ def test_gs_training_whose_bucket_stops_answering_stops_in_one_line_and_resumes(
     assert took < DEADLINE + 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 30, took
     committed = sorted({o.split("/")[2] for o in own_gcs.objects(bucket, "run/checkpoints/")
                         if o.endswith("commit_success.txt")}, key=int)
-    assert committed and committed[-1] != "120", committed
+    assert committed and committed[-1] != str(STEPS), committed
     # The rerun resumes from the last committed checkpoint and ends where a run that never stopped ends.
-    again = _train(own_gcs, bucket + "/run")
+    again = _train(own_gcs, ["--workdir", bucket + "/run", *TRAIN])
     out, err2 = again.communicate(timeout=PROGRESS_CAP_S)
     assert again.returncode == 0, err2
-    # The run that never stopped, in a local folder and saving only its last step: where a run keeps its files
-    # and how often it saves do not change its losses, and the emulator (a Python process, counted in the
-    # suite's time) serves no third run's writes. The same command in this process (the same XLA_FLAGS, so
-    # the same devices and programs, from the suite's cache): no third Python to start and import JAX in;
-    # tests/test_bucket_run.py compares a run in the test process with one in a subprocess the same way.
-    capsys.readouterr()
-    assert main(["train", "--workdir", str(tmp_path / "run"), *TRAIN, "--config.train.checkpoint_every=120"]) == 0, \
-        capsys.readouterr().err
-    out_ref = capsys.readouterr().out
+    # The run that never stopped (deadline_support.reference_argv): in a local folder, saving only its last
+    # step, on the same 2 devices in a process of its own, so its programs are the runs' above, from the
+    # suite's cache. (In this process, on its 8 devices, a step cost three times the CPU.)
+    ref = _train(own_gcs, reference_argv(str(tmp_path / "run")))
+    out_ref, err3 = ref.communicate(timeout=PROGRESS_CAP_S)
+    assert ref.returncode == 0, err3
     resumed, whole = json.loads(out.strip().splitlines()[-1]), json.loads(out_ref.strip().splitlines()[-1])
-    assert resumed["step"] == whole["step"] == 120
+    assert resumed["step"] == whole["step"] == STEPS
     assert resumed["final_val_loss"] == whole["final_val_loss"], (resumed, whole)
     assert resumed["final_train_loss"] == whole["final_train_loss"], (resumed, whole)
 

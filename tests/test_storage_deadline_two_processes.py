@@ -12,24 +12,24 @@ import time
 
 import pytest
 
-from deadline_support import DEADLINE, PROGRESS_CAP_S, TRAIN, committed_steps, deadline_env
+from deadline_support import (DEADLINE, PROGRESS_CAP_S, STEPS, TRAIN, committed_steps, reference_argv,
+                              train_env)
 from tieflax.storage.lease import RELEASE_SECONDS
 
 
-def _train(server, workdir: str, num_steps: int, processes: int = 2, *more: str) -> list[subprocess.Popen]:
+def _train(server, workdir: str, processes: int = 2) -> list[subprocess.Popen]:
     """2 processes x 1 CPU device over gloo, each started here (so that each one's exit is timed); or, with
-    ``processes=1``, one process x 2 devices: the same mesh and program without the second process (whose
-    compiled programs never come from JAX's persistent cache, which only process 0 writes); ``more``: further
-    arguments of the command."""
-    from train_support import free_port, suite_xla_flags  # noqa: PLC0415
+    ``processes=1``, the run that never stopped (``deadline_support.reference_argv``, in a local folder):
+    one process x 2 devices, the same mesh and program without the second process, and the same command as
+    tests/test_storage_deadline.py's reference, whose compiled programs the suite's cache holds once
+    either test has run it."""
+    from train_support import free_port  # noqa: PLC0415
 
-    argv = [a if not a.startswith("--config.train.num_steps=") else f"--config.train.num_steps={num_steps}"
-            for a in TRAIN]
-    env = deadline_env(server, TIEFLAX_CHECKPOINT_DEADLINE_S=str(2 * DEADLINE),
-                       XLA_FLAGS=suite_xla_flags(2 // processes))
+    env = train_env(server, 2 // processes)
     if processes > 1:
         env.update(TIEFLAX_COORDINATOR=f"localhost:{free_port()}", TIEFLAX_NUM_PROCESSES=str(processes))
-    return [subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", "--workdir", workdir, *argv, *more],
+    argv = ["--workdir", workdir, *TRAIN] if processes > 1 else reference_argv(workdir)
+    return [subprocess.Popen([sys.executable, "-m", "tieflax.cli", "train", *argv],
                              env={**env, "TIEFLAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(processes)]
 
@@ -57,7 +57,7 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     import json
 
     bucket = own_gcs.new_bucket()
-    procs = _train(own_gcs, bucket + "/run", 60)
+    procs = _train(own_gcs, bucket + "/run")
     t_stop = None
     t0 = time.monotonic()
     while all(p.poll() is None for p in procs) and time.monotonic() - t0 < PROGRESS_CAP_S:
@@ -84,18 +84,16 @@ def test_two_process_gs_training_whose_bucket_stops_answering_stops_on_both_and_
     # The checkpoint deadline, the last metrics segment's second try at the close, the lease's release.
     assert max(ended) < 2 * DEADLINE + DEADLINE + RELEASE_SECONDS + 15, ended
     committed = committed_steps(own_gcs, bucket)
-    assert committed and committed[-1] != 60, committed
-    again = _finish(_train(own_gcs, bucket + "/run", 60), PROGRESS_CAP_S)
+    assert committed and committed[-1] != STEPS, committed
+    again = _finish(_train(own_gcs, bucket + "/run"), PROGRESS_CAP_S)
     # The uninterrupted reference: one process x 2 devices, the same mesh (data=2) and program; a sum of two
     # shards has one order, so its losses are the 2-process run's (measured: equal to every printed digit).
-    # In a local folder, saving only its last step: where a run keeps its files and how often it saves do not
-    # change its losses, and the emulator serves no third run's writes.
-    ref = _finish(_train(own_gcs, str(tmp_path / "run"), 60, 1, "--config.train.checkpoint_every=60"),
-                  PROGRESS_CAP_S)
+    # In a local folder, saving only its last step (deadline_support.reference_argv).
+    ref = _finish(_train(own_gcs, str(tmp_path / "run"), 1), PROGRESS_CAP_S)
     for code, _, err in again + ref:
         assert code == 0, err[-3000:]
     resumed, whole = json.loads(again[0][1].strip().splitlines()[-1]), json.loads(ref[0][1].strip().splitlines()[-1])
     assert f"resuming from step {committed[-1]}" in again[0][1], (again[0][1][-1500:], again[0][2][-3000:])
-    assert resumed["step"] == whole["step"] == 60
+    assert resumed["step"] == whole["step"] == STEPS
     assert resumed["final_val_loss"] == pytest.approx(whole["final_val_loss"], rel=1e-6), (resumed, whole)
     assert resumed["final_train_loss"] == pytest.approx(whole["final_train_loss"], rel=1e-6), (resumed, whole)

@@ -25,16 +25,13 @@ import time
 import pytest
 
 from train_support import REPO, free_port, suite_xla_flags
+from two_process_support import TRAIN as TWO_PROCESS_TRAIN
 
 DEADLINE_S = 20
-TRAIN = ["train", "--config", os.path.join(REPO, "configs", "experiments", "tiny.py"),
-         *[f"--config.{o}" for o in (
-             "model.vocab_size=300", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
-             "model.n_kv_heads=1", "model.head_dim=16", "model.d_ff=64", "model.max_seq_len=16",
-             "model.dtype='float32'", "model.mlp_chunk=0", "model.rope_scaling_factor=0.0",
-             "data.tokenizer.vocab_size=300", "mesh.fsdp=1", "mesh.tensor=1", "train.seq_len=16",
-             "train.global_batch_size=8", "train.num_steps=6", "train.warmup_steps=1", "train.eval_every=6",
-             "train.eval_batches=1", "train.log_every=1", "train.checkpoint_every=3")]]
+# The job of tests/test_stop_together.py (tests/two_process_support.py: its compiled programs and token files
+# are shared), 6 steps with a stop check at each (log_every=1), checkpoints at 3 and 6, an evaluation at 6.
+TRAIN = ["train", *TWO_PROCESS_TRAIN, *[f"--config.{o}" for o in (
+    "train.num_steps=6", "train.eval_every=6", "train.log_every=1", "train.checkpoint_every=3")]]
 MAIN = "import sys; from tieflax.cli import main; sys.argv[0] = 'tieflax'; sys.exit(main())"
 # Process 1 of the frozen job: inside the stop check of step 4 (the wait is entered), it never reaches the
 # collective, as a process stuck in one would not leave it.

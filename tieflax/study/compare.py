@@ -38,6 +38,7 @@ from tieflax import storage
 from tieflax.run.layout import ANALYSIS_DIR, RunDir
 from tieflax import strict_json as jsonable
 from tieflax.config import section_with_defaults
+from tieflax.data.config import shared_cache_dir
 from tieflax.errors import ConfigError
 from tieflax.model.params import param_report
 from tieflax.study.provenance import carried_seconds, code_commit, provenance
@@ -284,17 +285,26 @@ def param_counts(mc) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- running
+@functools.lru_cache(maxsize=8)
+def _init_fn(mc):
+    """``jax.jit(TransformerLM(mc).init)``, one per model config: a study's seeds of one variant share its
+    traced and compiled program (a new jit per run traced it again, 0.4 CPU-s a run at the tiny sizes)."""
+    import jax  # noqa: PLC0415
+
+    from tieflax.model import TransformerLM  # noqa: PLC0415
+
+    return jax.jit(TransformerLM(mc).init)
+
+
 def _initial_params(mc, config):
     """The parameters the trainer starts from (same init call and key), for a step-0 analysis point."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from tieflax.model import TransformerLM  # noqa: PLC0415
-
     rngs = {"params": jax.random.key(config.seed)}
     if mc.head_rng_stream != "params":
         rngs[mc.head_rng_stream] = jax.random.fold_in(rngs["params"], 1)
-    params = jax.jit(TransformerLM(mc).init)(rngs, jnp.zeros((1, config.train.seq_len), jnp.int32))["params"]
+    params = _init_fn(mc)(rngs, jnp.zeros((1, config.train.seq_len), jnp.int32))["params"]
     return jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
 
 
@@ -495,6 +505,13 @@ def shared_tokenizer(config: ml_collections.ConfigDict, study: RunDir) -> str:
     return storage.join(data_dir, "tokenizer.json")
 
 
+def study_cache_dir(data: ml_collections.ConfigDict, study: RunDir) -> str:
+    """The token cache a study's runs read: the one :func:`shared_tokenizer` prepared the data in
+    (``data.cache_dir``, else ``$TIEFLAX_DATA_CACHE_DIR``, else ``<study>/data/data_cache``), so that no run
+    tokenises the corpus again in a cache of its own."""
+    return shared_cache_dir(data) or study.file("data", "data_cache")
+
+
 def run_compare(config: ml_collections.ConfigDict, study: RunDir | str, *, log=print,
                 retrain_changed: bool = False, command: str = "tieflax compare") -> dict:
     """Trains every variant and seed, analyses them and writes ``<study>/report.md``; returns the summary.
@@ -502,7 +519,8 @@ def run_compare(config: ml_collections.ConfigDict, study: RunDir | str, *, log=p
     ``study``: the compare's folder (``--workdir``): the command's ``RunDir``, or a path (a notebook's),
     resolved and checked here, once (``RunDir.of``); it may be a ``gs://`` prefix.
     Layout: ``<study>/<variant>/seed_<s>/`` (a normal tieflax workdir each: rerunning resumes),
-    ``<study>/data/`` (the shared tokenizer and token cache), ``<study>/summary.json``, ``report.md``,
+    ``<study>/data/`` (the shared tokenizer and token cache; the token cache in ``data.cache_dir`` or
+    ``$TIEFLAX_DATA_CACHE_DIR`` where one is set), ``<study>/summary.json``, ``report.md``,
     ``report.html`` (when markdown-it-py is installed) and the PNGs. ``log`` receives progress lines. A rerun reuses a run only if it was trained with
     the config it would be trained with now (``tieflax.study.resume``); ``retrain_changed`` trains
     the ones that differ again instead of refusing. ``command``: the command line, for the provenance
@@ -537,8 +555,7 @@ def _planned_runs(study: RunDir, cc, variants: dict, tokenizer: str | None) -> l
             cfg.seed = int(seed)
             if tokenizer:
                 cfg.data.tokenizer.path = tokenizer
-            if not cfg.data.cache_dir:
-                cfg.data.cache_dir = study.file("data", "data_cache")
+            cfg.data.cache_dir = study_cache_dir(cfg.data, study)
             t = cfg.train
             t.checkpoint_every = max(1, t.num_steps // cc.analysis_points)
             t.keep_checkpoints = cc.analysis_points + 1

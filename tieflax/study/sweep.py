@@ -168,7 +168,9 @@ def run_sweep(config: ml_collections.ConfigDict, study: RunDir | str, *, resume:
 
 def _run_config(r: dict, lr: float, study: RunDir, tokenizer: str) -> ml_collections.ConfigDict:
     """Plan entry ``r``'s config at ``lr``: the whole split scored once, at the end; the shared tokenizer
-    and ``<study>/data/data_cache`` unless the config names its own."""
+    and the data cache it was prepared in (``tieflax.study.compare.study_cache_dir``)."""
+    from tieflax.study.compare import study_cache_dir  # noqa: PLC0415
+
     cfg = copy.deepcopy(r["config"])
     cfg.seed = r["seed"]
     cfg.train.learning_rate = float(lr)
@@ -177,8 +179,7 @@ def _run_config(r: dict, lr: float, study: RunDir, tokenizer: str) -> ml_collect
     cfg.train.checkpoint_every = cfg.train.num_steps
     if tokenizer:
         cfg.data.tokenizer.path = tokenizer
-    if not cfg.data.cache_dir:
-        cfg.data.cache_dir = study.file("data", "data_cache")
+    cfg.data.cache_dir = study_cache_dir(cfg.data, study)
     return cfg
 
 
