@@ -121,9 +121,8 @@ def _execute(nb, cwd, kernel_dirs, kernels=None) -> float:
     # As a user's kernel starts: no device count, no JAX_PLATFORMS, no shared data cache. On a machine without
     # a TPU, the set-up cell's prepare_process must keep libtpu from starting (test_notebook_runs checks the
     # outputs for its lines). Only where JAX's CUDA plugin is installed is the kernel pinned to the CPU, which
-    # the probe expects. Without TIEFLAX_DATA_CACHE_DIR, 03's compare tokenises its corpus once, in its own
-    # data folder (with it, once there for the tokenizer and again in that folder for the runs); no other
-    # test of the suite prepares 01's or 03's data, so a shared cache saves them nothing.
+    # the probe expects. Without TIEFLAX_DATA_CACHE_DIR the notebooks keep their data in their own folders, as
+    # a user's do: no other test of the suite prepares 01's or 03's data, so a shared cache saves them nothing.
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TIEFLAX_DATA_CACHE_DIR")}
     # The suite's compiler settings stay (tests/conftest.py: its CPU emitters where this jaxlib has them;
     # notebook 01 as a script on 3.11: 22.0 CPU-s with them, 24.8 without), as do JAX_COMPILATION_CACHE_DIR
